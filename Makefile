@@ -1,0 +1,26 @@
+# Two commands for a fresh machine: `make demo` (train on the built-in default) and `make test`.
+# torch is pinned through a constraint file so CPU machines keep the CPU wheel (ENVIRONMENT.md).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: install install-test demo test clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	echo "$(TORCH)" > $(VENV)/constraints.txt
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/flowrl train
+
+test: install
+	$(BIN)/python -m pytest tests

@@ -1,0 +1,329 @@
+"""Typed config tree: dataclasses, loaded from YAML with dot-list overrides (OmegaConf).
+
+`load_config(path, overrides)` returns a validated `Config`; any unknown key, wrong type or
+impossible value raises `ConfigError` with one sentence naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from flowrl.errors import ConfigError
+from flowrl.sampling.schedules import WINDOW_STRATEGIES
+from flowrl.sampling.steps import LOGPROB_REDUCTIONS, SAMPLERS
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_PRESET = "default"
+MODEL_KINDS = ("sd3", "flux")
+DTYPES = ("fp32", "bf16", "fp16")
+TRACKERS = ("tensorboard", "wandb", "none")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("tiny-sd3", "tiny-flux")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class ModelConfig:
+    kind: str = "sd3"
+    path: str = "builtin:tiny-sd3"  # hub id, local pipeline directory, or builtin:NAME
+    dtype: str = "fp32"
+    height: int = 64
+    width: int = 64
+    guidance_scale: float = 4.5  # SD3: classifier-free guidance; FLUX.1-dev: guidance embedding
+    max_sequence_length: int = 128
+    gradient_checkpointing: bool = False
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = True
+    rank: int = 32
+    alpha: int = 64
+    target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+
+
+@dataclass
+class WindowConfig:
+    strategy: str = "all"  # all | fixed | random | progressive
+    size: int = 10
+    start: int = 0
+    shift_every: int = 10  # progressive: iterations per one-step shift
+
+
+@dataclass
+class SamplingConfig:
+    sampler: str = "flow_grpo"
+    noise_level: float = 0.7
+    num_steps: int = 10
+    eval_num_steps: int = 20  # ODE steps for sample grids, `flowrl sample` and `flowrl eval`
+    shift: float = 3.0
+    window: WindowConfig = field(default_factory=WindowConfig)
+    logprob_reduction: str = "mean"  # mean (Flow-GRPO's reference) | sum (exact density)
+    batch_size: int = 8  # samples per forward, while sampling and while training
+
+
+@dataclass
+class DataConfig:
+    prompts: list[str] = field(default_factory=list)
+    prompt_file: Optional[str] = None  # one prompt per line; used when `prompts` is empty
+    prompts_per_iteration: int = 2
+    group_size: int = 8
+    eval_prompts: list[str] = field(default_factory=list)  # sample grids; defaults to the first 4 prompts
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
+    batch_size: int = 32
+
+
+@dataclass
+class AdvantageConfig:
+    kind: str = "grpo"
+    std: str = "group"  # group | global
+    eps: float = 1e-4
+    clip: float = 5.0  # |A| <= clip (Flow-GRPO: 5)
+
+
+@dataclass
+class TrainerConfig:
+    iterations: int = 40
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    inner_epochs: int = 1
+    gradient_accumulation_steps: int = 1  # sample batches per optimizer step
+    clip_range: float = 1e-4  # PPO ratio clip (Flow-GRPO: 1e-4)
+    clip_range_high: Optional[float] = None  # defaults to clip_range
+    kl_beta: float = 0.04
+    max_grad_norm: float = 1.0
+    ema: bool = True
+    ema_decay: float = 0.9
+    seed: int = 0
+    mixed_precision: str = "no"  # accelerate autocast: no | bf16 | fp16
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = "runs"
+    name: Optional[str] = None  # default: a timestamp
+    tracker: str = "tensorboard"
+    sample_every: int = 10  # iterations between sample grids (0: never)
+    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+
+def _one_sentence(exc: OmegaConfBaseException, source: str) -> str:
+    key = getattr(exc, "full_key", None) or "?"
+    msg = str(getattr(exc, "msg", exc)).splitlines()[0].strip()
+    if isinstance(exc, ConfigKeyError):
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        node = OmegaConf.structured(Config)
+        allowed = OmegaConf.select(node, parent) if parent else node
+        names = ", ".join(allowed.keys()) if hasattr(allowed, "keys") else "?"
+        return f"unknown config key '{key}' in {source}; allowed keys{' under ' + repr(parent) if parent else ''}: {names}"
+    if isinstance(exc, ValidationError):
+        value = msg.split("'", 2)[1] if msg.count("'") >= 2 else msg
+        expected = type_name_of(key)
+        return f"config key '{key}' in {source} must be {expected}, got {value!r}"
+    return f"invalid config in {source}: {key}: {msg}"
+
+
+def type_name_of(key: str) -> str:
+    node: Any = Config()
+    for part in key.split("."):
+        if not hasattr(node, part):
+            return "a valid value"
+        node = getattr(node, part)
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
+    return names.get(type(node), "a valid value")
+
+
+def preset_path(name_or_path: str | None) -> Path:
+    """A config argument is a YAML path or the name of a preset in configs/."""
+    if name_or_path is None:
+        name_or_path = DEFAULT_PRESET
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise ConfigError(f"config file '{name_or_path}' does not exist; give a YAML path or a preset name from {CONFIG_DIR}")
+        return p
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        names = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")))
+        raise ConfigError(f"config '{name_or_path}' is neither a YAML file nor a preset; presets: {names}")
+    return candidate
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, validate_paths: bool = True) -> Config:
+    """Load a preset or YAML file, apply `key=value` overrides, validate, return a `Config`."""
+    schema = OmegaConf.structured(Config)
+    src = preset_path(str(path) if path is not None else None)
+    try:
+        loaded = OmegaConf.load(src)
+    except Exception as exc:  # YAML syntax errors
+        raise ConfigError(f"config file '{src}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+    try:
+        merged = OmegaConf.merge(schema, loaded)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_sentence(exc, str(src))) from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must have the form key=value, for example trainer.lr=1e-5")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(_one_sentence(exc, "the command line")) from None
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg, validate_paths=validate_paths)
+    return cfg
+
+
+def config_from_dict(data: dict, validate_paths: bool = True) -> Config:
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_one_sentence(exc, "the given config")) from None
+    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(cfg, validate_paths=validate_paths)
+    return cfg
+
+
+def _choice(key: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got '{value}'")
+
+
+def _positive(key: str, value, strict: bool = True) -> None:
+    if (value <= 0) if strict else (value < 0):
+        raise ConfigError(f"{key} must be {'> 0' if strict else '>= 0'}; got {value}")
+
+
+def check_model_path(path: str) -> None:
+    """A model path is builtin:NAME, an existing local directory, or a hub id (org/name)."""
+    if not path:
+        raise ConfigError("model.path is empty; give a hub id (org/name), a local pipeline directory, or builtin:tiny-sd3")
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX) :]
+        if name not in BUILTIN_MODELS:
+            raise ConfigError(f"model.path '{path}' names no built-in model; built-ins: {', '.join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)}")
+        return
+    local = Path(path).expanduser()
+    if local.exists():
+        if not (local / "model_index.json").is_file():
+            raise ConfigError(f"model.path '{path}' is a directory without model_index.json; give a diffusers pipeline directory")
+        return
+    if path.startswith((".", "/", "~")) or not _HUB_ID.match(path):
+        raise ConfigError(f"model.path '{path}' does not exist; give an existing pipeline directory, a hub id (org/name), or builtin:tiny-sd3")
+
+
+def validate(cfg: Config, validate_paths: bool = True) -> None:
+    m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.trainer
+    _choice("model.kind", m.kind, MODEL_KINDS)
+    _choice("model.dtype", m.dtype, DTYPES)
+    if validate_paths:
+        check_model_path(m.path)
+    for key in ("height", "width"):
+        value = getattr(m, key)
+        if value <= 0 or value % 16:
+            raise ConfigError(f"model.{key} must be a positive multiple of 16; got {value}")
+    _positive("model.guidance_scale", m.guidance_scale)
+    if cfg.lora.enabled:
+        _positive("lora.rank", cfg.lora.rank)
+        _positive("lora.alpha", cfg.lora.alpha)
+        if not cfg.lora.target_modules:
+            raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
+    elif t.kl_beta > 0:
+        raise ConfigError("trainer.kl_beta > 0 needs lora.enabled=true: the reference policy is the network with the adapter disabled")
+
+    _choice("sampling.sampler", s.sampler, SAMPLERS)
+    if s.sampler == "ode":
+        raise ConfigError("sampling.sampler 'ode' has no log-probabilities to train on; choose flow_grpo, dance_grpo or cps")
+    _positive("sampling.noise_level", s.noise_level)
+    if s.num_steps < 2:
+        raise ConfigError(f"sampling.num_steps must be >= 2; got {s.num_steps}")
+    _positive("sampling.eval_num_steps", s.eval_num_steps)
+    _positive("sampling.shift", s.shift)
+    _choice("sampling.logprob_reduction", s.logprob_reduction, LOGPROB_REDUCTIONS)
+    _positive("sampling.batch_size", s.batch_size)
+    w = s.window
+    _choice("sampling.window.strategy", w.strategy, WINDOW_STRATEGIES)
+    if w.strategy != "all":
+        if not 1 <= w.size <= s.num_steps:
+            raise ConfigError(f"sampling.window.size must be between 1 and sampling.num_steps ({s.num_steps}); got {w.size}")
+        if w.strategy in ("fixed", "progressive") and not 0 <= w.start <= s.num_steps - w.size:
+            raise ConfigError(
+                f"sampling.window.start must be between 0 and {s.num_steps - w.size} so the window of {w.size} steps fits in "
+                f"{s.num_steps} steps; got {w.start}"
+            )
+
+    if d.group_size < 2:
+        raise ConfigError(f"data.group_size must be >= 2 (GRPO compares samples within a group); got {d.group_size}")
+    _positive("data.prompts_per_iteration", d.prompts_per_iteration)
+    if not d.prompts and not d.prompt_file:
+        raise ConfigError("data.prompts is empty and data.prompt_file is not set; give prompts or a prompt file")
+    if d.prompt_file and validate_paths and not Path(d.prompt_file).expanduser().is_file():
+        raise ConfigError(f"data.prompt_file '{d.prompt_file}' does not exist; give a text file with one prompt per line")
+    n = d.prompts_per_iteration * d.group_size
+    if n % s.batch_size:
+        raise ConfigError(
+            f"sampling.batch_size ({s.batch_size}) must divide data.prompts_per_iteration x data.group_size ({n})"
+        )
+
+    if not cfg.reward.weights:
+        raise ConfigError("reward.weights is empty; name at least one reward, for example jpeg_compressibility: 1.0")
+    from rewards import available_rewards  # late: rewards imports heavy optional models lazily
+
+    for name in cfg.reward.weights:
+        if name not in available_rewards():
+            raise ConfigError(f"reward.weights names unknown reward '{name}'; available: {', '.join(available_rewards())}")
+    _positive("reward.batch_size", cfg.reward.batch_size)
+
+    _choice("advantage.kind", cfg.advantage.kind, ("grpo",))
+    _choice("advantage.std", cfg.advantage.std, ("group", "global"))
+    _positive("advantage.eps", cfg.advantage.eps)
+    _positive("advantage.clip", cfg.advantage.clip)
+
+    _positive("trainer.iterations", t.iterations)
+    _positive("trainer.lr", t.lr)
+    _positive("trainer.weight_decay", t.weight_decay, strict=False)
+    _positive("trainer.inner_epochs", t.inner_epochs)
+    _positive("trainer.gradient_accumulation_steps", t.gradient_accumulation_steps)
+    _positive("trainer.clip_range", t.clip_range)
+    if t.clip_range_high is not None:
+        _positive("trainer.clip_range_high", t.clip_range_high)
+    _positive("trainer.kl_beta", t.kl_beta, strict=False)
+    _positive("trainer.max_grad_norm", t.max_grad_norm)
+    if not 0 <= t.ema_decay < 1:
+        raise ConfigError(f"trainer.ema_decay must be in [0, 1); got {t.ema_decay}")
+    _choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
+
+    _choice("run.tracker", cfg.run.tracker, TRACKERS)
+    _positive("run.sample_every", cfg.run.sample_every, strict=False)
+    _positive("run.checkpoint_every", cfg.run.checkpoint_every, strict=False)

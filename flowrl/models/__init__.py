@@ -1,0 +1,25 @@
+"""Policy adapters over diffusers pipelines."""
+
+from __future__ import annotations
+
+from flowrl.config import ModelConfig
+from flowrl.models.base import FlowPolicy
+
+
+def policy_class(kind: str) -> type[FlowPolicy]:
+    if kind == "sd3":
+        from flowrl.models.sd3 import SD3Policy
+
+        return SD3Policy
+    if kind == "flux":
+        from flowrl.models.flux import FluxPolicy
+
+        return FluxPolicy
+    raise ValueError(f"model.kind must be sd3 or flux, got {kind!r}")
+
+
+def load_policy(cfg: ModelConfig, device=None) -> FlowPolicy:
+    return policy_class(cfg.kind).from_config(cfg, device)
+
+
+__all__ = ["FlowPolicy", "load_policy", "policy_class"]

@@ -1,0 +1,190 @@
+"""Policy adapters over diffusers pipelines: the pieces RL needs from a flow model.
+
+A `FlowPolicy` loads a pipeline with `from_pretrained` (hub id or local directory), caches
+prompt embeddings, predicts the velocity v(x, sigma, cond) in fp32, decodes latents to
+images, and carries an optional LoRA adapter (peft) whose disabled state is the reference
+policy. `self.net` is the module used for forwards; the trainer may replace it with the
+accelerate-prepared (DDP / autocast) wrapper of `self.transformer`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowrl.config import BUILTIN_PREFIX, LoraConfig, ModelConfig
+from flowrl.errors import UserError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def builtin_model_dir(name: str) -> Path:
+    """Materialise a built-in tiny pipeline once into the cache, then load it like any other."""
+    import os
+
+    from flowrl.models import tiny
+
+    root = Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")) / "builtin"
+    target = root / name
+    if not (target / "model_index.json").is_file():
+        tmp = root / f".{name}.tmp{os.getpid()}"
+        builder = {"tiny-sd3": tiny.build_tiny_sd3, "tiny-flux": tiny.build_tiny_flux}[name]
+        builder(tmp)
+        tmp.replace(target) if not target.exists() else None
+    return target
+
+
+def resolve_model_path(path: str) -> str:
+    if path.startswith(BUILTIN_PREFIX):
+        return str(builtin_model_dir(path[len(BUILTIN_PREFIX) :]))
+    return str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class FlowPolicy:
+    """Shared machinery; subclasses implement encoding, the transformer call and latent layout."""
+
+    pipeline_class: Any = None
+
+    def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
+        self.pipe = pipe
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = DTYPES[cfg.dtype]
+        self.transformer = pipe.transformer
+        self.vae = pipe.vae
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        for module in self._modules():
+            module.requires_grad_(False)
+            module.to(self.device)  # already loaded in self.dtype
+            module.eval()
+        self.net = self.transformer
+        self._cache: dict[str, dict[str, torch.Tensor]] = {}
+        self.has_lora = False
+        if cfg.gradient_checkpointing:
+            self.transformer.enable_gradient_checkpointing()
+
+    # ---- loading -------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, device: torch.device | str | None = None) -> "FlowPolicy":
+        import diffusers
+        import transformers
+
+        diffusers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
+        path = resolve_model_path(cfg.path)
+        try:
+            pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype])
+        except (OSError, ValueError) as exc:
+            raise UserError(f"model.path '{cfg.path}' could not be loaded as a {cls.pipeline_class.__name__}: {str(exc).splitlines()[0]}") from None
+        return cls(pipe, cfg, device if device is not None else pick_device(cfg.device))
+
+    def _modules(self):
+        names = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
+        return [m for m in (getattr(self.pipe, n, None) for n in names) if m is not None]
+
+    # ---- prompts -------------------------------------------------------------------
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Batched conditioning for `prompts`; each distinct prompt is encoded once and cached."""
+        missing = [p for p in dict.fromkeys(prompts) if p not in self._cache]
+        if missing:
+            with torch.no_grad():
+                fresh = self._encode_uncached(missing)
+            for i, p in enumerate(missing):
+                self._cache[p] = {k: v[i : i + 1] for k, v in fresh.items()}
+        return {k: torch.cat([self._cache[p][k] for p in prompts]) for k in self._cache[prompts[0]]}
+
+    def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    # ---- the model -----------------------------------------------------------------
+    def latent_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def velocity(self, x: torch.Tensor, sigma: float, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """v(x, sigma | cond) in fp32 for latents x [B, *latent_shape]."""
+        raise NotImplementedError
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> images [B, 3, H, W] in [0, 1], fp32."""
+        raise NotImplementedError
+
+    def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        vc = self.vae.config
+        latents = latents.to(self.device, self.dtype) / vc.scaling_factor + (vc.shift_factor or 0.0)
+        with torch.no_grad():
+            image = self.vae.decode(latents, return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    # ---- LoRA and the reference policy ----------------------------------------------
+    def add_lora(self, lora: LoraConfig, seed: int = 0) -> None:
+        from peft import LoraConfig as PeftLoraConfig
+
+        names = [n for n, _ in self.transformer.named_modules()]
+        # peft matches a target by module-name suffix
+        unknown = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+        if unknown:
+            raise UserError(f"lora.target_modules names modules that {type(self.transformer).__name__} lacks: {', '.join(unknown)}")
+        torch.manual_seed(seed)  # adapter init is the one place that draws from the global RNG
+        self.transformer.add_adapter(
+            PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, init_lora_weights="gaussian", target_modules=list(lora.target_modules))
+        )
+        for p in self.trainable_parameters():
+            p.data = p.data.float()  # trainable weights stay fp32 whatever the network dtype
+        self.has_lora = True
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def named_trainable_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.transformer.named_parameters() if p.requires_grad}
+
+    def enable_full_finetune(self) -> None:
+        self.transformer.requires_grad_(True)
+        for p in self.trainable_parameters():
+            p.data = p.data.float()
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The reference policy: the same network with the LoRA adapter disabled."""
+        if not self.has_lora:
+            raise UserError("the reference policy needs a LoRA adapter (lora.enabled=true)")
+        self.transformer.disable_adapters()
+        try:
+            yield self
+        finally:
+            self.transformer.enable_adapters()
+
+    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+        from peft.utils import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.transformer)
+
+    def save_lora(self, directory: str | Path) -> None:
+        """The adapter in the diffusers format: loadable with `pipe.load_lora_weights(directory)`."""
+        state = {k: v.detach().cpu().contiguous() for k, v in self.lora_state_dict().items()}
+        self.pipeline_class.save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True)
+
+    def load_lora(self, directory: str | Path) -> None:
+        """Load an adapter written by `save_lora` into this policy's (already added) adapter."""
+        from peft.utils import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        f = Path(directory) / "pytorch_lora_weights.safetensors"
+        if not f.is_file():
+            raise UserError(f"checkpoint '{directory}' has no pytorch_lora_weights.safetensors")
+        state = {k.removeprefix("transformer."): v for k, v in load_file(str(f)).items()}
+        result = set_peft_model_state_dict(self.transformer, state)
+        unexpected = getattr(result, "unexpected_keys", None)
+        if unexpected:
+            raise UserError(f"checkpoint '{directory}' does not match this model's LoRA layout ({len(unexpected)} unexpected keys)")
+        for p in self.trainable_parameters():
+            p.data = p.data.float()

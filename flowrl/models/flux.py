@@ -1,0 +1,57 @@
+"""FLUX.1 (`FluxPipeline` components). Latents are kept packed (2x2 patches as tokens), the
+layout the transformer consumes; the step math is elementwise, so packing does not matter."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import FluxPipeline
+
+from flowrl.models.base import FlowPolicy
+
+
+class FluxPolicy(FlowPolicy):
+    """Guidance-distilled FLUX.1-dev: guidance enters as an embedding, one forward per step."""
+
+    pipeline_class = FluxPipeline
+
+    def _encode_uncached(self, prompts):
+        embeds, pooled, text_ids = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.cfg.max_sequence_length
+        )
+        return {"embeds": embeds, "pooled": pooled}
+
+    def _latent_hw(self):
+        # the VAE downsamples by vae_scale_factor and packing needs even sizes
+        return (2 * (self.cfg.height // (self.vae_scale_factor * 2)), 2 * (self.cfg.width // (self.vae_scale_factor * 2)))
+
+    def latent_shape(self):
+        h, w = self._latent_hw()
+        c = self.transformer.config.in_channels  # already 4x the VAE channels
+        return ((h // 2) * (w // 2), c)
+
+    def velocity(self, x, sigma, cond):
+        b = x.shape[0]
+        h, w = self._latent_hw()
+        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+        txt_ids = torch.zeros(cond["embeds"].shape[1], 3, device=self.device, dtype=self.dtype)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((b,), self.cfg.guidance_scale, device=self.device, dtype=torch.float32)
+        t = torch.full((b,), float(sigma), device=self.device, dtype=torch.float32)  # FLUX takes sigma itself
+        v = self.net(
+            hidden_states=x.to(self.device, self.dtype),
+            timestep=t,
+            guidance=guidance,
+            pooled_projections=cond["pooled"],
+            encoder_hidden_states=cond["embeds"],
+            txt_ids=txt_ids,
+            img_ids=img_ids,
+            return_dict=False,
+        )[0]
+        return v.float()
+
+    def decode(self, latents):
+        h, w = self._latent_hw()
+        b, _, c = latents.shape
+        unpacked = latents.view(b, h // 2, w // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c // 4, h, w)
+        return self._vae_decode(unpacked)

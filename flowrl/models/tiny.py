@@ -1,0 +1,176 @@
+"""Tiny, randomly initialised SD3 and FLUX.1 pipelines built from configs.
+
+They exist so that tests and the built-in default preset exercise the real loading code
+(`from_pretrained` of a local pipeline directory) without downloading anything. The
+architectures are the real diffusers classes, only with very small widths.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+_LETTERS = string.ascii_lowercase + string.digits
+
+
+def _clip_tokenizer():
+    from transformers import CLIPTokenizer
+
+    # Byte-level BPE vocabulary of single characters: every lowercase word tokenizes.
+    pieces = ["<|startoftext|>", "<|endoftext|>", "!", "ab</w>"] + list(_LETTERS) + [c + "</w>" for c in _LETTERS]
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = [("a", "b</w>")]  # transformers needs at least one merge; harmless
+    return CLIPTokenizer(vocab=vocab, merges=merges, pad_token="<|endoftext|>", model_max_length=77)
+
+
+def _t5_tokenizer():
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(c, -3.0) for c in _LETTERS] + [("▁" + c, -2.5) for c in _LETTERS]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=512)
+
+
+def _clip_text_encoder(tokenizer, hidden: int, projection: int, seed: int):
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+    torch.manual_seed(seed)
+    cfg = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        projection_dim=projection,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModelWithProjection(cfg)
+
+
+def _t5_encoder(tokenizer, d_model: int, seed: int):
+    from transformers import T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    cfg = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=1,
+        num_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return T5EncoderModel(cfg)
+
+
+def _vae(latent_channels: int, seed: int, shift_factor: float | None):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    # 4 down blocks: 64x64 images -> 8x8 latents (vae_scale_factor 8), as in the real models.
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=64,
+        scaling_factor=1.5,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def build_tiny_sd3(path: str | Path, seed: int = 0, width: int = 32, num_layers: int = 2) -> Path:
+    """Save a tiny random `StableDiffusion3Pipeline` to `path` and return the path."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    heads, head_dim = 2, width // 2
+    clip_proj = 16
+    tok, tok3 = _clip_tokenizer(), _t5_tokenizer()
+    t5_dim = 32
+    torch.manual_seed(seed)
+    transformer = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=num_layers,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=t5_dim,
+        caption_projection_dim=heads * head_dim,
+        pooled_projection_dim=2 * clip_proj,
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_vae(4, seed + 1, shift_factor=0.1),
+        text_encoder=_clip_text_encoder(tok, 32, clip_proj, seed + 2),
+        tokenizer=tok,
+        text_encoder_2=_clip_text_encoder(tok, 32, clip_proj, seed + 3),
+        tokenizer_2=_clip_tokenizer(),
+        text_encoder_3=_t5_encoder(tok3, t5_dim, seed + 4),
+        tokenizer_3=tok3,
+    )
+    pipe.save_pretrained(str(path))
+    return Path(path)
+
+
+def build_tiny_flux(path: str | Path, seed: int = 0, width: int = 32) -> Path:
+    """Save a tiny random `FluxPipeline` (guidance-distilled, like FLUX.1-dev) to `path`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    heads, head_dim = 2, width // 2
+    tok, tok2 = _clip_tokenizer(), _t5_tokenizer()
+    t5_dim, clip_hidden = 32, 32
+    torch.manual_seed(seed)
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,  # 4 latent channels packed 2x2
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=head_dim,
+        num_attention_heads=heads,
+        joint_attention_dim=t5_dim,
+        pooled_projection_dim=clip_hidden,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+    torch.manual_seed(seed + 2)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tok),
+            hidden_size=clip_hidden,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            max_position_embeddings=77,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
+    )
+    pipe = FluxPipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
+        vae=_vae(4, seed + 1, shift_factor=0.1),
+        text_encoder=clip,
+        tokenizer=tok,
+        text_encoder_2=_t5_encoder(tok2, t5_dim, seed + 3),
+        tokenizer_2=tok2,
+    )
+    pipe.save_pretrained(str(path))
+    return Path(path)

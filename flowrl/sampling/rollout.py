@@ -1,0 +1,130 @@
+"""Flat group rollouts: denoising chains sampled as the rollout of a stochastic policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.sampling.noise import INITIAL, seeded_noise
+from flowrl.sampling.steps import STEP_FUNCTIONS, StepOutput, ode_step, transition_std
+
+
+@dataclass
+class SamplerSpec:
+    """How one chain is denoised: the sigmas, which steps are SDE steps, and the SDE itself."""
+
+    sigmas: torch.Tensor  # [T + 1] fp32, from 1 to 0
+    sde_steps: torch.Tensor  # [T] bool: stochastic (and so trainable) steps
+    kind: str = "flow_grpo"
+    noise_level: float = 0.7
+    reduction: str = "mean"
+
+    @property
+    def num_steps(self) -> int:
+        return self.sigmas.numel() - 1
+
+    @property
+    def sigma_max(self) -> float:
+        return float(self.sigmas[1])  # Flow-GRPO's stand-in for sigma = 1 in its std
+
+    def is_stochastic(self, t: int) -> bool:
+        return bool(self.sde_steps[t]) and self.std(t) > 0
+
+    def std(self, t: int) -> float:
+        return transition_std(self.kind, float(self.sigmas[t]), float(self.sigmas[t + 1]), self.noise_level, self.sigma_max)
+
+    def trained_steps(self) -> list[int]:
+        return [t for t in range(self.num_steps) if self.is_stochastic(t)]
+
+    def step(self, t: int, x, v, noise=None, x_next=None) -> StepOutput:
+        s, s_next = float(self.sigmas[t]), float(self.sigmas[t + 1])
+        if not self.is_stochastic(t):
+            return ode_step(x, v, s, s_next)
+        fn = STEP_FUNCTIONS[self.kind]
+        return fn(x, v, s, s_next, noise=noise, x_next=x_next, noise_level=self.noise_level, reduction=self.reduction, sigma_max=self.sigma_max)
+
+
+@dataclass
+class Trajectory:
+    """A batch of rollouts as tensors (DESIGN.md, "The data that flows")."""
+
+    latents: torch.Tensor  # [B, T + 1, *latent] fp32: x at every sigma, latents[:, 0] is the noise
+    log_probs: torch.Tensor  # [B, T] fp32 behaviour log-probs (0 on deterministic steps)
+    sigmas: torch.Tensor  # [T + 1]
+    trained: torch.Tensor  # [T] bool: steps that carry gradient
+    prompts: list[str]
+    prompt_ids: torch.Tensor  # [B] long
+    group_ids: torch.Tensor  # [B] long
+    seeds: torch.Tensor  # [B] long: every sample is reproducible from its seed
+    parents: torch.Tensor | None = None  # [B] long for tree nodes; None for flat rollouts
+    precision: str = "fp32"
+    policy_version: int = 0
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def final(self) -> torch.Tensor:
+        return self.latents[:, -1]
+
+    def __len__(self) -> int:
+        return self.latents.shape[0]
+
+
+@torch.no_grad()
+def rollout(
+    policy,
+    prompts: Sequence[str],
+    seeds: Sequence[int],
+    spec: SamplerSpec,
+    batch_size: int,
+    prompt_ids: Sequence[int] | None = None,
+    group_ids: Sequence[int] | None = None,
+    policy_version: int = 0,
+    progress: bool = False,
+    desc: str = "sampling",
+) -> Trajectory:
+    """Sample len(prompts) chains in batches of `batch_size`, recording every latent and the
+    behaviour log-prob of every stochastic step. Noise comes from (seed, step) generators."""
+    n, shape = len(prompts), policy.latent_shape()
+    latents = torch.empty((n, spec.num_steps + 1, *shape), dtype=torch.float32)
+    log_probs = torch.zeros((n, spec.num_steps), dtype=torch.float32)
+    bar = tqdm(total=n * spec.num_steps, desc=desc, disable=not progress, leave=False, unit="step")
+    for start in range(0, n, batch_size):
+        idx = slice(start, min(start + batch_size, n))
+        chunk_seeds = list(seeds[idx])
+        cond = policy.encode(list(prompts[idx]))
+        x = seeded_noise(chunk_seeds, INITIAL, shape, policy.device)
+        latents[idx, 0] = x.cpu()
+        for t in range(spec.num_steps):
+            v = policy.velocity(x, float(spec.sigmas[t]), cond)
+            noise = seeded_noise(chunk_seeds, t, shape, policy.device) if spec.is_stochastic(t) else None
+            out = spec.step(t, x, v, noise=noise)
+            x = out.next_x
+            latents[idx, t + 1] = x.cpu()
+            log_probs[idx, t] = out.log_prob.cpu()
+            bar.update(x.shape[0])
+    bar.close()
+    ids = torch.as_tensor(list(prompt_ids) if prompt_ids is not None else range(n), dtype=torch.long)
+    return Trajectory(
+        latents=latents,
+        log_probs=log_probs,
+        sigmas=spec.sigmas.clone(),
+        trained=torch.tensor([spec.is_stochastic(t) for t in range(spec.num_steps)]),
+        prompts=list(prompts),
+        prompt_ids=ids,
+        group_ids=torch.as_tensor(list(group_ids), dtype=torch.long) if group_ids is not None else ids.clone(),
+        seeds=torch.as_tensor(list(seeds), dtype=torch.long),
+        precision=str(policy.dtype).removeprefix("torch."),
+        policy_version=policy_version,
+    )
+
+
+def transition(policy, traj: Trajectory, spec: SamplerSpec, idx: slice, t: int, cond) -> StepOutput:
+    """Re-evaluate the stored transition latents[idx, t] -> latents[idx, t + 1] under the
+    current policy (with grad): the same step function as sampling, given x_next."""
+    x = traj.latents[idx, t].to(policy.device)
+    x_next = traj.latents[idx, t + 1].to(policy.device)
+    v = policy.velocity(x, float(spec.sigmas[t]), cond)
+    return spec.step(t, x, v, x_next=x_next)

@@ -1,0 +1,47 @@
+"""Sigma schedules and SDE windows (which steps are stochastic and trained)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+WINDOW_STRATEGIES = ("all", "fixed", "random", "progressive")
+
+
+def shifted_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
+    """num_steps + 1 sigmas from 1 to 0, with SD3's time shift sigma' = s t / (1 + (s - 1) t)
+    (Esser et al., "Scaling Rectified Flow Transformers", eq. 23). fp32, on CPU."""
+    t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    sigmas = shift * t / (1 + (shift - 1) * t)
+    return sigmas.float()
+
+
+def window_start(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10) -> int:
+    """First step of the SDE window for this iteration (MixGRPO / Flow-GRPO-Fast).
+
+    fixed: always `start`. random: uniform in [0, num_steps // 2 - 1] clipped so the window
+    fits, keyed by (seed, iteration). progressive: `start` moved one step later every
+    `shift_every` iterations, until the window touches the end of the schedule.
+    """
+    last = num_steps - size
+    if strategy == "all":
+        return 0
+    if strategy == "fixed":
+        return start
+    if strategy == "random":
+        hi = max(0, min(num_steps // 2 - 1, last))
+        return random.Random(seed * 1_000_003 + iteration).randint(0, hi)
+    if strategy == "progressive":
+        return min(start + iteration // max(shift_every, 1), last)
+    raise ValueError(f"sampling.window.strategy must be one of {WINDOW_STRATEGIES}, got {strategy!r}")
+
+
+def window_mask(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10) -> torch.Tensor:
+    """Boolean [num_steps]: True where the step is an SDE step (and so trainable)."""
+    if strategy == "all":
+        return torch.ones(num_steps, dtype=torch.bool)
+    s = window_start(strategy, num_steps, size, start, iteration, seed, shift_every)
+    mask = torch.zeros(num_steps, dtype=torch.bool)
+    mask[s : s + size] = True
+    return mask
