@@ -1,0 +1,181 @@
+"""`flowrl train | sample | eval | rewards`: parse, build, call. User mistakes print one
+sentence on stderr and exit 2, without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from flowrl.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of rectified-flow text-to-image models")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="run GRPO training (no CONFIG: the default preset)")
+    t.add_argument("config", nargs="?", help="a YAML file or a preset name from configs/")
+    t.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. trainer.lr=1e-5")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    t.add_argument("--run-dir", metavar="DIR", help="write the run here instead of run.output_dir/run.name")
+
+    s = sub.add_parser("sample", help="sample a PNG grid from a run's latest checkpoint (EMA weights when present)")
+    s.add_argument("--run", required=True, metavar="DIR")
+    s.add_argument("--prompt", required=True, action="append", help="repeat for several prompts")
+    s.add_argument("-n", type=int, default=4, help="images per prompt")
+    s.add_argument("--out", help="output PNG (default: RUN/samples/sample.png)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--steps", type=int, help="ODE steps (default: sampling.eval_num_steps)")
+
+    e = sub.add_parser("eval", help="mean reward per channel on a prompt file")
+    src = e.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run directory (its latest checkpoint)")
+    src.add_argument("--config", help="a config or preset: evaluate its base model")
+    e.add_argument("--prompts", required=True, metavar="FILE", help="one prompt per line")
+    e.add_argument("-n", type=int, default=1, help="images per prompt")
+    e.add_argument("--seed", type=int, default=0)
+
+    sub.add_parser("rewards", help="list the registered rewards")
+    return p
+
+
+def _split_config_and_overrides(config, overrides):
+    # `flowrl train trainer.lr=1e-5` (no config, only overrides) is allowed too
+    if config is not None and "=" in config:
+        return None, [config, *overrides]
+    return config, overrides
+
+
+def cmd_train(args) -> int:
+    from flowrl.config import load_config
+    from flowrl.train.run_dir import CONFIG_FILE
+    from flowrl.train.trainer import GRPOTrainer
+
+    config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    if args.resume:
+        run = Path(args.resume)
+        if not (run / CONFIG_FILE).is_file():
+            raise UserError(f"--resume '{run}' is not a run directory (no {CONFIG_FILE})")
+        if config is not None:
+            raise UserError("--resume takes its config from the run directory; give only overrides such as trainer.iterations=100")
+        cfg = load_config(run / CONFIG_FILE, overrides)
+        trainer = GRPOTrainer(cfg, run_dir=run, resume=True)
+    else:
+        cfg = load_config(config, overrides)
+        trainer = GRPOTrainer(cfg, run_dir=args.run_dir)
+    if trainer.accelerator.is_main_process:
+        print(f"run directory: {trainer.run.path}", file=sys.stderr)
+    history = trainer.train()
+    if history and trainer.accelerator.is_main_process:
+        first, last = history[0]["reward_mean"], history[-1]["reward_mean"]
+        print(f"reward {first:.4g} -> {last:.4g} over {len(history)} iterations; run: {trainer.run.path}")
+    return 0
+
+
+def _load_run_policy(run: Path, overrides=()):
+    from flowrl.config import load_config
+    from flowrl.models import load_policy
+    from flowrl.train.checkpoint import latest_checkpoint
+    from flowrl.train.run_dir import CONFIG_FILE, RunDir
+
+    if not (run / CONFIG_FILE).is_file():
+        raise UserError(f"--run '{run}' is not a run directory (no {CONFIG_FILE})")
+    cfg = load_config(run / CONFIG_FILE, list(overrides))
+    policy = load_policy(cfg.model)
+    ckpt = latest_checkpoint(RunDir(run).checkpoints)
+    if ckpt is None:
+        raise UserError(f"--run '{run}' has no checkpoint yet")
+    if cfg.lora.enabled:
+        policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
+        policy.load_lora(ckpt / ("ema_lora" if (ckpt / "ema_lora").is_dir() else "lora"))
+    else:
+        from safetensors.torch import load_file
+
+        weights = load_file(str(ckpt / "trainable.safetensors"))
+        policy.transformer.load_state_dict(weights, strict=False)
+    return cfg, policy, ckpt
+
+
+def _ode_images(cfg, policy, prompts, seeds, steps=None):
+    import torch
+
+    from flowrl.sampling.rollout import SamplerSpec, rollout
+    from flowrl.sampling.schedules import shifted_sigmas
+
+    n = steps or cfg.sampling.eval_num_steps
+    spec = SamplerSpec(shifted_sigmas(n, cfg.sampling.shift), torch.zeros(n, dtype=torch.bool), "ode")
+    bs = cfg.sampling.batch_size
+    images = []
+    for i in range(0, len(prompts), bs):
+        traj = rollout(policy, prompts[i : i + bs], seeds[i : i + bs], spec, bs, progress=False)
+        images.append(policy.decode(traj.final))
+    return torch.cat(images)
+
+
+def cmd_sample(args) -> int:
+    from flowrl.train.images import save_grid
+
+    if args.n < 1:
+        raise UserError(f"-n must be >= 1; got {args.n}")
+    run = Path(args.run)
+    cfg, policy, ckpt = _load_run_policy(run)
+    prompts = [p for p in args.prompt for _ in range(args.n)]
+    seeds = [args.seed + j % args.n for j in range(len(prompts))]
+    images = _ode_images(cfg, policy, prompts, seeds, args.steps)
+    out = Path(args.out) if args.out else run / "samples" / "sample.png"
+    save_grid(images, out, columns=args.n)
+    print(f"wrote {out} ({len(prompts)} images from {ckpt.name})")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from flowrl.config import load_config
+    from flowrl.models import load_policy
+    from flowrl.train.prompts import read_prompt_file
+    from rewards import MultiReward
+
+    prompts = read_prompt_file(args.prompts, field="--prompts")
+    if args.run:
+        cfg, policy, ckpt = _load_run_policy(Path(args.run))
+        what = f"{args.run} ({ckpt.name})"
+    else:
+        cfg = load_config(args.config)
+        policy, what = load_policy(cfg.model), f"base model {cfg.model.path}"
+    reward = MultiReward(cfg.reward.weights, cfg.reward.batch_size)
+    expanded = [p for p in prompts for _ in range(args.n)]
+    seeds = [args.seed + j for j in range(len(expanded))]
+    scores = reward(_ode_images(cfg, policy, expanded, seeds), expanded)
+    print(f"eval of {what} on {len(prompts)} prompts x {args.n} images")
+    width = max(len(c) for c in reward.channel_names + ["weighted sum"])
+    for k, name in enumerate(reward.channel_names):
+        print(f"{name:<{width}}  {scores[:, k].mean().item():.4f}")
+    print(f"{'weighted sum':<{width}}  {(scores @ reward.channel_weights).mean().item():.4f}")
+    return 0
+
+
+def cmd_rewards(args) -> int:
+    from rewards import describe_rewards
+
+    for name, desc in describe_rewards():
+        print(f"{name:<24} {desc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "rewards": cmd_rewards}[args.command]
+    try:
+        return handler(args)
+    except UserError as exc:
+        print(f"flowrl: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("flowrl: interrupted; the last checkpoint is intact (resume with --resume RUN_DIR)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

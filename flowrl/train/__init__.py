@@ -1,0 +1,1 @@
+"""The training loop: rollout -> reward -> advantage -> loss -> step; checkpoints; logging."""

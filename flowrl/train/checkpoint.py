@@ -1,0 +1,104 @@
+"""Checkpoints without pickles: safetensors for tensors, JSON for the rest, written atomically
+(a temporary directory renamed into place, then the `latest` pointer replaced)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from flowrl.errors import UserError
+
+LATEST = "latest"
+
+
+def _optimizer_to_flat(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, meta = {}, {"param_groups": state["param_groups"], "state": {}}
+    for idx, entry in state["state"].items():
+        meta["state"][str(idx)] = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
+                meta["state"][str(idx)][key] = "tensor"
+            else:
+                meta["state"][str(idx)][key] = value
+    return tensors, meta
+
+
+def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    state = {}
+    for idx, entry in meta["state"].items():
+        state[int(idx)] = {k: (tensors[f"{idx}.{k}"] if v == "tensor" else v) for k, v in entry.items()}
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor], optimizer_state: dict,
+                    ema_shadow: dict[str, torch.Tensor] | None, extra: dict, export=None) -> Path:
+    """Write checkpoints/iter_NNNNNN atomically. `export(dir)` may add user-facing files
+    (the diffusers-format LoRA) inside the temporary directory before it is renamed."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"iter_{iteration:06d}"
+    tmp = root / f".tmp-{name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({n: p.detach().cpu().contiguous() for n, p in params.items()}, str(tmp / "trainable.safetensors"))
+    opt_tensors, opt_meta = _optimizer_to_flat(optimizer_state)
+    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    if ema_shadow is not None:
+        save_file({n: t.contiguous() for n, t in ema_shadow.items()}, str(tmp / "ema.safetensors"))
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(rng, str(tmp / "rng.safetensors"))
+    py_state = random.getstate()
+    state = {"iteration": iteration, "optimizer": opt_meta, "python_random": [py_state[0], list(py_state[1]), py_state[2]], **extra}
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    if export is not None:
+        export(tmp)
+    final = root / name
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, root / LATEST)
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    path = Path(root) / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_checkpoint(path: Path) -> dict:
+    path = Path(path)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        out = {
+            "state": state,
+            "params": load_file(str(path / "trainable.safetensors")),
+            "optimizer": _optimizer_from_flat(load_file(str(path / "optimizer.safetensors")), state["optimizer"]),
+            "ema": load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").is_file() else None,
+            "rng": load_file(str(path / "rng.safetensors")),
+        }
+    except (OSError, KeyError, ValueError, json.JSONDecodeError) as exc:
+        raise UserError(f"checkpoint '{path}' is incomplete or corrupt ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    return out
+
+
+def restore_rng(rng: dict[str, torch.Tensor], python_random) -> None:
+    torch.set_rng_state(rng["torch_cpu"])
+    if torch.cuda.is_available():
+        states = [rng[k] for k in sorted(k for k in rng if k.startswith("torch_cuda_"))]
+        if states:
+            torch.cuda.set_rng_state_all(states)
+    random.setstate((python_random[0], tuple(python_random[1]), python_random[2]))

@@ -1,0 +1,31 @@
+"""Image grids for sample sheets and `flowrl sample`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def image_grid(images: torch.Tensor, columns: int | None = None, pad: int = 2) -> Image.Image:
+    """[N, 3, H, W] in [0, 1] -> one PIL image, row-major, `columns` per row."""
+    n, _, h, w = images.shape
+    columns = columns or math.ceil(math.sqrt(n))
+    rows = math.ceil(n / columns)
+    canvas = np.full((rows * (h + pad) + pad, columns * (w + pad) + pad, 3), 255, dtype=np.uint8)
+    arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    for i in range(n):
+        r, c = divmod(i, columns)
+        y, x = pad + r * (h + pad), pad + c * (w + pad)
+        canvas[y : y + h, x : x + w] = arr[i]
+    return Image.fromarray(canvas)
+
+
+def save_grid(images: torch.Tensor, path: str | Path, columns: int | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image_grid(images, columns).save(path)
+    return path

@@ -1,0 +1,76 @@
+"""A run directory: resolved config, metrics.jsonl, sample grids, reward curve, checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from flowrl.config import Config
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def samples(self) -> Path:
+        return self.path / "samples"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS_FILE
+
+    def create(self, cfg: Config) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f".{CONFIG_FILE}.tmp"
+        tmp.write_text(cfg.to_yaml())
+        os.replace(tmp, self.path / CONFIG_FILE)
+
+    def append_metrics(self, row: dict) -> None:
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+    def read_metrics(self) -> list[dict]:
+        if not self.metrics_file.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+
+    def truncate_metrics(self, before_iteration: int) -> list[dict]:
+        """Drop rows logged after the checkpoint we resume from (they will be logged again)."""
+        rows = [r for r in self.read_metrics() if r["iteration"] < before_iteration]
+        tmp = self.metrics_file.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, self.metrics_file)
+        return rows
+
+    def plot_reward_curve(self, rows: list[dict]) -> Path | None:
+        if not rows:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        its = [r["iteration"] for r in rows]
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        ax.plot(its, [r["reward_mean"] for r in rows], label="reward (weighted sum)")
+        for key in sorted(k for k in rows[-1] if k.startswith("reward/")):
+            ax.plot(its, [r.get(key, float("nan")) for r in rows], alpha=0.6, label=key)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("mean reward")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        out = self.path / "reward_curve.png"
+        fig.savefig(out)
+        plt.close(fig)
+        return out

@@ -1,0 +1,330 @@
+"""Flow-GRPO (Liu et al., "Flow-GRPO: Training Flow Matching Models via Online RL"):
+G SDE samples per prompt, rewards, group-normalised advantages, a PPO-clipped loss over the
+trained denoising transitions plus the exact Gaussian KL to the reference (LoRA disabled).
+
+One iteration: rollout -> decode -> reward -> gather -> advantages -> inner epochs of
+updates. Every random draw is keyed by (seed, iteration, sample, step), so a resumed run
+repeats an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.config import Config
+from flowrl.core import clipped_policy_loss, gaussian_kl, grpo_advantages
+from flowrl.errors import ConfigError, UserError
+from flowrl.models import load_policy
+from flowrl.sampling.rollout import SamplerSpec, Trajectory, rollout, transition
+from flowrl.sampling.schedules import shifted_sigmas, window_mask
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from flowrl.train.ema import EMA
+from flowrl.train.images import save_grid
+from flowrl.train.prompts import load_prompts
+from flowrl.train.run_dir import RunDir
+from rewards import MultiReward
+
+
+def sample_seed(base: int, iteration: int, index: int) -> int:
+    return (base * 1_000_003 + iteration) * 100_003 + index
+
+
+def flat_config(cfg: Config) -> dict:
+    """Scalars only, for trackers (tensorboard's hparams cannot hold lists)."""
+    from omegaconf import OmegaConf
+
+    out = {}
+
+    def walk(prefix, node):
+        for k, v in node.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                walk(key + ".", v)
+            else:
+                out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+
+    walk("", OmegaConf.to_container(OmegaConf.structured(cfg)))
+    return out
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
+        from accelerate import Accelerator, PartialState
+        from accelerate.utils import broadcast_object_list
+
+        self.cfg = cfg
+        t = cfg.trainer
+        cpu = cfg.model.device == "cpu" or not torch.cuda.is_available()
+        PartialState(cpu=cpu)  # start the process group so every process can agree on one run directory
+        if run_dir is None:
+            name = cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S")
+            run_dir = Path(cfg.run.output_dir) / name
+        run_dir = broadcast_object_list([str(run_dir)])[0]
+        self.run = RunDir(run_dir)
+        self.accelerator = Accelerator(
+            mixed_precision=t.mixed_precision,
+            cpu=cpu,
+            log_with=None if cfg.run.tracker == "none" else cfg.run.tracker,
+            project_dir=str(self.run.path),
+        )
+        acc = self.accelerator
+
+        self.prompts = load_prompts(cfg.data)
+        self.eval_prompts = list(cfg.data.eval_prompts) or self.prompts[:4]
+        n = cfg.data.prompts_per_iteration * cfg.data.group_size
+        if n % (acc.num_processes * cfg.sampling.batch_size):
+            raise ConfigError(
+                f"data.prompts_per_iteration x data.group_size ({n}) must be divisible by the number of processes "
+                f"({acc.num_processes}) x sampling.batch_size ({cfg.sampling.batch_size})"
+            )
+
+        self.policy = load_policy(cfg.model, device=acc.device)
+        if cfg.lora.enabled:
+            self.policy.add_lora(cfg.lora, seed=t.seed)
+        else:
+            self.policy.enable_full_finetune()
+        self.params = self.policy.named_trainable_parameters()
+        optimizer = torch.optim.AdamW(
+            list(self.params.values()), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay
+        )
+        self.policy.net, self.optimizer = acc.prepare(self.policy.transformer, optimizer)
+        self.ema = EMA(self.params, t.ema_decay) if t.ema else None
+        self.reward_fn = MultiReward(cfg.reward.weights, cfg.reward.batch_size, rewards=rewards)
+        self.iteration = 0
+        self.history: list[dict] = []
+
+        if resume:
+            self._resume()
+        elif acc.is_main_process:
+            self.run.create(cfg)
+        acc.wait_for_everyone()
+        if cfg.run.tracker != "none":
+            acc.init_trackers("tracker", config=flat_config(cfg))
+
+    # ---- schedule -------------------------------------------------------------------
+    def sampler_spec(self, iteration: int) -> SamplerSpec:
+        s = self.cfg.sampling
+        w = s.window
+        mask = window_mask(w.strategy, s.num_steps, w.size, w.start, iteration, self.cfg.trainer.seed, w.shift_every)
+        return SamplerSpec(shifted_sigmas(s.num_steps, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction)
+
+    def eval_spec(self) -> SamplerSpec:
+        s = self.cfg.sampling
+        return SamplerSpec(shifted_sigmas(s.eval_num_steps, s.shift), torch.zeros(s.eval_num_steps, dtype=torch.bool), "ode")
+
+    def iteration_batch(self, iteration: int):
+        """The prompts, group ids and seeds of one iteration (identical on every process)."""
+        d = self.cfg.data
+        rng = random.Random(self.cfg.trainer.seed * 7919 + iteration)
+        if d.prompts_per_iteration <= len(self.prompts):
+            chosen = rng.sample(range(len(self.prompts)), d.prompts_per_iteration)
+        else:
+            chosen = [rng.randrange(len(self.prompts)) for _ in range(d.prompts_per_iteration)]
+        prompt_ids = [i for i in chosen for _ in range(d.group_size)]
+        group_ids = [g for g in range(len(chosen)) for _ in range(d.group_size)]
+        seeds = [sample_seed(self.cfg.trainer.seed, iteration, j) for j in range(len(prompt_ids))]
+        return prompt_ids, group_ids, seeds
+
+    # ---- one iteration ------------------------------------------------------------------
+    def train_iteration(self) -> dict:
+        cfg, acc, it = self.cfg, self.accelerator, self.iteration
+        t0 = time.perf_counter()
+        prompt_ids, group_ids, seeds = self.iteration_batch(it)
+        n_local = len(seeds) // acc.num_processes
+        local = slice(acc.process_index * n_local, (acc.process_index + 1) * n_local)
+        spec = self.sampler_spec(it)
+        self.policy.transformer.eval()
+        traj = rollout(
+            self.policy,
+            [self.prompts[i] for i in prompt_ids[local]],
+            seeds[local],
+            spec,
+            cfg.sampling.batch_size,
+            prompt_ids=prompt_ids[local],
+            group_ids=group_ids[local],
+            policy_version=it,
+            progress=cfg.run.progress and acc.is_local_main_process,
+            desc=f"iter {it} sampling",
+        )
+        t_sample = time.perf_counter()
+        images = torch.cat([self.policy.decode(traj.final[i : i + cfg.sampling.batch_size]) for i in range(0, len(traj), cfg.sampling.batch_size)])
+        local_rewards = self.reward_fn(images, traj.prompts)
+        t_reward = time.perf_counter()
+
+        # group statistics need every process's samples: gather, normalise, keep our slice
+        rewards = acc.gather(local_rewards.to(acc.device)).cpu()
+        a = cfg.advantage
+        adv_out = grpo_advantages(rewards, torch.tensor(group_ids), self.reward_fn.channel_weights, a.std, a.eps, a.clip)
+        stats = self.update(traj, adv_out.advantages[local], spec)
+        t_train = time.perf_counter()
+
+        total = rewards @ self.reward_fn.channel_weights
+        row = {
+            "iteration": it,
+            "reward_mean": total.mean().item(),
+            "reward_std": total.std(unbiased=False).item(),
+            **{f"reward/{c}": rewards[:, k].mean().item() for k, c in enumerate(self.reward_fn.channel_names)},
+            "adv_abs_mean": adv_out.advantages.abs().mean().item(),
+            "degenerate_groups": adv_out.degenerate.float().mean().item(),
+            "samples": len(seeds),
+            "trained_steps": len(spec.trained_steps()),
+            **stats,
+            "time_sampling": t_sample - t0,
+            "time_reward": t_reward - t_sample,
+            "time_training": t_train - t_reward,
+        }
+        self.iteration += 1
+        row["time_iteration"] = time.perf_counter() - t0
+        return row
+
+    def update(self, traj: Trajectory, adv: torch.Tensor, spec: SamplerSpec) -> dict:
+        """Inner epochs of PPO-clipped updates over (sample batch, trained step) micro-batches.
+        Micro-batches are exactly the sampling batches, so the first forward reproduces the
+        behaviour log-probs bit for bit and the ratio starts at 1."""
+        cfg, acc, t = self.cfg, self.accelerator, self.cfg.trainer
+        steps = spec.trained_steps()
+        bs = cfg.sampling.batch_size
+        chunks = [slice(s, s + bs) for s in range(0, len(traj), bs)]
+        accum = t.gradient_accumulation_steps
+        clip_hi = t.clip_range_high if t.clip_range_high is not None else t.clip_range
+        gen = torch.Generator().manual_seed(sample_seed(t.seed, self.iteration, 999_983))
+        sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "ratio_mean": 0.0, "clipfrac": 0.0}
+        count, grad_norms, first_ratio_dev = 0, [], 0.0
+        self.policy.transformer.train()
+        bar = tqdm(total=t.inner_epochs * len(chunks) * len(steps), desc=f"iter {self.iteration} training", leave=False,
+                   disable=not (cfg.run.progress and acc.is_local_main_process), unit="step")
+        for epoch in range(t.inner_epochs):
+            order = torch.randperm(len(chunks), generator=gen).tolist()
+            for ci, chunk_index in enumerate(order):
+                c = chunks[chunk_index]
+                cond = self.policy.encode(traj.prompts[c])
+                a = adv[c].to(acc.device)
+                closes_group = (ci + 1) % accum == 0 or ci == len(order) - 1
+                for k, step in enumerate(steps):
+                    sync = closes_group and k == len(steps) - 1
+                    with contextlib.nullcontext() if sync else acc.no_sync(self.policy.net):
+                        out = transition(self.policy, traj, spec, c, step, cond)
+                        old = traj.log_probs[c, step].to(acc.device)
+                        pl = clipped_policy_loss(out.log_prob, old, a, t.clip_range, clip_hi)
+                        loss = pl.loss
+                        kl = torch.zeros((), device=acc.device)
+                        if t.kl_beta > 0:
+                            with torch.no_grad(), self.policy.reference():
+                                ref = transition(self.policy, traj, spec, c, step, cond)
+                            kl = gaussian_kl(out.mean, ref.mean, out.std, spec.reduction).mean()
+                            loss = loss + t.kl_beta * kl
+                        acc.backward(loss / (min(accum, len(order)) * len(steps)))
+                    if epoch == 0 and ci == 0 and k == 0:
+                        first_ratio_dev = (pl.ratio - 1).abs().max().item()
+                    sums["loss"] += loss.item()
+                    sums["policy_loss"] += pl.loss.item()
+                    sums["kl"] += kl.item()
+                    sums["ratio_mean"] += pl.ratio.mean().item()
+                    sums["clipfrac"] += pl.clipped.float().mean().item()
+                    count += 1
+                    bar.update(1)
+                if closes_group:
+                    grad_norms.append(float(acc.clip_grad_norm_(list(self.params.values()), t.max_grad_norm)))
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if self.ema is not None:
+                        self.ema.update(self.params)
+        bar.close()
+        self.policy.transformer.eval()
+        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), first_ratio_deviation=first_ratio_dev,
+                   optimizer_steps=len(grad_norms), lr=self.optimizer.param_groups[0]["lr"])
+        return out
+
+    # ---- the loop -----------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        cfg, acc = self.cfg, self.accelerator
+        r = cfg.run
+        bar = tqdm(total=cfg.trainer.iterations, initial=self.iteration, desc="flowrl train", unit="iter",
+                   disable=not (r.progress and acc.is_local_main_process))
+        if self.iteration == 0 and r.sample_every:
+            self.save_samples("iter_000000_before")
+        while self.iteration < cfg.trainer.iterations:
+            row = self.train_iteration()
+            self.history.append(row)
+            acc.log({k: v for k, v in row.items() if k != "iteration"}, step=row["iteration"])
+            if acc.is_main_process:
+                self.run.append_metrics(row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.4g}", kl=f"{row['kl']:.2e}")
+            done = self.iteration >= cfg.trainer.iterations
+            if r.sample_every and (self.iteration % r.sample_every == 0 or done):
+                self.save_samples(f"iter_{self.iteration:06d}")
+            if done or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
+                self.save()
+        bar.close()
+        acc.end_training()
+        return self.history
+
+    # ---- outputs ------------------------------------------------------------------------
+    @torch.no_grad()
+    def save_samples(self, name: str, seeds_per_prompt: int = 2) -> Path | None:
+        """A grid of ODE samples on the eval prompts (EMA weights when enabled)."""
+        if not self.accelerator.is_main_process:
+            return None
+        prompts = [p for p in self.eval_prompts for _ in range(seeds_per_prompt)]
+        seeds = [sample_seed(self.cfg.trainer.seed, -1, j % seeds_per_prompt) for j in range(len(prompts))]
+        ctx = self.ema.swapped_in(self.params) if self.ema is not None else contextlib.nullcontext()
+        with ctx:
+            traj = rollout(self.policy, prompts, seeds, self.eval_spec(), self.cfg.sampling.batch_size)
+            images = self.policy.decode(traj.final)
+        return save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2)
+
+    def save(self) -> Path | None:
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        path = None
+        if acc.is_main_process:
+            def export(tmp: Path):
+                if self.cfg.lora.enabled:
+                    self.policy.save_lora(tmp / "lora")
+                    if self.ema is not None:
+                        with self.ema.swapped_in(self.params):
+                            self.policy.save_lora(tmp / "ema_lora")
+
+            path = save_checkpoint(
+                self.run.checkpoints,
+                self.iteration,
+                self.params,
+                self.optimizer.state_dict(),
+                self.ema.shadow if self.ema is not None else None,
+                {"policy_version": self.iteration, "num_processes": acc.num_processes},
+                export=export,
+            )
+            self.run.plot_reward_curve(self.run.read_metrics())
+        acc.wait_for_everyone()
+        return path
+
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.run.checkpoints)
+        if ckpt is None:
+            raise UserError(f"--resume: '{self.run.path}' has no checkpoint to resume from (expected {self.run.checkpoints}/latest)")
+        data = load_checkpoint(ckpt)
+        missing = set(self.params) ^ set(data["params"])
+        if missing:
+            raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model ({len(missing)} mismatched weights)")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(data["params"][n])
+        self.optimizer.load_state_dict(data["optimizer"])
+        if self.ema is not None and data["ema"] is not None:
+            self.ema.shadow = {n: t.clone() for n, t in data["ema"].items()}
+        restore_rng(data["rng"], data["state"]["python_random"])
+        self.iteration = int(data["state"]["iteration"])
+        if self.accelerator.is_main_process:
+            self.history = self.run.truncate_metrics(self.iteration)
+        else:
+            self.history = [r for r in self.run.read_metrics() if r["iteration"] < self.iteration]
