@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from flowrl.errors import ConfigError
 from flowrl.sampling.schedules import WINDOW_STRATEGIES
@@ -142,7 +142,7 @@ class Config:
 def _one_sentence(exc: OmegaConfBaseException, source: str) -> str:
     key = getattr(exc, "full_key", None) or "?"
     msg = str(getattr(exc, "msg", exc)).splitlines()[0].strip()
-    if isinstance(exc, ConfigKeyError):
+    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         node = OmegaConf.structured(Config)
         allowed = OmegaConf.select(node, parent) if parent else node
@@ -196,8 +196,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must have the form key=value, for example trainer.lr=1e-5")
+        key, _, raw = item.partition("=")
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
+            # an override replaces the value, mappings included (reward.weights={brightness: 1.0})
+            OmegaConf.update(merged, key, value, merge=False, force_add=False)
         except OmegaConfBaseException as exc:
             raise ConfigError(_one_sentence(exc, "the command line")) from None
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]

@@ -59,7 +59,11 @@ def grpo_advantages(
     mean, group_std, uniq, inverse, stds_per_group = group_stats(r, group_ids)
     scale = group_std if std == "group" else r.std(unbiased=False).expand_as(r)
     adv = (r - mean) / (scale + eps)
-    degenerate = stds_per_group <= 1e-8 * (1 + r.abs().max())
+    # exact test (max == min): a float std of equal values can be one rounding step above 0
+    n_groups = uniq.numel()
+    gmax = torch.full((n_groups,), -float("inf"), device=r.device).scatter_reduce(0, inverse, r, "amax")
+    gmin = torch.full((n_groups,), float("inf"), device=r.device).scatter_reduce(0, inverse, r, "amin")
+    degenerate = gmax == gmin
     adv = torch.where(degenerate[inverse], torch.zeros_like(adv), adv)
     if clip is not None:
         adv = adv.clamp(-clip, clip)
