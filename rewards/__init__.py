@@ -13,5 +13,6 @@ from rewards.multi import MultiReward
 
 # Built-in rewards register themselves on import.
 from rewards import simple as _simple  # noqa: F401,E402
+from rewards import models as _models  # noqa: F401,E402  (placeholders: pickscore, clip_score, hpsv2)
 
 __all__ = ["RewardSpec", "available_rewards", "describe_rewards", "get_reward", "register", "MultiReward"]

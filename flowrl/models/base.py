@@ -171,7 +171,11 @@ class FlowPolicy:
     def save_lora(self, directory: str | Path) -> None:
         """The adapter in the diffusers format: loadable with `pipe.load_lora_weights(directory)`."""
         state = {k: v.detach().cpu().contiguous() for k, v in self.lora_state_dict().items()}
-        self.pipeline_class.save_lora_weights(str(directory), transformer_lora_layers=state, safe_serialization=True)
+        # the adapter metadata carries lora_alpha; without it loaders assume alpha = rank
+        metadata = self.transformer.peft_config["default"].to_dict()
+        self.pipeline_class.save_lora_weights(
+            str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata, safe_serialization=True
+        )
 
     def load_lora(self, directory: str | Path) -> None:
         """Load an adapter written by `save_lora` into this policy's (already added) adapter."""

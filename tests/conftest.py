@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny SD3 and FLUX pipelines saved once per session and loaded back
+through the real `from_pretrained` path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3_dir(tmp_path_factory):
+    from flowrl.models.tiny import build_tiny_sd3
+
+    return str(build_tiny_sd3(tmp_path_factory.mktemp("tiny-sd3") / "pipe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_flux_dir(tmp_path_factory):
+    from flowrl.models.tiny import build_tiny_flux
+
+    return str(build_tiny_flux(tmp_path_factory.mktemp("tiny-flux") / "pipe"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_cache(tmp_path_factory):
+    # built-in models materialise into a private cache, never the user's home
+    os.environ["FLOWRL_CACHE"] = str(tmp_path_factory.mktemp("flowrl-cache"))

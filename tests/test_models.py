@@ -1,0 +1,163 @@
+"""SD3 and FLUX adapters: loading, ratio = 1 on fresh samples, KL to the reference, LoRA I/O."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl.config import LoraConfig, ModelConfig
+from flowrl.core import gaussian_kl
+from flowrl.models import load_policy
+from flowrl.sampling.rollout import SamplerSpec, rollout, transition
+from flowrl.sampling.schedules import shifted_sigmas
+
+PROMPTS = ["a red circle", "two blue squares", "a green triangle", "a cat"]
+
+
+def _policy(kind, path, dtype="fp32", guidance=4.5):
+    policy = load_policy(ModelConfig(kind=kind, path=path, dtype=dtype, guidance_scale=guidance), device="cpu")
+    policy.add_lora(LoraConfig(rank=4, alpha=8))
+    return policy
+
+
+def _spec(steps=4):
+    return SamplerSpec(shifted_sigmas(steps), torch.ones(steps, dtype=torch.bool), "flow_grpo", 0.7, "mean")
+
+
+@pytest.fixture(params=["sd3", "flux"])
+def model_dir(request, tiny_sd3_dir, tiny_flux_dir):
+    return request.param, tiny_sd3_dir if request.param == "sd3" else tiny_flux_dir
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_ratio_is_one_on_fresh_samples(model_dir, dtype):
+    kind, path = model_dir
+    policy = _policy(kind, path, dtype)
+    spec = _spec()
+    traj = rollout(policy, PROMPTS, [11, 12, 13, 14], spec, batch_size=4)
+    cond = policy.encode(PROMPTS)
+    policy.transformer.train()
+    for t in spec.trained_steps():
+        out = transition(policy, traj, spec, slice(0, 4), t, cond)  # with grad, as in training
+        ratio = torch.exp(out.log_prob - traj.log_probs[:, t])
+        assert out.log_prob.requires_grad
+        assert torch.allclose(ratio, torch.ones_like(ratio), atol=1e-5, rtol=0), (t, ratio)
+
+
+def _kl(policy, traj, spec, cond):
+    total = 0.0
+    for t in spec.trained_steps():
+        with torch.no_grad():
+            out = transition(policy, traj, spec, slice(0, 4), t, cond)
+            with policy.reference():
+                ref = transition(policy, traj, spec, slice(0, 4), t, cond)
+        total += gaussian_kl(out.mean, ref.mean, out.std).mean().item()
+    return total
+
+
+def test_kl_zero_with_fresh_adapter_and_positive_after_a_step(model_dir):
+    kind, path = model_dir
+    policy = _policy(kind, path)
+    spec = _spec()
+    traj = rollout(policy, PROMPTS, [1, 2, 3, 4], spec, batch_size=4)
+    cond = policy.encode(PROMPTS)
+    assert _kl(policy, traj, spec, cond) == 0.0  # LoRA B starts at zero: the policy is the reference
+
+    params = policy.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    out = transition(policy, traj, spec, slice(0, 4), 0, cond)
+    (-out.log_prob.mean()).backward()
+    opt.step()
+    assert _kl(policy, traj, spec, cond) > 0.0
+
+
+def test_reference_is_the_base_network(tiny_sd3_dir):
+    base = load_policy(ModelConfig(kind="sd3", path=tiny_sd3_dir), device="cpu")
+    policy = _policy("sd3", tiny_sd3_dir)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.05)
+    x = torch.randn(2, *policy.latent_shape())
+    cond = policy.encode(PROMPTS[:2])
+    with torch.no_grad():
+        v_base = base.velocity(x, 0.6, base.encode(PROMPTS[:2]))
+        with policy.reference():
+            v_ref = policy.velocity(x, 0.6, cond)
+        v_lora = policy.velocity(x, 0.6, cond)
+    assert torch.equal(v_base, v_ref)
+    assert not torch.allclose(v_base, v_lora)
+
+
+def test_prompt_embeddings_are_cached(tiny_sd3_dir):
+    policy = _policy("sd3", tiny_sd3_dir)
+    a = policy.encode(["a red circle", "a cat"])
+    calls = []
+    original = policy._encode_uncached
+    policy._encode_uncached = lambda prompts: calls.append(prompts) or original(prompts)
+    b = policy.encode(["a cat", "a red circle", "a dog"])
+    assert calls == [["a dog"]]
+    assert torch.equal(b["embeds"][0], a["embeds"][1]) and torch.equal(b["embeds"][1], a["embeds"][0])
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_decoded_images_and_reproducible_samples(kind, tiny_sd3_dir, tiny_flux_dir):
+    policy = _policy(kind, tiny_sd3_dir if kind == "sd3" else tiny_flux_dir)
+    spec = _spec()
+    a = rollout(policy, PROMPTS[:2], [5, 6], spec, batch_size=1)
+    b = rollout(policy, PROMPTS[1:2] + PROMPTS[:1], [6, 5], spec, batch_size=1)  # other order
+    assert torch.equal(a.latents[0], b.latents[1]) and torch.equal(a.latents[1], b.latents[0])
+    # other batching: the same sample up to GEMM rounding (kernels may block by batch size)
+    c = rollout(policy, PROMPTS[:2], [5, 6], spec, batch_size=2)
+    assert torch.allclose(a.latents, c.latents, atol=1e-4)
+    images = policy.decode(a.final)
+    assert images.shape == (2, 3, 64, 64) and torch.isfinite(images).all()
+    assert images.min() >= 0 and images.max() <= 1
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_lora_saves_in_diffusers_format(kind, tiny_sd3_dir, tiny_flux_dir, tmp_path):
+    path = tiny_sd3_dir if kind == "sd3" else tiny_flux_dir
+    policy = _policy(kind, path)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.03)
+    policy.save_lora(tmp_path)
+    x = torch.randn(1, *policy.latent_shape())
+    with torch.no_grad():
+        v_trained = policy.velocity(x, 0.5, policy.encode(["a cat"]))
+
+    # the diffusers way: a fresh pipeline and load_lora_weights
+    fresh = load_policy(ModelConfig(kind=kind, path=path, guidance_scale=4.5), device="cpu")
+    fresh.pipe.load_lora_weights(str(tmp_path))
+    with torch.no_grad():
+        v_loaded = fresh.velocity(x, 0.5, fresh.encode(["a cat"]))
+    assert torch.allclose(v_trained, v_loaded, atol=1e-5)
+
+    # and our own resume path
+    again = _policy(kind, path)
+    again.load_lora(tmp_path)
+    with torch.no_grad():
+        assert torch.allclose(again.velocity(x, 0.5, again.encode(["a cat"])), v_trained, atol=1e-6)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_sd3_dir):
+    grads = []
+    for ckpt in (False, True):
+        policy = load_policy(ModelConfig(kind="sd3", path=tiny_sd3_dir, gradient_checkpointing=ckpt), device="cpu")
+        policy.add_lora(LoraConfig(rank=4, alpha=8))
+        with torch.no_grad():
+            for p in policy.trainable_parameters():
+                p.add_(0.01)
+        policy.transformer.train()
+        x = torch.randn(2, *policy.latent_shape(), generator=torch.Generator().manual_seed(0))
+        policy.velocity(x, 0.7, policy.encode(PROMPTS[:2])).square().mean().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in policy.trainable_parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_bad_target_modules_are_named(tiny_sd3_dir):
+    from flowrl.errors import UserError
+
+    policy = load_policy(ModelConfig(kind="sd3", path=tiny_sd3_dir), device="cpu")
+    with pytest.raises(UserError, match="not_a_module"):
+        policy.add_lora(LoraConfig(target_modules=["to_q", "not_a_module"]))

@@ -1,0 +1,160 @@
+"""Tests for the presets in configs/: every YAML validates, the multi-GPU presets split evenly
+over 8 processes, and the LoRA target modules of the SD3 / FLUX presets exist in the real
+diffusers transformer classes (checked on the tiny built-in architectures, offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flowrl.config import CONFIG_DIR, ModelConfig, check_model_path, load_config
+from flowrl.errors import UserError
+
+PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
+MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8}
+SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu")
+FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu")
+
+
+def _preset(name: str) -> Path:
+    return CONFIG_DIR / f"{name}.yaml"
+
+
+def test_the_named_presets_exist():
+    names = {p.stem for p in PRESETS}
+    for name in (*SD3_PRESETS, *FLUX_PRESETS, "default"):
+        assert name in names
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_preset_loads_and_validates(path):
+    # hub ids and prompt files cannot be checked offline: validate everything else
+    cfg = load_config(path, validate_paths=False)
+    n = cfg.data.prompts_per_iteration * cfg.data.group_size
+    assert n % cfg.sampling.batch_size == 0
+    if not cfg.model.path.startswith("builtin:"):
+        # a hub id passes the path check without touching the network or the disk
+        check_model_path(cfg.model.path)
+        assert not Path(cfg.model.path).exists()
+
+
+@pytest.mark.parametrize("name,processes", sorted(MULTI_GPU.items()))
+def test_multi_gpu_presets_split_evenly(name, processes):
+    cfg = load_config(_preset(name), validate_paths=False)
+    n = cfg.data.prompts_per_iteration * cfg.data.group_size
+    per_process_batches, rest = divmod(n, processes * cfg.sampling.batch_size)
+    assert rest == 0, f"{name}: {n} samples do not split into {processes} x batches of {cfg.sampling.batch_size}"
+    # every process closes its accumulation groups exactly (no short last optimizer step)
+    assert per_process_batches % cfg.trainer.gradient_accumulation_steps == 0
+
+
+@pytest.mark.parametrize("name", [n for n in (*SD3_PRESETS, *FLUX_PRESETS) if n not in MULTI_GPU])
+def test_accumulation_closes_exactly_on_one_process(name):
+    cfg = load_config(_preset(name), validate_paths=False)
+    batches = cfg.data.prompts_per_iteration * cfg.data.group_size // cfg.sampling.batch_size
+    assert batches % cfg.trainer.gradient_accumulation_steps == 0
+
+
+@pytest.mark.parametrize("name", (*SD3_PRESETS, *FLUX_PRESETS))
+def test_reference_settings(name):
+    cfg = load_config(_preset(name), validate_paths=False)
+    assert cfg.model.dtype == "bf16" and cfg.model.height % 16 == 0
+    assert cfg.lora.enabled and (cfg.lora.rank, cfg.lora.alpha) == (32, 64)
+    assert cfg.trainer.clip_range == 1e-4 and cfg.advantage.clip == 5.0
+    if name in SD3_PRESETS:
+        assert cfg.model.kind == "sd3" and cfg.model.path == "stabilityai/stable-diffusion-3.5-medium"
+        assert (cfg.model.height, cfg.model.guidance_scale) == (512, 4.5)
+        assert (cfg.sampling.sampler, cfg.sampling.noise_level, cfg.sampling.num_steps) == ("flow_grpo", 0.7, 10)
+        assert cfg.sampling.eval_num_steps == 40 and cfg.data.group_size == 24
+        assert cfg.trainer.lr == 3e-4 and cfg.trainer.ema and cfg.trainer.kl_beta > 0
+        assert _yaml_reward_weights(name) == {"pickscore": 1.0}
+    else:
+        assert cfg.model.kind == "flux" and cfg.model.path == "black-forest-labs/FLUX.1-dev"
+        assert cfg.model.guidance_scale == 3.5 and cfg.model.gradient_checkpointing
+        assert (cfg.sampling.sampler, cfg.sampling.noise_level, cfg.sampling.num_steps) == ("dance_grpo", 0.3, 16)
+        assert cfg.data.group_size == 12
+        assert _yaml_reward_weights(name) == {"hpsv2": 1.0}
+
+
+def _yaml_reward_weights(name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    return dict(OmegaConf.to_container(OmegaConf.load(_preset(name)).reward.weights))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="flowrl.config.load_config merges a YAML's reward.weights into the schema default "
+    "{jpeg_compressibility: 1.0} (OmegaConf unions dicts), so a preset naming only pickscore also "
+    "gets jpeg_compressibility; fix: replace dict-valued keys from the file, e.g. "
+    "OmegaConf.update(merged, 'reward.weights', <the file's node>, merge=False). Remove this marker then.",
+)
+@pytest.mark.parametrize("name", (*SD3_PRESETS, *FLUX_PRESETS))
+def test_loaded_reward_weights_are_exactly_the_presets(name):
+    cfg = load_config(_preset(name), validate_paths=False)
+    assert cfg.reward.weights == _yaml_reward_weights(name)
+
+
+@pytest.mark.parametrize("name", (*SD3_PRESETS, *FLUX_PRESETS))
+def test_preset_rewards_fail_clearly_until_implemented(name):
+    """The model-backed rewards are placeholders: building them (trainer start) raises a
+    one-sentence UserError naming the reward, never a KeyError or an import error."""
+    from rewards import MultiReward, available_rewards, get_reward
+
+    load_config(_preset(name), validate_paths=False)  # the placeholder names validate
+    for reward in _yaml_reward_weights(name):
+        assert reward in available_rewards()
+        assert "not yet available" in get_reward(reward).description
+        with pytest.raises(UserError, match=rf"reward '{reward}'.*not implemented yet.*rewards library issue"):
+            MultiReward({reward: 1.0})
+
+
+# ---- LoRA targets on the real architectures ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    from flowrl.models.tiny import build_tiny_flux, build_tiny_sd3
+
+    root = tmp_path_factory.mktemp("tiny_pipelines")
+    return {"sd3": build_tiny_sd3(root / "sd3"), "flux": build_tiny_flux(root / "flux")}
+
+
+def _assert_targets_adapted(policy, targets):
+    names = {n for n, _ in policy.transformer.named_modules()}
+    for t in targets:
+        hits = [n for n in names if (n == t or n.endswith("." + t)) and f"{n}.lora_A" in names]
+        assert hits, f"LoRA target '{t}' wrapped no module of {type(policy.transformer).__name__}"
+
+
+@pytest.mark.parametrize("name", (*SD3_PRESETS, *FLUX_PRESETS))
+def test_lora_targets_exist_in_the_architecture(name, tiny_dirs):
+    from flowrl.models import load_policy
+
+    cfg = load_config(_preset(name), validate_paths=False)
+    policy = load_policy(ModelConfig(kind=cfg.model.kind, path=str(tiny_dirs[cfg.model.kind]), device="cpu"))
+    policy.add_lora(cfg.lora)  # raises UserError naming any target the transformer lacks
+    _assert_targets_adapted(policy, cfg.lora.target_modules)
+    assert policy.trainable_parameters()
+    assert all(p.dtype.is_floating_point for p in policy.trainable_parameters())
+
+
+def test_sd3_targets_leave_out_dual_attention_attn2():
+    """SD3.5-Medium's dual-attention blocks carry a second image-only attention `attn2`; the
+    presets follow Flow-GRPO's train_sd3.py and adapt only `attn` (prefix 'attn.')."""
+    import torch
+    from diffusers import SD3Transformer2DModel
+    from peft import LoraConfig as PeftLoraConfig
+
+    cfg = load_config(_preset("sd35_medium_pickscore_8gpu"), validate_paths=False)
+    torch.manual_seed(0)
+    t = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, num_layers=2, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=16, out_channels=4,
+        pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm",
+    )
+    t.add_adapter(PeftLoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, target_modules=list(cfg.lora.target_modules)))
+    adapted = {n.rsplit(".lora_A", 1)[0] for n, _ in t.named_modules() if n.endswith(".lora_A")}
+    assert "transformer_blocks.0.attn.to_q" in adapted and "transformer_blocks.0.attn.add_q_proj" in adapted
+    assert not any(".attn2." in n for n in adapted)
