@@ -90,7 +90,7 @@ def load_checkpoint(path: Path) -> dict:
             "ema": load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").is_file() else None,
             "rng": load_file(str(path / "rng.safetensors")),
         }
-    except (OSError, KeyError, ValueError, json.JSONDecodeError) as exc:
+    except Exception as exc:  # safetensors, JSON and missing files all mean the same to the user
         raise UserError(f"checkpoint '{path}' is incomplete or corrupt ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
     return out
 

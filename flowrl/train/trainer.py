@@ -103,8 +103,8 @@ class GRPOTrainer:
 
         if resume:
             self._resume()
-        elif acc.is_main_process:
-            self.run.create(cfg)
+        if acc.is_main_process:
+            self.run.create(cfg)  # on resume too: the run directory shows the config in force
         acc.wait_for_everyone()
         if cfg.run.tracker != "none":
             acc.init_trackers("tracker", config=flat_config(cfg))

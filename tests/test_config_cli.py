@@ -1,0 +1,79 @@
+"""Config loading and the CLI's handling of user mistakes: exit 2, one sentence, no traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from flowrl.cli import main
+from flowrl.config import load_config
+from flowrl.errors import ConfigError
+
+
+def test_default_preset_loads_and_overrides_apply():
+    cfg = load_config(None, ["trainer.lr=1e-5", "sampling.window.strategy=fixed", "sampling.window.size=2"])
+    assert cfg.trainer.lr == 1e-5 and cfg.sampling.window.size == 2
+
+
+def test_mapping_override_replaces():
+    cfg = load_config(None, ["reward.weights={brightness: 2.0}"])
+    assert cfg.reward.weights == {"brightness": 2.0}
+
+
+BAD = [
+    (["trainer.lrr=1"], "trainer.lrr"),
+    (["trainer.lr=abc"], "trainer.lr"),
+    (["data.group_size=1"], "data.group_size"),
+    (["sampling.window.strategy=fixed", "sampling.window.size=4", "sampling.window.start=7"], "sampling.window.start"),
+    (["sampling.window.strategy=fixed", "sampling.window.size=20"], "sampling.window.size"),
+    (["model.path=./no/such/pipeline"], "model.path"),
+    (["model.path=builtin:nope"], "model.path"),
+    (["sampling.sampler=euler"], "sampling.sampler"),
+    (["reward.weights={no_such_reward: 1.0}"], "no_such_reward"),
+    (["sampling.batch_size=5"], "sampling.batch_size"),
+    (["model.height=60"], "model.height"),
+    (["trainer.kl_beta=0.1", "lora.enabled=false"], "trainer.kl_beta"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD)
+def test_bad_config_names_the_key(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert key in message and "\n" not in message
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("trainer:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="trainer.learning_rate"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "trainer.lrr=1"],
+    ["train", "data.group_size=1"],
+    ["train", "model.path=/no/such/dir"],
+    ["train", "no_such_preset"],
+    ["train", "--resume", "/no/such/run"],
+    ["eval", "--config", "default", "--prompts", "/no/such/prompts.txt"],
+])
+def test_cli_exits_2_with_one_sentence(argv, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flowrl: error: ") and "\n" not in err and "Traceback" not in err
+
+
+def test_cli_subprocess_has_no_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "data.group_size=1"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "data.group_size" in proc.stderr
+
+
+def test_rewards_command_lists_the_registry(capsys):
+    assert main(["rewards"]) == 0
+    out = capsys.readouterr().out
+    assert "jpeg_compressibility" in out and "brightness" in out
