@@ -27,6 +27,7 @@ TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("tiny-sd3", "tiny-flux")
+REPLACED_MAPPINGS = ("reward.weights",)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -191,6 +192,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         raise ConfigError(f"config file '{src}' is not valid YAML: {str(exc).splitlines()[0]}") from None
     try:
         merged = OmegaConf.merge(schema, loaded)
+        # a mapping given in the file replaces the default instead of adding to it
+        for key in REPLACED_MAPPINGS:
+            given = OmegaConf.select(loaded, key, default=None)
+            if given is not None:
+                OmegaConf.update(merged, key, given, merge=False)
     except OmegaConfBaseException as exc:
         raise ConfigError(_one_sentence(exc, str(src))) from None
     for item in overrides or []:

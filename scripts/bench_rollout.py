@@ -11,10 +11,12 @@ Default (CPU or GPU): build a tiny random SD3 pipeline whose SD3Transformer2DMod
               batch, under torch.no_grad (the forwards the rollout cannot avoid);
   transformer the same T raw policy.transformer(...) calls with identical tensors.
 
-guidance_scale is 1.0, so every step is exactly one forward of batch G in all three. Each is
-warmed up, then repeated (median reported). The last line is the ratio rollout / velocity:
-`rollout overhead 1.03x bare forwards`. When that ratio is above --profile-threshold (or with
---profile) the script times the rollout's other pieces with the same call counts and shapes.
+guidance_scale is 1.0, so every step is exactly one forward of batch G in all three. They are
+warmed up, then repeated back to back (medians reported); the overhead line is the median of
+the per-repeat ratios rollout / velocity, which cancels load drift on a shared machine:
+`rollout overhead 1.03x bare forwards`. The rollout's other work (noise, step math, copies) is
+also timed piece by piece, with the rollout's call counts and shapes; when the ratio is above
+--profile-threshold (or with --profile) the pieces are printed one by one.
 
 --gpu-iteration: on a CUDA machine, time one GRPO-like iteration of a randomly initialised
 SD3.5-Medium-sized transformer (diffusers SD3Transformer2DModel with the SD3.5-Medium config,
@@ -145,7 +147,9 @@ def bench_rollout(args) -> float:
         results["transformer"] += _median_time(run_transformer, 1)
 
     med = {k: statistics.median(v) for k, v in results.items()}
-    ratio = med["rollout"] / med["velocity"]
+    # each repeat times the three back to back: the per-repeat ratio cancels machine-load drift
+    paired = [r / v for r, v in zip(results["rollout"], results["velocity"])]
+    ratio = statistics.median(paired)
     print(f"bench_rollout: SD3Transformer2DModel {n_params / 1e6:.2f}M params (width {args.width}, {args.layers} layers), "
           f"latents {'x'.join(map(str, shape))} ({args.resolution}x{args.resolution} px), fp32, device {policy.device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
@@ -159,7 +163,8 @@ def bench_rollout(args) -> float:
     extra = sum(pieces.values())
     print(f"rollout work besides the forwards, timed piece by piece: {extra * 1e3:.2f} ms per rollout "
           f"= {extra / med['velocity'] * 100:.3f}% of the forwards")
-    print(f"rollout overhead {ratio:.2f}x bare forwards")
+    print(f"per-repeat rollout/velocity ratios: {', '.join(f'{r:.3f}' for r in paired)}; ratio of the medians {med['rollout'] / med['velocity']:.3f}x")
+    print(f"rollout overhead {ratio:.2f}x bare forwards (median of the per-repeat ratios)")
     if args.profile or ratio > args.profile_threshold:
         print_pieces(pieces, med, args)
     return ratio

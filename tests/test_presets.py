@@ -83,13 +83,7 @@ def _yaml_reward_weights(name: str) -> dict:
     return dict(OmegaConf.to_container(OmegaConf.load(_preset(name)).reward.weights))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="flowrl.config.load_config merges a YAML's reward.weights into the schema default "
-    "{jpeg_compressibility: 1.0} (OmegaConf unions dicts), so a preset naming only pickscore also "
-    "gets jpeg_compressibility; fix: replace dict-valued keys from the file, e.g. "
-    "OmegaConf.update(merged, 'reward.weights', <the file's node>, merge=False). Remove this marker then.",
-)
+# Regression: a YAML's reward.weights replaces the schema default instead of merging into it.
 @pytest.mark.parametrize("name", (*SD3_PRESETS, *FLUX_PRESETS))
 def test_loaded_reward_weights_are_exactly_the_presets(name):
     cfg = load_config(_preset(name), validate_paths=False)
@@ -113,12 +107,10 @@ def test_preset_rewards_fail_clearly_until_implemented(name):
 # ---- LoRA targets on the real architectures ------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    from flowrl.models.tiny import build_tiny_flux, build_tiny_sd3
-
-    root = tmp_path_factory.mktemp("tiny_pipelines")
-    return {"sd3": build_tiny_sd3(root / "sd3"), "flux": build_tiny_flux(root / "flux")}
+@pytest.fixture
+def tiny_dirs(tiny_sd3_dir, tiny_flux_dir):
+    # the session's tiny pipelines (tests/conftest.py), built by flowrl.models.tiny
+    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir}
 
 
 def _assert_targets_adapted(policy, targets):
