@@ -114,3 +114,36 @@ def test_two_processes_end_with_identical_weights(tmp_path, tiny_sd3_dir):
         assert a["reward_mean"] == b["reward_mean"] and a["samples"] == 8
     # and training moved the weights away from the initial adapter
     assert any(r0[k].abs().sum() > 0 for k in r0 if "lora_B" in k)
+
+
+@pytest.mark.parametrize("sampler", ["flow_grpo", "dance_grpo", "cps"])
+def test_every_sampler_trains_within_its_window(tmp_path, tiny_sd3_dir, sampler):
+    overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
+                 f"sampling.sampler={sampler}", "sampling.noise_level=0.5", "sampling.window.strategy=fixed",
+                 "sampling.window.size=2", "sampling.window.start=1", "trainer.kl_beta=0.01"]
+    trainer = GRPOTrainer(load_config(None, overrides), run_dir=tmp_path / "run")
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    row = trainer.train()[0]
+    assert row["trained_steps"] == 2 and row["first_ratio_deviation"] < 1e-5
+    assert any(not torch.equal(before[n], p) for n, p in trainer.params.items())
+    spec = trainer.sampler_spec(0)
+    assert spec.trained_steps() == [1, 2]
+
+
+def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_sd3_dir, capsys):
+    args = [*FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=1", "run.sample_every=0", "--run-dir", str(tmp_path / "r")]
+    assert main(["train", *args]) == 0
+    assert main(["train", *args]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert len(_metrics(tmp_path / "r")) == 1
+
+
+def test_gradient_accumulation_takes_fewer_optimizer_steps(tmp_path, tiny_sd3_dir):
+    rows = {}
+    for accum in (1, 2):
+        overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0",
+                     "trainer.iterations=1", "sampling.batch_size=2", f"trainer.gradient_accumulation_steps={accum}",
+                     "trainer.inner_epochs=2"]
+        rows[accum] = GRPOTrainer(load_config(None, overrides), run_dir=tmp_path / f"a{accum}").train()[0]
+    # 8 samples in batches of 2 = 4 micro-batches per epoch, 2 epochs
+    assert rows[1]["optimizer_steps"] == 8 and rows[2]["optimizer_steps"] == 4

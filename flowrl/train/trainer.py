@@ -103,6 +103,11 @@ class GRPOTrainer:
 
         if resume:
             self._resume()
+        elif (self.run.path / "metrics.jsonl").exists():
+            raise UserError(
+                f"run directory '{self.run.path}' already holds a run; resume it with --resume {self.run.path} "
+                "or choose another run.name"
+            )
         if acc.is_main_process:
             self.run.create(cfg)  # on resume too: the run directory shows the config in force
         acc.wait_for_everyone()
@@ -208,6 +213,7 @@ class GRPOTrainer:
                 cond = self.policy.encode(traj.prompts[c])
                 a = adv[c].to(acc.device)
                 closes_group = (ci + 1) % accum == 0 or ci == len(order) - 1
+                group_len = min(accum, len(order) - (ci // accum) * accum)  # the last group may be short
                 for k, step in enumerate(steps):
                     sync = closes_group and k == len(steps) - 1
                     with contextlib.nullcontext() if sync else acc.no_sync(self.policy.net):
@@ -221,7 +227,7 @@ class GRPOTrainer:
                                 ref = transition(self.policy, traj, spec, c, step, cond)
                             kl = gaussian_kl(out.mean, ref.mean, out.std, spec.reduction).mean()
                             loss = loss + t.kl_beta * kl
-                        acc.backward(loss / (min(accum, len(order)) * len(steps)))
+                        acc.backward(loss / (group_len * len(steps)))
                     if epoch == 0 and ci == 0 and k == 0:
                         first_ratio_dev = (pl.ratio - 1).abs().max().item()
                     sums["loss"] += loss.item()
