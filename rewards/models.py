@@ -36,10 +36,9 @@ def _placeholder_factory(name: str, what: str):
             f"the rewards library issue will add it, so until then choose a reward listed by `flowrl rewards` without 'not yet available'"
         )
 
-    factory._is_factory = True  # registry: call this factory instead of treating it as the reward itself
     factory.__name__ = f"{name}_not_implemented"
     return factory
 
 
 for _name, (_what, _description) in PENDING_MODEL_REWARDS.items():
-    register(_name, _description)(_placeholder_factory(_name, _what))
+    register(_name, _description, factory=True)(_placeholder_factory(_name, _what))

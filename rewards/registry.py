@@ -19,12 +19,13 @@ class RewardSpec:
 _REGISTRY: dict[str, RewardSpec] = {}
 
 
-def register(name: str, description: str, channels: tuple[str, ...] = ()):
-    """Decorator: register a reward factory (or a plain reward function) under `name`."""
+def register(name: str, description: str, channels: tuple[str, ...] = (), factory: bool = False):
+    """Decorator: register a reward under `name`. A plain function is the reward itself; a
+    class, or a function registered with factory=True, builds the reward when first used."""
 
     def wrap(obj):
-        factory = obj if isinstance(obj, type) or getattr(obj, "_is_factory", False) else (lambda **_: obj)
-        _REGISTRY[name] = RewardSpec(name, description, factory, channels or (name,))
+        make = obj if factory or isinstance(obj, type) else (lambda **_: obj)
+        _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,))
         return obj
 
     return wrap

@@ -33,7 +33,12 @@ def builtin_model_dir(name: str) -> Path:
         tmp = root / f".{name}.tmp{os.getpid()}"
         builder = {"tiny-sd3": tiny.build_tiny_sd3, "tiny-flux": tiny.build_tiny_flux}[name]
         builder(tmp)
-        tmp.replace(target) if not target.exists() else None
+        try:
+            tmp.replace(target)  # atomic; another process may have won the race
+        except OSError:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
