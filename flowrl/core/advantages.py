@@ -1,7 +1,8 @@
-"""Advantage estimators over grouped rewards.
+"""Advantage estimators over grouped rewards (ALGORITHMS.md section 7).
 
-Inputs are rewards [N, K] (K reward channels), group ids [N] and optional channel weights
-[K]; outputs are advantages [N] and a mask [N] of the samples that carry gradient.
+Every estimator takes rewards [N, K] (K reward channels; [N] is one channel), group ids [N]
+and optional channel weights [K], and returns advantages [N] and a mask [N] of the samples
+that carry gradient. Groups may have different sizes. Nothing here knows what a sample is.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 STD_KINDS = ("group", "global")
+ADVANTAGE_KINDS = ("grpo", "mc_grpo", "gdpo", "rank", "reinforce_ada")
 
 
 class AdvantageOutput(NamedTuple):
@@ -30,41 +32,153 @@ def combine_channels(rewards: torch.Tensor, weights: torch.Tensor | None = None)
     return rewards @ weights.to(rewards)
 
 
-def group_stats(values: torch.Tensor, group_ids: torch.Tensor):
-    """Per-sample group mean and (population) std of `values` [N], plus the unique ids."""
-    uniq, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = uniq.numel()
-    counts = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, inverse, torch.ones_like(values))
-    sums = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, inverse, values)
-    means = sums / counts
-    sq = torch.zeros(n_groups, dtype=torch.float32, device=values.device).index_add_(0, inverse, (values - means[inverse]) ** 2)
-    stds = (sq / counts).sqrt()
-    return means[inverse], stds[inverse], uniq, inverse, stds
+class Groups(NamedTuple):
+    ids: torch.Tensor  # [G] sorted unique ids
+    inverse: torch.Tensor  # [N] index of each sample's group
+    counts: torch.Tensor  # [G] float
 
 
-def grpo_advantages(
-    rewards: torch.Tensor,
-    group_ids: torch.Tensor,
-    weights: torch.Tensor | None = None,
-    std: str = "group",
-    eps: float = 1e-4,
-    clip: float | None = None,
-) -> AdvantageOutput:
-    """GRPO (Shao et al., DeepSeekMath; Flow-GRPO eq. 4): A = (r - mean_group) / (std + eps),
-    std per group or over the whole batch. Groups whose rewards are all equal are degenerate:
-    their advantages are 0 and they carry no gradient."""
+def groups_of(group_ids: torch.Tensor) -> Groups:
+    ids, inverse = torch.unique(group_ids, return_inverse=True)
+    counts = torch.bincount(inverse, minlength=ids.numel()).float()
+    return Groups(ids, inverse, counts)
+
+
+def _scatter(values: torch.Tensor, g: Groups, reduce: str) -> torch.Tensor:
+    init = {"sum": 0.0, "amax": -float("inf"), "amin": float("inf")}[reduce]
+    out = torch.full((g.ids.numel(),), init, dtype=values.dtype, device=values.device)
+    return out.scatter_reduce(0, g.inverse, values, reduce, include_self=reduce == "sum")
+
+
+def group_mean_std(values: torch.Tensor, g: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group mean and population std, [G] each."""
+    mean = _scatter(values, g, "sum") / g.counts
+    var = _scatter((values - mean[g.inverse]) ** 2, g, "sum") / g.counts
+    return mean, var.sqrt()
+
+
+def group_degenerate(values: torch.Tensor, g: Groups) -> torch.Tensor:
+    """[G] bool: every value in the group is equal. Exact (max == min): the float std of equal
+    values can be one rounding step above zero."""
+    return _scatter(values, g, "amax") == _scatter(values, g, "amin")
+
+
+def group_median(values: torch.Tensor, g: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group median [G] (mean of the two middle values for even sizes) and a pivot mask [N]:
+    in an odd group exactly one sample, the middle one (lowest index among ties), is the pivot."""
+    medians = torch.empty(g.ids.numel(), dtype=values.dtype, device=values.device)
+    pivot = torch.zeros(values.numel(), dtype=torch.bool, device=values.device)
+    for k in range(g.ids.numel()):
+        idx = (g.inverse == k).nonzero().squeeze(1)
+        order = idx[torch.sort(values[idx], stable=True).indices]
+        n = order.numel()
+        if n % 2:
+            medians[k] = values[order[n // 2]]
+            pivot[order[n // 2]] = True
+        else:
+            medians[k] = 0.5 * (values[order[n // 2 - 1]] + values[order[n // 2]])
+    return medians, pivot
+
+
+def _scale(values: torch.Tensor, g: Groups, group_std: torch.Tensor, std: str) -> torch.Tensor:
     if std not in STD_KINDS:
         raise ValueError(f"advantage.std must be one of {STD_KINDS}, got {std!r}")
-    r = combine_channels(rewards, weights)
-    mean, group_std, uniq, inverse, stds_per_group = group_stats(r, group_ids)
-    scale = group_std if std == "group" else r.std(unbiased=False).expand_as(r)
-    adv = (r - mean) / (scale + eps)
-    # exact test (max == min): a float std of equal values can be one rounding step above 0
-    n_groups = uniq.numel()
-    gmax = torch.full((n_groups,), -float("inf"), device=r.device).scatter_reduce(0, inverse, r, "amax")
-    gmin = torch.full((n_groups,), float("inf"), device=r.device).scatter_reduce(0, inverse, r, "amin")
-    degenerate = gmax == gmin
-    adv = torch.where(degenerate[inverse], torch.zeros_like(adv), adv)
+    return group_std[g.inverse] if std == "group" else values.std(unbiased=False).expand_as(values)
+
+
+def _finish(adv, degenerate, g: Groups, clip, extra_mask=None) -> AdvantageOutput:
+    dead = degenerate[g.inverse]
+    adv = torch.where(dead, torch.zeros_like(adv), adv)
     if clip is not None:
         adv = adv.clamp(-clip, clip)
-    return AdvantageOutput(adv, ~degenerate[inverse], degenerate, uniq)
+    mask = ~dead if extra_mask is None else ~dead & extra_mask
+    return AdvantageOutput(adv, mask, degenerate, g.ids)
+
+
+def grpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
+    """GRPO (Shao et al., DeepSeekMath; Flow-GRPO eq. 4): A = (r - mean_group) / (std + eps),
+    std per group or over the whole batch. Degenerate groups get A = 0 and no gradient."""
+    r = combine_channels(rewards, weights)
+    g = groups_of(group_ids)
+    mean, gstd = group_mean_std(r, g)
+    adv = (r - mean[g.inverse]) / (_scale(r, g, gstd, std) + eps)
+    return _finish(adv, group_degenerate(r, g), g, clip)
+
+
+def mc_grpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
+    """MC-GRPO (median-centred GRPO): the group median is the baseline, robust to one outlier
+    that would drag the mean across most of the group. With G + 1 (odd) samples, exactly one is
+    the median, has A = 0, and is left out of the backward pass, so G samples carry gradient."""
+    r = combine_channels(rewards, weights)
+    g = groups_of(group_ids)
+    _, gstd = group_mean_std(r, g)
+    median, pivot = group_median(r, g)
+    adv = (r - median[g.inverse]) / (_scale(r, g, gstd, std) + eps)
+    adv = torch.where(pivot, torch.zeros_like(adv), adv)
+    return _finish(adv, group_degenerate(r, g), g, clip, extra_mask=~pivot)
+
+
+def gdpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
+    """GDPO (group reward-decoupled normalisation): normalise every reward channel within its
+    group, then take the weighted sum, then rescale by the batch std of that sum (our reading
+    of its batch-wise normalisation, which keeps the scale fixed as channels are added).
+    Unlike GRPO on the summed reward, different channel combinations with equal sums stay apart."""
+    r = rewards.float()
+    if r.ndim == 1:
+        r = r[:, None]
+    w = torch.ones(r.shape[1]) if weights is None else weights.float()
+    g = groups_of(group_ids)
+    total = torch.zeros(r.shape[0], dtype=torch.float32, device=r.device)
+    degenerate = torch.ones(g.ids.numel(), dtype=torch.bool, device=r.device)
+    for k in range(r.shape[1]):
+        mean, gstd = group_mean_std(r[:, k], g)
+        flat = group_degenerate(r[:, k], g)
+        a_k = (r[:, k] - mean[g.inverse]) / (_scale(r[:, k], g, gstd, std) + eps)
+        total = total + w[k] * torch.where(flat[g.inverse], torch.zeros_like(a_k), a_k)
+        degenerate &= flat
+    live = ~degenerate[g.inverse]
+    if live.sum() > 1:
+        total = total / (total[live].std(unbiased=False) + eps)
+    return _finish(total, degenerate, g, clip)
+
+
+def rank_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
+    """Rank-based advantages: the within-group rank of each reward (ties share their mean rank),
+    centred and scaled to [-1, 1]. Invariant to any increasing transform of the reward."""
+    r = combine_channels(rewards, weights)
+    g = groups_of(group_ids)
+    adv = torch.zeros_like(r)
+    for k in range(g.ids.numel()):
+        idx = (g.inverse == k).nonzero().squeeze(1)
+        v = r[idx]
+        n = v.numel()
+        if n < 2:
+            continue
+        less = (v[None, :] < v[:, None]).sum(1).float()
+        equal = (v[None, :] == v[:, None]).sum(1).float()
+        rank = less + (equal - 1) / 2  # 0-based average rank
+        adv[idx] = (rank - (n - 1) / 2) / ((n - 1) / 2)
+    return _finish(adv, group_degenerate(r, g), g, clip)
+
+
+def reinforce_ada_advantages(rewards, group_ids, weights=None, std=None, eps=1e-4, clip=None) -> AdvantageOutput:
+    """Reinforce-Ada's global-statistics baseline: the baseline is the mean over every rollout
+    of the prompt gathered during adaptive sampling (all rounds: flowrl keeps them all in the
+    group), and the scale is the std over the whole batch rather than the small group's
+    (`std` is ignored: the global scale is the method)."""
+    return grpo_advantages(rewards, group_ids, weights, std="global", eps=eps, clip=clip)
+
+
+ESTIMATORS = {
+    "grpo": grpo_advantages,
+    "mc_grpo": mc_grpo_advantages,
+    "gdpo": gdpo_advantages,
+    "rank": rank_advantages,
+    "reinforce_ada": reinforce_ada_advantages,
+}
+
+
+def estimate_advantages(kind: str, rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
+    if kind not in ESTIMATORS:
+        raise ValueError(f"advantage.kind must be one of {ADVANTAGE_KINDS}, got {kind!r}")
+    return ESTIMATORS[kind](rewards, group_ids, weights, std=std, eps=eps, clip=clip)

@@ -1,0 +1,327 @@
+"""Rollout allocation: which prompts get how many rollouts under a fixed budget per iteration
+(ALGORITHMS.md section 8). Modality-free: prompts are indices into a pool, outcomes are
+success flags (a continuous reward becomes a success through a threshold, set by the caller).
+
+Protocol, one iteration:
+    counts = alloc.first_stage(iteration)          # LongTensor [num_prompts], sum <= budget
+    while (extra := alloc.next_stage(counts, successes, failures)).sum() > 0:
+        ...sample extra, count outcomes...; counts += extra
+    alloc.observe(prompt_ids, success)              # per sample, updates the posteriors
+
+The stages of one iteration always spend exactly `budget` rollouts, and every prompt that is
+sampled at all gets at least `min_group` rollouts (a group of one has no baseline).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ALLOCATOR_KINDS = ("uniform", "vade", "xrpo", "dars", "successive_elimination", "sqrt")
+
+
+class PromptStats:
+    """Per-prompt Beta posteriors over success probability, with two forgetting scales
+    (VADE's two-scale prior decay, our reading): fast and slow decayed success/failure counts;
+    the posterior uses their average on top of a Beta(prior_a, prior_b) prior, so it follows a
+    changing policy quickly (fast) without forgetting everything (slow)."""
+
+    def __init__(self, num_prompts: int, prior_a: float = 1.0, prior_b: float = 1.0, fast_decay: float = 0.5, slow_decay: float = 0.95):
+        self.prior_a, self.prior_b = prior_a, prior_b
+        self.fast_decay, self.slow_decay = fast_decay, slow_decay
+        z = lambda: torch.zeros(num_prompts, dtype=torch.float64)  # noqa: E731
+        self.s_fast, self.f_fast, self.s_slow, self.f_slow = z(), z(), z(), z()
+        self.seen = torch.zeros(num_prompts, dtype=torch.long)
+
+    def update(self, prompt_ids: torch.Tensor, success: torch.Tensor) -> None:
+        """Decay the prompts that were sampled, then add their new outcomes."""
+        n = self.s_fast.numel()
+        s = torch.bincount(prompt_ids, weights=success.double(), minlength=n)
+        f = torch.bincount(prompt_ids, weights=(~success).double(), minlength=n)
+        touched = torch.bincount(prompt_ids, minlength=n) > 0
+        for counts, new, decay in ((self.s_fast, s, self.fast_decay), (self.f_fast, f, self.fast_decay),
+                                   (self.s_slow, s, self.slow_decay), (self.f_slow, f, self.slow_decay)):
+            counts[touched] = counts[touched] * decay + new[touched]
+        self.seen += touched.long()
+
+    @property
+    def alpha(self) -> torch.Tensor:
+        return self.prior_a + 0.5 * (self.s_fast + self.s_slow)
+
+    @property
+    def beta(self) -> torch.Tensor:
+        return self.prior_b + 0.5 * (self.f_fast + self.f_slow)
+
+    def mean(self) -> torch.Tensor:
+        return self.alpha / (self.alpha + self.beta)
+
+    def thompson(self, generator: torch.Generator) -> torch.Tensor:
+        """One draw p ~ Beta(alpha, beta) per prompt, from `generator` (Gamma ratio)."""
+        a = _gamma(self.alpha, generator)
+        b = _gamma(self.beta, generator)
+        return a / (a + b)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"s_fast": self.s_fast, "f_fast": self.f_fast, "s_slow": self.s_slow, "f_slow": self.f_slow, "seen": self.seen}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for k, v in state.items():
+            getattr(self, k).copy_(v)
+
+
+def _gamma(shape: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    # torch's _standard_gamma takes no generator; Marsaglia-Tsang with explicit draws keeps
+    # every allocation reproducible from the seed
+    boost = shape < 1
+    d = torch.where(boost, shape + 1, shape) - 1.0 / 3
+    c = 1.0 / torch.sqrt(9 * d)
+    out = torch.empty_like(shape)
+    todo = torch.ones_like(shape, dtype=torch.bool)
+    while todo.any():
+        x = torch.randn(shape.shape, generator=generator, dtype=shape.dtype)
+        u = torch.rand(shape.shape, generator=generator, dtype=shape.dtype)
+        v = (1 + c * x) ** 3
+        ok = todo & (v > 0) & (torch.log(u.clamp_min(1e-300)) < 0.5 * x**2 + d - d * v + d * torch.log(v.clamp_min(1e-300)))
+        out[ok] = (d * v)[ok]
+        todo &= ~ok
+    u = torch.rand(shape.shape, generator=generator, dtype=shape.dtype)
+    return torch.where(boost, out * u.clamp_min(1e-300) ** (1.0 / shape), out)
+
+
+def largest_remainder(weights: torch.Tensor, total: int, minimum: int = 0) -> torch.Tensor:
+    """Integers >= `minimum` proportional to `weights` that sum exactly to `total`."""
+    n = weights.numel()
+    if total < minimum * n:
+        raise ValueError(f"budget {total} cannot give {n} prompts at least {minimum} rollouts each")
+    w = weights.double().clamp_min(0)
+    w = w / w.sum() if w.sum() > 0 else torch.full_like(w, 1.0 / n)
+    free = total - minimum * n
+    raw = w * free
+    counts = raw.floor().long()
+    rest = free - int(counts.sum())
+    if rest:
+        counts[torch.argsort(raw - counts, descending=True, stable=True)[:rest]] += 1
+    return counts + minimum
+
+
+class Allocator:
+    """Base: uniform allocation. `budget` rollouts per iteration over `prompts_per_iteration`
+    prompts drawn from a pool of `num_prompts`."""
+
+    kind = "uniform"
+
+    def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2,
+                 prior_a: float = 1.0, prior_b: float = 1.0, fast_decay: float = 0.5, slow_decay: float = 0.95, **params):
+        if prompts_per_iteration * min_group > budget:
+            raise ValueError(f"a budget of {budget} rollouts cannot give {prompts_per_iteration} prompts {min_group} rollouts each")
+        self.num_prompts, self.budget, self.per_iteration = num_prompts, budget, prompts_per_iteration
+        self.seed, self.min_group, self.params = seed, min_group, params
+        self.stats = PromptStats(num_prompts, prior_a, prior_b, fast_decay, slow_decay)
+        self.iteration = 0
+        self.spent = 0
+
+    def generator(self, iteration: int, salt: int = 0) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 1_000_003 + iteration * 7919 + salt)
+
+    def choose_prompts(self, iteration: int) -> torch.Tensor:
+        """Which prompts this iteration samples: uniformly without replacement (with, if the pool is small)."""
+        g = self.generator(iteration)
+        if self.per_iteration <= self.num_prompts:
+            return torch.randperm(self.num_prompts, generator=g)[: self.per_iteration]
+        return torch.randint(self.num_prompts, (self.per_iteration,), generator=g)
+
+    def counts_for(self, prompts: torch.Tensor, per_prompt: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros(self.num_prompts, dtype=torch.long)
+        counts.index_add_(0, prompts, per_prompt.long())
+        return counts
+
+    def first_stage(self, iteration: int) -> torch.Tensor:
+        self.iteration, self.spent = iteration, 0
+        prompts = self.choose_prompts(iteration)
+        counts = self.counts_for(prompts, largest_remainder(torch.ones(len(prompts)), self.stage_budget(), self.min_group))
+        self.spent = int(counts.sum())
+        return counts
+
+    def stage_budget(self) -> int:
+        return self.budget
+
+    def next_stage(self, counts: torch.Tensor, successes: torch.Tensor, failures: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.num_prompts, dtype=torch.long)
+
+    def _take(self, extra: torch.Tensor) -> torch.Tensor:
+        self.spent += int(extra.sum())
+        return extra
+
+    @property
+    def remaining(self) -> int:
+        return self.budget - self.spent
+
+    def observe(self, prompt_ids: torch.Tensor, success: torch.Tensor) -> None:
+        self.stats.update(prompt_ids.long(), success.bool())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.stats.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.stats.load_state_dict(state)
+
+
+class VADEAllocator(Allocator):
+    """VADE (variance-aware dynamic sampling): Thompson-sample each prompt's success probability
+    from its Beta posterior and sample the prompts whose draw is most informative, p (1 - p)
+    (the Bernoulli variance: a group is degenerate with probability p^G + (1 - p)^G, smallest at
+    p = 1/2). Unseen prompts have the Beta(1, 1) prior, so they are explored too."""
+
+    kind = "vade"
+
+    def choose_prompts(self, iteration: int) -> torch.Tensor:
+        p = self.stats.thompson(self.generator(iteration, salt=1))
+        k = min(self.per_iteration, self.num_prompts)
+        return torch.argsort(p * (1 - p), descending=True, stable=True)[:k]
+
+
+class XRPOAllocator(Allocator):
+    """XRPO-style allocation by expected uncertainty reduction: every chosen prompt gets
+    `min_group` rollouts, then each further rollout goes to the prompt where one more sample
+    shrinks the variance of its mean-reward estimate most, v / (n (n + 1)), with v the posterior
+    predictive Bernoulli variance. (Our reading; XRPO's exact score is not in its abstract.)"""
+
+    kind = "xrpo"
+
+    def first_stage(self, iteration: int) -> torch.Tensor:
+        self.iteration, self.spent = iteration, 0
+        prompts = self.choose_prompts(iteration)
+        m = self.stats.mean()[prompts]
+        v = (m * (1 - m)).clamp_min(1e-4)
+        n = torch.full((len(prompts),), self.min_group, dtype=torch.long)
+        for _ in range(self.budget - int(n.sum())):
+            gain = v / (n * (n + 1)).double()
+            n[int(torch.argmax(gain))] += 1
+        counts = self.counts_for(prompts, n)
+        self.spent = int(counts.sum())
+        return counts
+
+
+class DARSAllocator(Allocator):
+    """DARS (depth-adaptive rollouts): a first uniform stage spends `first_fraction` of the
+    budget; later stages give `round_size` more rollouts to each prompt whose success rate is
+    below `hard_accuracy` and which has fewer than `target_positives` successes, until the
+    budget runs out. Budget left when no prompt is hard goes round-robin to all prompts."""
+
+    kind = "dars"
+
+    def stage_budget(self) -> int:
+        frac = float(self.params.get("first_fraction", 0.5))
+        first = max(self.per_iteration * self.min_group, int(round(frac * self.budget)))
+        return min(first, self.budget)
+
+    def next_stage(self, counts, successes, failures):
+        left = self.remaining
+        extra = torch.zeros(self.num_prompts, dtype=torch.long)
+        if left <= 0:
+            return extra
+        sampled = counts > 0
+        rate = successes.double() / counts.clamp_min(1).double()
+        hard = sampled & (rate < float(self.params.get("hard_accuracy", 0.5))) & (successes < int(self.params.get("target_positives", 2)))
+        targets = hard.nonzero().squeeze(1) if hard.any() else sampled.nonzero().squeeze(1)
+        per = int(self.params.get("round_size", 2))
+        for i in targets.tolist():
+            give = min(per, left)
+            extra[i] += give
+            left -= give
+            if left == 0:
+                break
+        return self._take(extra)
+
+
+class SuccessiveEliminationAllocator(VADEAllocator):
+    """Reinforce-Ada's successive elimination: sample every active prompt in rounds of
+    `round_size`; a prompt leaves once it has signal (at least one success and one failure) or
+    reaches `cap` rollouts. When no prompt is active and budget remains, fresh prompts join.
+    Which prompts start and join is VADE's Thompson choice (our combination: Reinforce-Ada
+    itself starts from uniformly drawn prompts, which wastes the cap on solved ones)."""
+
+    kind = "successive_elimination"
+
+    def _join_order(self, counts: torch.Tensor) -> list[int]:
+        p = self.stats.thompson(self.generator(self.iteration, salt=1 + int(counts.sum())))
+        return [i for i in torch.argsort(p * (1 - p), descending=True, stable=True).tolist() if counts[i] == 0]
+
+    def stage_budget(self) -> int:
+        return min(self.budget, self.per_iteration * max(self.min_group, int(self.params.get("round_size", 4))))
+
+    def next_stage(self, counts, successes, failures):
+        left = self.remaining
+        extra = torch.zeros(self.num_prompts, dtype=torch.long)
+        if left <= 0:
+            return extra
+        cap = int(self.params.get("cap", 2 * max(1, self.budget // self.per_iteration)))
+        per = max(self.min_group, int(self.params.get("round_size", 4)))
+        active = (counts > 0) & ~((successes > 0) & (failures > 0)) & (counts < cap)
+        if active.any():
+            for i in active.nonzero().squeeze(1).tolist():
+                give = min(per, left, cap - int(counts[i]))
+                extra[i], left = give, left - give
+                if left == 0:
+                    break
+            return self._take(extra)
+        # every prompt has signal or hit its cap: a fresh cohort joins if the budget affords four
+        # rounds each; otherwise what is left goes to prompts that have signal (more samples keep
+        # an informative group informative, while a half-sampled fresh prompt would be wasted)
+        joining = min(self.per_iteration, left // (4 * per))
+        for i in self._join_order(counts)[:joining]:
+            extra[i], left = per, left - per
+        if left:
+            has_signal = ((counts > 0) & (successes > 0) & (failures > 0)).nonzero().squeeze(1).tolist()
+            receivers = has_signal or (counts > 0).nonzero().squeeze(1).tolist()
+            for j in range(left):
+                extra[receivers[j % len(receivers)]] += 1
+        return self._take(extra)
+
+
+class SqrtAllocator(Allocator):
+    """Budget-neutral square-root allocation (Rollout-GDRO): n_i proportional to the square root
+    of a variance proxy, here the posterior Bernoulli variance p (1 - p), total conserved."""
+
+    kind = "sqrt"
+
+    def first_stage(self, iteration: int) -> torch.Tensor:
+        self.iteration, self.spent = iteration, 0
+        prompts = self.choose_prompts(iteration)
+        m = self.stats.mean()[prompts]
+        weights = (m * (1 - m)).clamp_min(1e-4).sqrt()
+        counts = self.counts_for(prompts, largest_remainder(weights, self.budget, self.min_group))
+        self.spent = int(counts.sum())
+        return counts
+
+
+ALLOCATORS = {
+    "uniform": Allocator,
+    "vade": VADEAllocator,
+    "xrpo": XRPOAllocator,
+    "dars": DARSAllocator,
+    "successive_elimination": SuccessiveEliminationAllocator,
+    "sqrt": SqrtAllocator,
+}
+
+
+def make_allocator(kind: str, **kwargs) -> Allocator:
+    if kind not in ALLOCATORS:
+        raise ValueError(f"allocator.kind must be one of {ALLOCATOR_KINDS}, got {kind!r}")
+    return ALLOCATORS[kind](**kwargs)
+
+
+def run_stages(alloc: Allocator, iteration: int, outcome) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Drive one iteration with `outcome(prompt_ids [n]) -> success [n] bool` standing in for
+    sampling + reward (simulations, tests). Returns the total counts and each stage's prompt ids."""
+    n = alloc.num_prompts
+    stage = alloc.first_stage(iteration)
+    total = torch.zeros(n, dtype=torch.long)
+    successes = torch.zeros(n, dtype=torch.long)
+    stages = []
+    while int(stage.sum()) > 0:
+        ids = torch.repeat_interleave(torch.arange(n), stage)
+        successes += torch.bincount(ids, weights=outcome(ids).double(), minlength=n).long()
+        total += stage
+        stages.append(ids)
+        stage = alloc.next_stage(total, successes, total - successes)
+    return total, stages

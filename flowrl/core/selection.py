@@ -1,0 +1,63 @@
+"""Candidate selection: pick k of M candidates by their rewards [M] (ALGORITHMS.md section 5;
+Sol-RL's contrastive subsets, D3S's maximum-variance subset)."""
+
+from __future__ import annotations
+
+import torch
+
+SELECTION_KINDS = ("best_worst", "max_variance", "mean_deviation", "random")
+
+
+def _check(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    r = rewards.float().flatten()
+    if not 0 < k <= r.numel():
+        raise ValueError(f"selection size k must be in [1, {r.numel()}], got {k}")
+    return r
+
+
+def best_worst(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """The ceil(k/2) highest and floor(k/2) lowest rewards (Sol-RL's contrastive default)."""
+    r = _check(rewards, k)
+    order = torch.argsort(r, descending=True, stable=True)
+    top = order[: (k + 1) // 2]
+    bottom = order[r.numel() - k // 2 :] if k // 2 else order[:0]
+    return torch.cat([top, bottom])
+
+
+def max_variance(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-subset with the largest reward variance (D3S: maximising Var(A) bounds the policy
+    gradient norm from above). A maximum-variance subset of scalars is always some j highest
+    plus k - j lowest values, so checking the k + 1 splits is exact."""
+    r = _check(rewards, k)
+    order = torch.argsort(r, descending=True, stable=True)
+    best, best_var = None, -1.0
+    for j in range(k + 1):
+        idx = torch.cat([order[:j], order[r.numel() - (k - j) :] if k - j else order[:0]])
+        var = r[idx].var(unbiased=False).item() if k > 1 else 0.0
+        if var > best_var + 1e-12:
+            best, best_var = idx, var
+    return best
+
+
+def mean_deviation(rewards: torch.Tensor, k: int) -> torch.Tensor:
+    """The k candidates farthest from the pool mean, |r - mean(r)|."""
+    r = _check(rewards, k)
+    return torch.argsort((r - r.mean()).abs(), descending=True, stable=True)[:k]
+
+
+def random_subset(rewards: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    r = _check(rewards, k)
+    return torch.randperm(r.numel(), generator=generator)[:k]
+
+
+def select(kind: str, rewards: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Indices [k] into `rewards` chosen by `kind`."""
+    if kind == "best_worst":
+        return best_worst(rewards, k)
+    if kind == "max_variance":
+        return max_variance(rewards, k)
+    if kind == "mean_deviation":
+        return mean_deviation(rewards, k)
+    if kind == "random":
+        return random_subset(rewards, k, generator)
+    raise ValueError(f"selection.kind must be one of {SELECTION_KINDS}, got {kind!r}")
