@@ -1,4 +1,4 @@
-"""`flowrl train | sample | eval | rewards`: parse, build, call. User mistakes print one
+"""`flowrl train | sample | eval | rewards | serve-reward`: parse, build, call. User mistakes print one
 sentence on stderr and exit 2, without a traceback."""
 
 from __future__ import annotations
@@ -39,6 +39,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
 
     sub.add_parser("rewards", help="list the registered rewards")
+
+    r = sub.add_parser("serve-reward", help="serve a registered reward over HTTP for remote clients (reward `remote`)")
+    r.add_argument("name", help="a reward listed by `flowrl rewards`")
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    r.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    r.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a reward option, as under reward.options.NAME (repeat), e.g. -o device=cuda -o batch_size=16")
+    r.add_argument("--verbose", action="store_true", help="log every request")
     return p
 
 
@@ -144,7 +152,7 @@ def cmd_eval(args) -> int:
     else:
         cfg = load_config(args.config)
         policy, what = load_policy(cfg.model), f"base model {cfg.model.path}"
-    reward = MultiReward(cfg.reward.weights, cfg.reward.batch_size)
+    reward = MultiReward.from_config(cfg.reward)
     expanded = [p for p in prompts for _ in range(args.n)]
     seeds = [args.seed + j for j in range(len(expanded))]
     scores = reward(_ode_images(cfg, policy, expanded, seeds), expanded)
@@ -164,9 +172,31 @@ def cmd_rewards(args) -> int:
     return 0
 
 
+def cmd_serve_reward(args) -> int:
+    from omegaconf import OmegaConf
+
+    from rewards.server import RewardServer, build_served_reward
+
+    options = {}
+    for item in args.option:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--option '{item}' must have the form KEY=VALUE, for example device=cuda")
+        options[key] = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]  # typed as config overrides are
+    server = RewardServer(build_served_reward(args.name, options), args.host, args.port, verbose=args.verbose)
+    print(f"serving reward '{args.name}' on {server.url} (POST /score, GET /info); stop with Ctrl-C", file=sys.stderr)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "rewards": cmd_rewards}[args.command]
+    handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "rewards": cmd_rewards, "serve-reward": cmd_serve_reward}[args.command]
     try:
         return handler(args)
     except UserError as exc:

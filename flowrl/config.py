@@ -15,6 +15,9 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from flowrl.core.advantages import ADVANTAGE_KINDS
+from flowrl.core.allocation import ALLOCATOR_KINDS
+from flowrl.core.selection import SELECTION_KINDS
 from flowrl.errors import ConfigError
 from flowrl.sampling.schedules import WINDOW_STRATEGIES
 from flowrl.sampling.steps import LOGPROB_REDUCTIONS, SAMPLERS
@@ -85,14 +88,44 @@ class DataConfig:
 class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"jpeg_compressibility": 1.0})
     batch_size: int = 32
+    # per reward: model path / hub id, device, dtype, batch_size, kind, url, ... (see rewards/options.py)
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    on_invalid: str = "error"  # error: stop on NaN / inf / wrong shape | drop: mark those samples invalid
 
 
 @dataclass
 class AdvantageConfig:
-    kind: str = "grpo"
+    kind: str = "grpo"  # grpo | mc_grpo | gdpo | rank | reinforce_ada
     std: str = "group"  # group | global
     eps: float = 1e-4
     clip: float = 5.0  # |A| <= clip (Flow-GRPO: 5)
+
+
+@dataclass
+class AllocatorConfig:
+    """Which prompts get how many of the data.prompts_per_iteration x data.group_size rollouts."""
+
+    kind: str = "uniform"  # uniform | vade | xrpo | dars | successive_elimination | sqrt
+    # a rollout "succeeds" when its weighted reward exceeds this; unset: when it exceeds the mean
+    # reward of the iteration so far (continuous rewards have no natural pass/fail)
+    success_threshold: Optional[float] = None
+    min_group: int = 2
+    prior_a: float = 1.0  # Beta prior of every prompt's success probability
+    prior_b: float = 1.0
+    fast_decay: float = 0.5  # VADE's two forgetting scales, applied each time a prompt is sampled
+    slow_decay: float = 0.95
+    first_fraction: float = 0.5  # dars: share of the budget spent in the first, uniform stage
+    hard_accuracy: float = 0.5  # dars: prompts below this success rate get top-ups
+    target_positives: int = 2  # dars: ...until they have this many successes
+    round_size: int = 4  # successive_elimination (and dars top-up size)
+    cap: int = 0  # successive_elimination: most rollouts per prompt (0: 2 x group_size)
+
+
+@dataclass
+class SelectionConfig:
+    """Candidate selection (used by two-stage exploration): best_worst | max_variance | mean_deviation | random."""
+
+    kind: str = "best_worst"
 
 
 @dataclass
@@ -133,6 +166,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
+    selection: SelectionConfig = field(default_factory=SelectionConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -299,25 +334,35 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
         raise ConfigError("data.prompts is empty and data.prompt_file is not set; give prompts or a prompt file")
     if d.prompt_file and validate_paths and not Path(d.prompt_file).expanduser().is_file():
         raise ConfigError(f"data.prompt_file '{d.prompt_file}' does not exist; give a text file with one prompt per line")
-    n = d.prompts_per_iteration * d.group_size
-    if n % s.batch_size:
-        raise ConfigError(
-            f"sampling.batch_size ({s.batch_size}) must divide data.prompts_per_iteration x data.group_size ({n})"
-        )
 
     if not cfg.reward.weights:
         raise ConfigError("reward.weights is empty; name at least one reward, for example jpeg_compressibility: 1.0")
-    from rewards import available_rewards  # late: rewards imports heavy optional models lazily
+    from rewards import check_reward_config  # late: rewards imports heavy optional models lazily
 
-    for name in cfg.reward.weights:
-        if name not in available_rewards():
-            raise ConfigError(f"reward.weights names unknown reward '{name}'; available: {', '.join(available_rewards())}")
+    check_reward_config(cfg.reward.weights, cfg.reward.options, validate_paths=validate_paths)
     _positive("reward.batch_size", cfg.reward.batch_size)
+    _choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
 
-    _choice("advantage.kind", cfg.advantage.kind, ("grpo",))
+    _choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
     _choice("advantage.std", cfg.advantage.std, ("group", "global"))
     _positive("advantage.eps", cfg.advantage.eps)
     _positive("advantage.clip", cfg.advantage.clip)
+    al = cfg.allocator
+    _choice("allocator.kind", al.kind, ALLOCATOR_KINDS)
+    if al.min_group < 2:
+        raise ConfigError(f"allocator.min_group must be >= 2 (a group of one has no baseline); got {al.min_group}")
+    if d.group_size < al.min_group:
+        raise ConfigError(f"data.group_size ({d.group_size}) must be >= allocator.min_group ({al.min_group})")
+    _positive("allocator.prior_a", al.prior_a)
+    _positive("allocator.prior_b", al.prior_b)
+    for key in ("fast_decay", "slow_decay", "first_fraction", "hard_accuracy"):
+        value = getattr(al, key)
+        if not 0 < value <= 1:
+            raise ConfigError(f"allocator.{key} must be in (0, 1]; got {value}")
+    _positive("allocator.target_positives", al.target_positives)
+    _positive("allocator.round_size", al.round_size)
+    _positive("allocator.cap", al.cap, strict=False)
+    _choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
 
     _positive("trainer.iterations", t.iterations)
     _positive("trainer.lr", t.lr)

@@ -3,16 +3,34 @@
 A reward is any callable `fn(images, prompts, metadata) -> scores` where `images` is a float
 tensor [N, 3, H, W] in [0, 1], `prompts` a list of N strings, `metadata` a list of N dicts
 (or None), and `scores` a float tensor [N] (one channel) or [N, K] (K named channels). A plain
-function is a reward; `register` puts it in the registry by name.
+function is a reward; `register` puts it in the registry by name. Model-backed rewards are
+registered as factories whose keyword arguments are their options (reward.options.NAME); they
+import their heavy packages only when built.
 """
 
 from __future__ import annotations
 
 from rewards.registry import RewardSpec, available_rewards, describe_rewards, get_reward, register
-from rewards.multi import MultiReward
+from rewards.multi import MultiReward, check_scores
+from rewards.options import check_reward_config
+from rewards.runner import AsyncRewardRunner
 
 # Built-in rewards register themselves on import.
 from rewards import simple as _simple  # noqa: F401,E402
-from rewards import models as _models  # noqa: F401,E402  (placeholders: pickscore, clip_score, hpsv2)
+from rewards import models as _models  # noqa: F401,E402  (pickscore, clip_score)
+from rewards import aesthetic as _aesthetic  # noqa: F401,E402
+from rewards import hps as _hps  # noqa: F401,E402  (hpsv2; open-clip-torch, extra hps)
+from rewards import textsim as _textsim  # noqa: F401,E402  (text_similarity; extra textsim)
+from rewards import remote as _remote  # noqa: F401,E402  (remote: a reward server's client)
 
-__all__ = ["RewardSpec", "available_rewards", "describe_rewards", "get_reward", "register", "MultiReward"]
+__all__ = [
+    "RewardSpec",
+    "available_rewards",
+    "describe_rewards",
+    "get_reward",
+    "register",
+    "MultiReward",
+    "check_scores",
+    "check_reward_config",
+    "AsyncRewardRunner",
+]

@@ -1,44 +1,58 @@
-"""Model-backed rewards (PickScore, CLIP score, HPSv2): registered by name, not implemented yet.
+"""CLIP-family preference rewards on transformers: PickScore and CLIP score.
 
-The presets in configs/ name these rewards, and config validation only checks that a reward
-name is registered; it never builds the reward. Registering placeholders here lets those
-presets validate (and lets `flowrl rewards` list the names honestly) while the reward models
-themselves are added by the rewards library issue. A placeholder's factory raises `UserError`
-when a run actually builds its rewards (trainer start, `flowrl eval`), before any sampling.
+Both embed the image and the prompt with a `CLIPModel` and its processor, loaded with
+`from_pretrained` from a hub id or a local directory, and score each (image, prompt) pair by
+the cosine of the two embeddings; PickScore multiplies by the model's learned
+`logit_scale.exp()`, as in its README. Images are rounded to 8-bit PIL images first, as the
+reference code scores saved images. transformers loads lazily, when a reward is built.
 """
 
 from __future__ import annotations
 
-from flowrl.errors import UserError
+from typing import Sequence
+
+import torch
+
+from rewards.hub import load_pretrained, pooled, resolve_device, resolve_dtype, to_pil
 from rewards.registry import register
 
-# name -> (what the reward is, for the error message; the description `flowrl rewards` prints)
-PENDING_MODEL_REWARDS: dict[str, tuple[str, str]] = {
-    "pickscore": (
-        "PickScore, a CLIP-H preference model trained on Pick-a-Pic",
-        "PickScore (not yet available: needs the rewards library)",
-    ),
-    "clip_score": (
-        "CLIP score, the image-text cosine similarity of a CLIP model",
-        "CLIP image-text similarity (not yet available: needs the rewards library)",
-    ),
-    "hpsv2": (
-        "HPSv2, the Human Preference Score v2 model",
-        "HPSv2 human preference score (not yet available: needs the rewards library)",
-    ),
-}
+PICKSCORE_MODEL = "yuvalkirstain/PickScore_v1"
+PICKSCORE_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
+CLIP_MODEL = "openai/clip-vit-large-patch14"
 
 
-def _placeholder_factory(name: str, what: str):
-    def factory(**_options):
-        raise UserError(
-            f"reward '{name}' ({what}) is a model-backed reward that is not implemented yet in this version of flowrl; "
-            f"the rewards library issue will add it, so until then choose a reward listed by `flowrl rewards` without 'not yet available'"
-        )
+class CLIPPairScorer:
+    """scale x cosine(image embedding, text embedding) for each (image, prompt) pair."""
 
-    factory.__name__ = f"{name}_not_implemented"
-    return factory
+    def __init__(self, reward: str, path: str, processor: str, device: str, dtype: str, logit_scaled: bool):
+        from transformers import AutoProcessor, CLIPModel
+
+        self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
+        self.processor = load_pretrained(AutoProcessor.from_pretrained, processor, reward=reward, what="the CLIP processor")
+        model = load_pretrained(CLIPModel.from_pretrained, path, reward=reward, what="the CLIP model", dtype=self.dtype)
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.logit_scaled = logit_scaled
+        self.max_length = self.model.config.text_config.max_position_embeddings
+
+    @torch.inference_mode()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> torch.Tensor:
+        pixels = self.processor(images=to_pil(images), return_tensors="pt")["pixel_values"]
+        text = self.processor(text=list(prompts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        image_emb = pooled(self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype))).float()
+        text_emb = pooled(
+            self.model.get_text_features(input_ids=text["input_ids"].to(self.device), attention_mask=text["attention_mask"].to(self.device))
+        ).float()
+        cosine = torch.nn.functional.cosine_similarity(image_emb, text_emb, dim=-1)
+        scale = self.model.logit_scale.float().exp() if self.logit_scaled else 1.0
+        return (scale * cosine).cpu()
 
 
-for _name, (_what, _description) in PENDING_MODEL_REWARDS.items():
-    register(_name, _description, factory=True)(_placeholder_factory(_name, _what))
+@register("pickscore", f"PickScore: logit_scale x CLIP-H cosine, a Pick-a-Pic preference model ({PICKSCORE_MODEL})", factory=True)
+def pickscore(path: str = PICKSCORE_MODEL, processor: str = PICKSCORE_PROCESSOR, device: str = "auto", dtype: str = "fp32"):
+    return CLIPPairScorer("pickscore", path, processor, device, dtype, logit_scaled=True)
+
+
+@register("clip_score", f"CLIP score: cosine of the image and prompt embeddings, in [-1, 1] ({CLIP_MODEL})", factory=True)
+def clip_score(path: str = CLIP_MODEL, processor: str | None = None, device: str = "auto", dtype: str = "fp32"):
+    """`processor` defaults to the model's own directory or hub id."""
+    return CLIPPairScorer("clip_score", path, processor or path, device, dtype, logit_scaled=False)

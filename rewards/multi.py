@@ -1,17 +1,28 @@
-"""Several named rewards with weights: separate channels [N, K] plus their weighted sum."""
+"""Several named rewards with weights: separate channels [N, K] plus their weighted sum.
+
+Bad outputs (NaN, inf, a wrong shape or count) either stop the run with one sentence naming
+the reward (`on_invalid="error"`), or, with `on_invalid="drop"`, mark the affected samples
+invalid: `score_with_mask` returns their rows as 0 with a False in the valid mask, so the
+trainer can drop and count them. No NaN ever leaves this module.
+"""
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import logging
+from typing import Any, Callable, Sequence
 
 import torch
 
 from flowrl.errors import UserError
-from rewards.registry import get_reward
+from rewards.options import plan_reward
+
+ON_INVALID = ("error", "drop")
+log = logging.getLogger("rewards")
 
 
-def check_scores(name: str, scores, n: int) -> torch.Tensor:
-    """Reward outputs must be finite floats of shape [N] or [N, K]."""
+def as_score_matrix(name: str, scores, n: int, k: int | None = None) -> torch.Tensor:
+    """A reward's output as float [n, k] on the CPU, or UserError for a wrong type or shape.
+    Values are not checked: NaN and inf pass (see `check_scores`)."""
     if not isinstance(scores, torch.Tensor):
         try:
             scores = torch.as_tensor(scores, dtype=torch.float32)
@@ -20,8 +31,15 @@ def check_scores(name: str, scores, n: int) -> torch.Tensor:
     scores = scores.detach().float().cpu()
     if scores.ndim == 1:
         scores = scores[:, None]
-    if scores.ndim != 2 or scores.shape[0] != n:
-        raise UserError(f"reward '{name}' returned shape {tuple(scores.shape)} for {n} images; it must return [N] or [N, K] with N = {n}")
+    if scores.ndim != 2 or scores.shape[0] != n or (k is not None and scores.shape[1] != k):
+        want = f"[{n}]" if k == 1 else f"[{n}, {k}]" if k else f"[N] or [N, K] with N = {n}"
+        raise UserError(f"reward '{name}' returned shape {tuple(scores.shape)} for {n} images; it must return {want}")
+    return scores
+
+
+def check_scores(name: str, scores, n: int) -> torch.Tensor:
+    """Reward outputs must be finite floats of shape [N] or [N, K]."""
+    scores = as_score_matrix(name, scores, n)
     if not torch.isfinite(scores).all():
         bad = int((~torch.isfinite(scores)).any(1).sum())
         raise UserError(f"reward '{name}' returned NaN or inf for {bad} of {n} images; rewards must be finite")
@@ -29,33 +47,90 @@ def check_scores(name: str, scores, n: int) -> torch.Tensor:
 
 
 class MultiReward:
-    """Calls each named reward in batches and returns (channels [N, K], channel names)."""
+    """Calls each named reward in batches and returns its channels side by side, [N, K].
 
-    def __init__(self, weights: dict[str, float], batch_size: int = 32, rewards: dict[str, Callable] | None = None):
+    weights: reward name -> weight; `channel_weights` repeats a reward's weight over its channels.
+    options: reward name -> options (model path, device, dtype, batch_size, kind, url, ...).
+    rewards: name -> plain callable, used instead of the registry for that name.
+    """
+
+    def __init__(
+        self,
+        weights: dict[str, float],
+        batch_size: int = 32,
+        rewards: dict[str, Callable] | None = None,
+        options: dict[str, dict[str, Any]] | None = None,
+        on_invalid: str = "error",
+    ):
+        if on_invalid not in ON_INVALID:
+            raise UserError(f"reward.on_invalid must be one of {', '.join(ON_INVALID)}; got '{on_invalid}'")
         self.weights = dict(weights)
         self.batch_size = batch_size
+        self.on_invalid = on_invalid
         self.fns: dict[str, Callable] = {}
+        self.batch_sizes: dict[str, int] = {}
+        self.channels: dict[str, tuple[str, ...]] = {}
         self.channel_names: list[str] = []
         weights_per_channel: list[float] = []
+        options = options or {}
         for name, weight in self.weights.items():
             if rewards and name in rewards:  # a plain function passed in directly
                 self.fns[name], channels = rewards[name], (name,)
+                self.batch_sizes[name] = batch_size
             else:
-                spec = get_reward(name)
-                self.fns[name], channels = spec.factory(), spec.channels
+                plan = plan_reward(name, options.get(name))
+                self.fns[name], channels = plan.build()
+                self.batch_sizes[name] = plan.batch_size or batch_size
+            self.channels[name] = channels
             self.channel_names += [name if len(channels) == 1 else f"{name}/{c}" for c in channels]
             weights_per_channel += [weight] * len(channels)
         self.channel_weights = torch.tensor(weights_per_channel, dtype=torch.float32)
 
+    @classmethod
+    def from_config(cls, reward_cfg, rewards: dict[str, Callable] | None = None) -> "MultiReward":
+        """Build from a `flowrl.config.RewardConfig`."""
+        return cls(reward_cfg.weights, reward_cfg.batch_size, rewards=rewards, options=reward_cfg.options, on_invalid=reward_cfg.on_invalid)
+
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> torch.Tensor:
+        """Scores [N, K]; any invalid output raises UserError, whatever `on_invalid` says
+        (a caller that drops samples uses `score_with_mask`)."""
+        return self._score(images, prompts, metadata, drop=False)[0]
+
+    def score_with_mask(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores [N, K] with invalid rows set to 0, valid [N] bool). With on_invalid="error"
+        an invalid output raises UserError instead, so `valid` is all True."""
+        return self._score(images, prompts, metadata, drop=self.on_invalid == "drop")
+
+    def _score(self, images, prompts, metadata, drop: bool) -> tuple[torch.Tensor, torch.Tensor]:
         n = images.shape[0]
+        if len(prompts) != n or (metadata is not None and len(metadata) != n):
+            raise UserError(f"rewards got {n} images, {len(prompts)} prompts and {len(metadata) if metadata is not None else 'no'} metadata entries; they must match")
+        valid = torch.ones(n, dtype=torch.bool)
         cols = []
         for name, fn in self.fns.items():
-            parts = []
-            for i in range(0, n, self.batch_size):
-                j = min(i + self.batch_size, n)
+            k, bs = len(self.channels[name]), self.batch_sizes[name]
+            col = torch.zeros(n, k)
+            for i in range(0, n, bs):
+                j = min(i + bs, n)
                 meta = metadata[i:j] if metadata is not None else None
-                parts.append(check_scores(name, fn(images[i:j], list(prompts[i:j]), meta), j - i))
-            cols.append(torch.cat(parts))
-        return torch.cat(cols, dim=1) if cols else torch.zeros(n, 0)
-
+                raw = fn(images[i:j], list(prompts[i:j]), meta)
+                try:
+                    part = as_score_matrix(name, raw, j - i, k)
+                except UserError as exc:
+                    if not drop:
+                        raise
+                    log.warning("%s; dropping samples %d..%d", exc, i, j - 1)
+                    valid[i:j] = False
+                    continue
+                finite = torch.isfinite(part).all(1)
+                if not finite.all():
+                    bad = int((~finite).sum())
+                    if not drop:
+                        raise UserError(f"reward '{name}' returned NaN or inf for {bad} of {j - i} images; rewards must be finite")
+                    log.warning("reward '%s' returned NaN or inf for %d of %d images; dropping them", name, bad, j - i)
+                    valid[i:j] &= finite
+                col[i:j] = torch.where(finite[:, None], part, torch.zeros(()))
+            cols.append(col)
+        scores = torch.cat(cols, dim=1) if cols else torch.zeros(n, 0)
+        scores[~valid] = 0.0
+        return scores, valid

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,16 +16,26 @@ class RewardSpec:
     factory: Callable[..., Callable]  # (**options) -> reward callable
     channels: tuple[str, ...] = ()  # channel names if the reward returns [N, K]; default (name,)
 
+    def options(self) -> dict[str, object]:
+        """The factory's keyword options and their defaults (`REQUIRED` where it has none)."""
+        params = inspect.signature(self.factory).parameters.values()
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return {p.name: (REQUIRED if p.default is inspect.Parameter.empty else p.default) for p in params if p.kind in kinds}
+
+
+REQUIRED = object()  # marks a factory option without a default
+
 
 _REGISTRY: dict[str, RewardSpec] = {}
 
 
 def register(name: str, description: str, channels: tuple[str, ...] = (), factory: bool = False):
     """Decorator: register a reward under `name`. A plain function is the reward itself; a
-    class, or a function registered with factory=True, builds the reward when first used."""
+    class, or a function registered with factory=True, builds the reward when first used; its
+    keyword arguments are the reward's options (reward.options.NAME in the config)."""
 
     def wrap(obj):
-        make = obj if factory or isinstance(obj, type) else (lambda **_: obj)
+        make = obj if factory or isinstance(obj, type) else (lambda: obj)
         _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,))
         return obj
 

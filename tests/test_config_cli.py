@@ -32,7 +32,10 @@ BAD = [
     (["model.path=builtin:nope"], "model.path"),
     (["sampling.sampler=euler"], "sampling.sampler"),
     (["reward.weights={no_such_reward: 1.0}"], "no_such_reward"),
-    (["sampling.batch_size=5"], "sampling.batch_size"),
+    (["advantage.kind=ppo"], "advantage.kind"),
+    (["allocator.kind=greedy"], "allocator.kind"),
+    (["allocator.min_group=1"], "allocator.min_group"),
+    (["selection.kind=top"], "selection.kind"),
     (["model.height=60"], "model.height"),
     (["trainer.kl_beta=0.1", "lora.enabled=false"], "trainer.kl_beta"),
 ]

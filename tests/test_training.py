@@ -27,8 +27,11 @@ def _metrics(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
 
 
-def test_resume_repeats_an_uninterrupted_run(tmp_path, tiny_sd3_dir):
-    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=2", "trainer.kl_beta=0.01"]
+@pytest.mark.parametrize("allocator", ["uniform", "vade"])
+def test_resume_repeats_an_uninterrupted_run(tmp_path, tiny_sd3_dir, allocator):
+    # vade: the allocator's posteriors travel in the checkpoint too
+    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=2", "trainer.kl_beta=0.01",
+                     f"allocator.kind={allocator}"]
     straight = tmp_path / "straight"
     assert main(["train", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
 
@@ -55,7 +58,7 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir):
     assert any((run / "tracker").rglob("events.out.tfevents*"))
     ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
     assert ckpt.name == "iter_000002"
-    for name in ("trainable.safetensors", "optimizer.safetensors", "ema.safetensors", "rng.safetensors", "state.json",
+    for name in ("trainable.safetensors", "optimizer.safetensors", "ema.safetensors", "rng.safetensors", "state.json", "allocator.safetensors",
                  "lora/pytorch_lora_weights.safetensors", "ema_lora/pytorch_lora_weights.safetensors"):
         assert (ckpt / name).is_file(), name
     assert not list((run / "checkpoints").glob(".tmp-*"))
@@ -147,3 +150,28 @@ def test_gradient_accumulation_takes_fewer_optimizer_steps(tmp_path, tiny_sd3_di
         rows[accum] = GRPOTrainer(load_config(None, overrides), run_dir=tmp_path / f"a{accum}").train()[0]
     # 8 samples in batches of 2 = 4 micro-batches per epoch, 2 epochs
     assert rows[1]["optimizer_steps"] == 8 and rows[2]["optimizer_steps"] == 4
+
+
+@pytest.mark.parametrize("allocator", ["uniform", "vade", "xrpo", "dars", "successive_elimination", "sqrt"])
+def test_allocators_drive_the_trainer(tmp_path, tiny_sd3_dir, allocator):
+    overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=2",
+                 "data.prompts_per_iteration=2", "data.group_size=6", "sampling.batch_size=4", "sampling.num_steps=2",
+                 f"allocator.kind={allocator}", "allocator.round_size=2"]
+    history = GRPOTrainer(load_config(None, overrides), run_dir=tmp_path / "run").train()
+    for row in history:
+        assert row["samples"] == 12  # the budget, exactly, whatever the stages
+        assert row["group_size_min"] >= 2
+        assert sum(int(k) * v for k, v in row["group_size_histogram"].items()) == 12
+    if allocator in ("dars", "successive_elimination"):
+        assert max(r["allocation_stages"] for r in history) > 1
+
+
+@pytest.mark.parametrize("kind", ["grpo", "mc_grpo", "gdpo", "rank", "reinforce_ada"])
+def test_advantage_kinds_train(tmp_path, tiny_sd3_dir, kind):
+    overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
+                 "data.group_size=5", "sampling.batch_size=5", "sampling.num_steps=2", f"advantage.kind={kind}",
+                 "reward.weights={jpeg_compressibility: 1.0, brightness: 10.0}"]
+    row = GRPOTrainer(load_config(None, overrides), run_dir=tmp_path / "run").train()[0]
+    assert row["samples"] == 10 and row["first_ratio_deviation"] < 1e-5
+    # odd groups: MC-GRPO's pivot and the middle rank carry no gradient
+    assert row["nonzero_advantage_samples"] == (8 if kind in ("mc_grpo", "rank") else 10)

@@ -267,10 +267,10 @@ class SuccessiveEliminationAllocator(VADEAllocator):
         # every prompt has signal or hit its cap: a fresh cohort joins if the budget affords four
         # rounds each; otherwise what is left goes to prompts that have signal (more samples keep
         # an informative group informative, while a half-sampled fresh prompt would be wasted)
-        joining = min(self.per_iteration, left // (4 * per))
-        for i in self._join_order(counts)[:joining]:
+        joining = self._join_order(counts)[: min(self.per_iteration, left // (4 * per))]
+        for i in joining:
             extra[i], left = per, left - per
-        if left:
+        if left and not joining:  # joiners keep the rest of the budget for their later rounds
             has_signal = ((counts > 0) & (successes > 0) & (failures > 0)).nonzero().squeeze(1).tolist()
             receivers = has_signal or (counts > 0).nonzero().squeeze(1).tolist()
             for j in range(left):

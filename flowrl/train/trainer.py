@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-import random
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import Config
-from flowrl.core import clipped_policy_loss, gaussian_kl, grpo_advantages
+from flowrl.core import clipped_policy_loss, gaussian_kl
+from flowrl.core.advantages import estimate_advantages
+from flowrl.core.allocation import make_allocator
 from flowrl.errors import ConfigError, UserError
 from flowrl.models import load_policy
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, rollout, transition
@@ -31,6 +33,16 @@ from flowrl.train.images import save_grid
 from flowrl.train.prompts import load_prompts
 from flowrl.train.run_dir import RunDir
 from rewards import MultiReward
+
+
+class Stage(NamedTuple):
+    """One allocation stage: this process's trajectory and the gathered, unpadded rewards."""
+
+    traj: Trajectory  # this process's slice (may end with padding copies)
+    rewards: torch.Tensor  # [n, K] every process's real samples, in stage order
+    prompt_ids: torch.Tensor  # [n] pool indices of the real samples
+    positions: torch.Tensor  # [n_local] stage positions of this process's samples (>= n: padding)
+    reward_time: float
 
 
 def sample_seed(base: int, iteration: int, index: int) -> int:
@@ -79,12 +91,14 @@ class GRPOTrainer:
 
         self.prompts = load_prompts(cfg.data)
         self.eval_prompts = list(cfg.data.eval_prompts) or self.prompts[:4]
-        n = cfg.data.prompts_per_iteration * cfg.data.group_size
-        if n % (acc.num_processes * cfg.sampling.batch_size):
-            raise ConfigError(
-                f"data.prompts_per_iteration x data.group_size ({n}) must be divisible by the number of processes "
-                f"({acc.num_processes}) x sampling.batch_size ({cfg.sampling.batch_size})"
-            )
+        al = cfg.allocator
+        self.allocator = make_allocator(
+            al.kind, num_prompts=len(self.prompts), budget=cfg.data.prompts_per_iteration * cfg.data.group_size,
+            prompts_per_iteration=cfg.data.prompts_per_iteration, seed=t.seed, min_group=al.min_group,
+            prior_a=al.prior_a, prior_b=al.prior_b, fast_decay=al.fast_decay, slow_decay=al.slow_decay,
+            first_fraction=al.first_fraction, hard_accuracy=al.hard_accuracy, target_positives=al.target_positives,
+            round_size=al.round_size, cap=al.cap or 2 * cfg.data.group_size,
+        )
 
         self.policy = load_policy(cfg.model, device=acc.device)
         if cfg.lora.enabled:
@@ -125,28 +139,18 @@ class GRPOTrainer:
         s = self.cfg.sampling
         return SamplerSpec(shifted_sigmas(s.eval_num_steps, s.shift), torch.zeros(s.eval_num_steps, dtype=torch.bool), "ode")
 
-    def iteration_batch(self, iteration: int):
-        """The prompts, group ids and seeds of one iteration (identical on every process)."""
-        d = self.cfg.data
-        rng = random.Random(self.cfg.trainer.seed * 7919 + iteration)
-        if d.prompts_per_iteration <= len(self.prompts):
-            chosen = rng.sample(range(len(self.prompts)), d.prompts_per_iteration)
-        else:
-            chosen = [rng.randrange(len(self.prompts)) for _ in range(d.prompts_per_iteration)]
-        prompt_ids = [i for i in chosen for _ in range(d.group_size)]
-        group_ids = [g for g in range(len(chosen)) for _ in range(d.group_size)]
-        seeds = [sample_seed(self.cfg.trainer.seed, iteration, j) for j in range(len(prompt_ids))]
-        return prompt_ids, group_ids, seeds
-
     # ---- one iteration ------------------------------------------------------------------
-    def train_iteration(self) -> dict:
-        cfg, acc, it = self.cfg, self.accelerator, self.iteration
-        t0 = time.perf_counter()
-        prompt_ids, group_ids, seeds = self.iteration_batch(it)
+    def sample_stage(self, prompt_ids: list[int], seeds: list[int], spec: SamplerSpec, desc: str) -> Stage:
+        """Sample one allocation stage, split across processes, and gather its rewards.
+        The stage is padded with copies of its last sample to a multiple of the process count,
+        so every process runs the same number of batches (DDP needs equal backward counts);
+        the copies get zero advantage and count toward nothing."""
+        cfg, acc = self.cfg, self.accelerator
+        n = len(prompt_ids)
+        pad = (-n) % acc.num_processes
+        prompt_ids, seeds = prompt_ids + prompt_ids[-1:] * pad, seeds + seeds[-1:] * pad
         n_local = len(seeds) // acc.num_processes
         local = slice(acc.process_index * n_local, (acc.process_index + 1) * n_local)
-        spec = self.sampler_spec(it)
-        self.policy.transformer.eval()
         traj = rollout(
             self.policy,
             [self.prompts[i] for i in prompt_ids[local]],
@@ -154,50 +158,102 @@ class GRPOTrainer:
             spec,
             cfg.sampling.batch_size,
             prompt_ids=prompt_ids[local],
-            group_ids=group_ids[local],
-            policy_version=it,
+            group_ids=prompt_ids[local],
+            policy_version=self.iteration,
             progress=cfg.run.progress and acc.is_local_main_process,
-            desc=f"iter {it} sampling",
+            desc=desc,
         )
-        t_sample = time.perf_counter()
-        images = torch.cat([self.policy.decode(traj.final[i : i + cfg.sampling.batch_size]) for i in range(0, len(traj), cfg.sampling.batch_size)])
+        t_sampled = time.perf_counter()
+        bs = cfg.sampling.batch_size
+        images = torch.cat([self.policy.decode(traj.final[i : i + bs]) for i in range(0, len(traj), bs)])
         local_rewards = self.reward_fn(images, traj.prompts)
-        t_reward = time.perf_counter()
+        rewards = acc.gather(local_rewards.to(acc.device)).cpu()[:n]  # group statistics need everyone's samples
+        positions = torch.arange(local.start, local.stop)
+        return Stage(traj, rewards, torch.tensor(prompt_ids[:n]), positions, time.perf_counter() - t_sampled)
 
-        # group statistics need every process's samples: gather, normalise, keep our slice
-        rewards = acc.gather(local_rewards.to(acc.device)).cpu()
+    def train_iteration(self) -> dict:
+        cfg, acc, it = self.cfg, self.accelerator, self.iteration
+        t0 = time.perf_counter()
+        spec = self.sampler_spec(it)
+        weights = self.reward_fn.channel_weights
+        self.policy.transformer.eval()
+
+        # allocation stages: the allocator decides, we sample, it sees the outcomes, repeat
+        stages: list[Stage] = []
+        n_prompts = len(self.prompts)
+        totals = torch.zeros(n_prompts, dtype=torch.long)
+        successes = torch.zeros(n_prompts, dtype=torch.long)
+        extra = self.allocator.first_stage(it)
+        while int(extra.sum()) > 0:
+            ids = torch.repeat_interleave(torch.arange(n_prompts), extra).tolist()
+            offset = sum(len(st.prompt_ids) for st in stages)
+            seeds = [sample_seed(cfg.trainer.seed, it, offset + j) for j in range(len(ids))]
+            stage = self.sample_stage(ids, seeds, spec, desc=f"iter {it} sampling" + (f" (stage {len(stages) + 1})" if stages else ""))
+            stages.append(stage)
+            totals += extra
+            success = self.successes(torch.cat([st.rewards for st in stages]) @ weights)[offset:]
+            successes += torch.bincount(stage.prompt_ids, weights=success.double(), minlength=n_prompts).long()
+            extra = self.allocator.next_stage(totals, successes, totals - successes)
+        t_sample = time.perf_counter()
+        t_reward = sum(st.reward_time for st in stages)
+
+        rewards = torch.cat([st.rewards for st in stages])
+        prompt_ids = torch.cat([st.prompt_ids for st in stages])
         a = cfg.advantage
-        adv_out = grpo_advantages(rewards, torch.tensor(group_ids), self.reward_fn.channel_weights, a.std, a.eps, a.clip)
-        stats = self.update(traj, adv_out.advantages[local], spec)
+        adv = estimate_advantages(a.kind, rewards, prompt_ids, weights, a.std, a.eps, a.clip)
+        self.allocator.observe(prompt_ids, self.successes(rewards @ weights))
+        batches, offset = [], 0
+        for st in stages:  # each process's slice of every stage, padding copies at zero advantage
+            n = len(st.prompt_ids)
+            local_adv = torch.zeros(len(st.positions))
+            real = st.positions < n
+            local_adv[real] = adv.advantages[offset + st.positions[real]]
+            batches.append((st.traj, local_adv))
+            offset += n
+        stats = self.update(batches, spec)
         t_train = time.perf_counter()
 
-        total = rewards @ self.reward_fn.channel_weights
+        total = rewards @ weights
+        sizes = torch.bincount(prompt_ids, minlength=n_prompts)
+        sizes = sizes[sizes > 0]
         row = {
             "iteration": it,
             "reward_mean": total.mean().item(),
             "reward_std": total.std(unbiased=False).item(),
             **{f"reward/{c}": rewards[:, k].mean().item() for k, c in enumerate(self.reward_fn.channel_names)},
-            "adv_abs_mean": adv_out.advantages.abs().mean().item(),
-            "degenerate_groups": adv_out.degenerate.float().mean().item(),
-            "samples": len(seeds),
+            "adv_abs_mean": adv.advantages.abs().mean().item(),
+            "degenerate_groups": adv.degenerate.float().mean().item(),
+            "nonzero_advantage_samples": int((adv.mask & (adv.advantages != 0)).sum()),
+            "samples": len(prompt_ids),
+            "prompts": int(sizes.numel()),
+            "allocation_stages": len(stages),
+            "group_size_min": int(sizes.min()),
+            "group_size_max": int(sizes.max()),
+            "group_size_histogram": {str(int(k)): int(v) for k, v in zip(*torch.unique(sizes, return_counts=True))},
             "trained_steps": len(spec.trained_steps()),
             **stats,
-            "time_sampling": t_sample - t0,
-            "time_reward": t_reward - t_sample,
-            "time_training": t_train - t_reward,
+            "time_sampling": t_sample - t0 - t_reward,
+            "time_reward": t_reward,
+            "time_training": t_train - t_sample,
         }
         self.iteration += 1
         row["time_iteration"] = time.perf_counter() - t0
         return row
 
-    def update(self, traj: Trajectory, adv: torch.Tensor, spec: SamplerSpec) -> dict:
+    def successes(self, total_rewards: torch.Tensor) -> torch.Tensor:
+        """Pass/fail for the allocator: above allocator.success_threshold, or above the mean of
+        the iteration's rewards so far when no threshold is set (continuous rewards)."""
+        threshold = self.cfg.allocator.success_threshold
+        return total_rewards > (total_rewards.mean() if threshold is None else threshold)
+
+    def update(self, batches: list[tuple[Trajectory, torch.Tensor]], spec: SamplerSpec) -> dict:
         """Inner epochs of PPO-clipped updates over (sample batch, trained step) micro-batches.
         Micro-batches are exactly the sampling batches, so the first forward reproduces the
         behaviour log-probs bit for bit and the ratio starts at 1."""
         cfg, acc, t = self.cfg, self.accelerator, self.cfg.trainer
         steps = spec.trained_steps()
         bs = cfg.sampling.batch_size
-        chunks = [slice(s, s + bs) for s in range(0, len(traj), bs)]
+        chunks = [(traj, adv, slice(s, s + bs)) for traj, adv in batches for s in range(0, len(traj), bs)]
         accum = t.gradient_accumulation_steps
         clip_hi = t.clip_range_high if t.clip_range_high is not None else t.clip_range
         gen = torch.Generator().manual_seed(sample_seed(t.seed, self.iteration, 999_983))
@@ -209,7 +265,7 @@ class GRPOTrainer:
         for epoch in range(t.inner_epochs):
             order = torch.randperm(len(chunks), generator=gen).tolist()
             for ci, chunk_index in enumerate(order):
-                c = chunks[chunk_index]
+                traj, adv, c = chunks[chunk_index]
                 cond = self.policy.encode(traj.prompts[c])
                 a = adv[c].to(acc.device)
                 closes_group = (ci + 1) % accum == 0 or ci == len(order) - 1
@@ -261,7 +317,7 @@ class GRPOTrainer:
         while self.iteration < cfg.trainer.iterations:
             row = self.train_iteration()
             self.history.append(row)
-            acc.log({k: v for k, v in row.items() if k != "iteration"}, step=row["iteration"])
+            acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
             if acc.is_main_process:
                 self.run.append_metrics(row)
             bar.update(1)
@@ -309,6 +365,7 @@ class GRPOTrainer:
                 self.ema.shadow if self.ema is not None else None,
                 {"policy_version": self.iteration, "num_processes": acc.num_processes},
                 export=export,
+                allocator_state=self.allocator.state_dict(),
             )
             self.run.plot_reward_curve(self.run.read_metrics())
         acc.wait_for_everyone()
@@ -326,6 +383,8 @@ class GRPOTrainer:
             for n, p in self.params.items():
                 p.copy_(data["params"][n])
         self.optimizer.load_state_dict(data["optimizer"])
+        if data["allocator"] is not None:
+            self.allocator.load_state_dict(data["allocator"])
         if self.ema is not None and data["ema"] is not None:
             self.ema.shadow = {n: t.clone() for n, t in data["ema"].items()}
         restore_rng(data["rng"], data["state"]["python_random"])
