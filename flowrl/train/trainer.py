@@ -182,17 +182,16 @@ class GRPOTrainer:
         stages: list[Stage] = []
         n_prompts = len(self.prompts)
         totals = torch.zeros(n_prompts, dtype=torch.long)
-        successes = torch.zeros(n_prompts, dtype=torch.long)
         extra = self.allocator.first_stage(it)
         while int(extra.sum()) > 0:
             ids = torch.repeat_interleave(torch.arange(n_prompts), extra).tolist()
-            offset = sum(len(st.prompt_ids) for st in stages)
+            offset = int(totals.sum())
             seeds = [sample_seed(cfg.trainer.seed, it, offset + j) for j in range(len(ids))]
-            stage = self.sample_stage(ids, seeds, spec, desc=f"iter {it} sampling" + (f" (stage {len(stages) + 1})" if stages else ""))
-            stages.append(stage)
+            stages.append(self.sample_stage(ids, seeds, spec, desc=f"iter {it} sampling" + (f" (stage {len(stages) + 1})" if stages else "")))
             totals += extra
-            success = self.successes(torch.cat([st.rewards for st in stages]) @ weights)[offset:]
-            successes += torch.bincount(stage.prompt_ids, weights=success.double(), minlength=n_prompts).long()
+            seen = torch.cat([st.prompt_ids for st in stages])
+            ok = self.successes(torch.cat([st.rewards for st in stages]) @ weights)
+            successes = torch.bincount(seen, weights=ok.double(), minlength=n_prompts).long()
             extra = self.allocator.next_stage(totals, successes, totals - successes)
         t_sample = time.perf_counter()
         t_reward = sum(st.reward_time for st in stages)
