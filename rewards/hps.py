@@ -29,8 +29,9 @@ EXTRA_HINT = "pip install 'flowrl[hps]'"
 def import_open_clip():
     try:
         import open_clip
-    except ImportError:
-        raise UserError(f"reward 'hpsv2' needs open-clip-torch, the optional extra hps: {EXTRA_HINT}") from None
+    except ImportError as exc:  # open_clip itself, or what it imports (torchvision) is missing
+        missing = exc.name if exc.name and exc.name != "open_clip" else "open-clip-torch"
+        raise UserError(f"reward 'hpsv2' needs the optional extra hps ({missing} is not installed): {EXTRA_HINT}") from None
     except Exception as exc:  # installed but broken, typically a torchvision without this machine's CUDA
         raise UserError(f"reward 'hpsv2' could not import open_clip ({type(exc).__name__}: {str(exc).splitlines()[0]}); reinstall with {EXTRA_HINT} and a matching torchvision") from None
     return open_clip
@@ -52,15 +53,14 @@ def resize_longest_and_pad(images: torch.Tensor, size: int, mean, std) -> torch.
     return (x - mean) / std
 
 
-def load_checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
+def checkpoint_path(checkpoint: str | None) -> Path:
+    path = Path(checkpoint).expanduser() if checkpoint else reward_cache_dir() / CHECKPOINT_FILE
+    if path.suffix != ".safetensors" or not path.is_file():
         raise UserError(
-            f"reward 'hpsv2' needs its checkpoint as safetensors at '{path}'; download HPS_v2.1_compressed.pt from the hub "
+            f"reward 'hpsv2' needs its checkpoint as a .safetensors file at '{path}'; download HPS_v2.1_compressed.pt from the hub "
             f"repo {HPS_HUB_REPO} and convert it once with `python scripts/convert_hps_checkpoint.py FILE.pt`, or set reward.options.hpsv2.checkpoint"
         )
-    return load_file(str(path))
+    return path
 
 
 class HPSScorer:
@@ -68,11 +68,13 @@ class HPSScorer:
         open_clip = import_open_clip()
         from open_clip.constants import OPENAI_DATASET_MEAN, OPENAI_DATASET_STD
 
+        from open_clip.factory import load_checkpoint
+
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
-        state = load_checkpoint(Path(checkpoint).expanduser() if checkpoint else reward_cache_dir() / CHECKPOINT_FILE)
+        path = checkpoint_path(checkpoint)
         model = open_clip.create_model(HPS_ARCHITECTURE, pretrained=None, device="cpu")
-        try:
-            model.load_state_dict(state)
+        try:  # open_clip's loader: reads safetensors, adapts older open_clip key layouts, strict
+            load_checkpoint(model, str(path))
         except RuntimeError as exc:
             raise UserError(f"reward 'hpsv2': the checkpoint does not fit OpenCLIP {HPS_ARCHITECTURE} ({str(exc).splitlines()[0]})") from None
         self.model = model.to(self.device, self.dtype).eval().requires_grad_(False)

@@ -28,8 +28,8 @@ class CLIPPairScorer:
         from transformers import AutoProcessor, CLIPModel
 
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
-        self.processor = load_pretrained(AutoProcessor.from_pretrained, processor, reward=reward, what="the CLIP processor")
         model = load_pretrained(CLIPModel.from_pretrained, path, reward=reward, what="the CLIP model", dtype=self.dtype)
+        self.processor = load_pretrained(AutoProcessor.from_pretrained, processor, reward=reward, what="the CLIP processor")
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.logit_scaled = logit_scaled
         self.max_length = self.model.config.text_config.max_position_embeddings

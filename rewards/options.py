@@ -9,7 +9,9 @@ Two options belong to every reward and are consumed here, not by the factory:
 
 from __future__ import annotations
 
+import inspect
 import re
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -43,18 +45,40 @@ def plan_reward(name: str, options: dict[str, Any] | None = None) -> RewardPlan:
     options = dict(options or {})
     kind = options.pop("kind", name)
     batch_size = options.pop("batch_size", None)
-    return RewardPlan(name, get_reward(kind), options, batch_size)
+    spec = get_reward(kind)
+    missing = [key for key, default in spec.options().items() if default is REQUIRED and key not in options]
+    if missing:  # the config catches this too; callers that build rewards directly land here
+        raise ConfigError(f"reward '{name}' needs the option {missing[0]} (reward.options.{name}.{missing[0]})")
+    return RewardPlan(name, spec, options, batch_size)
 
 
-def _type_error(where: str, value, default) -> str | None:
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-    for kind, words in expected.items():
-        if isinstance(default, kind):  # bool first: True is an int too
-            ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-            if kind is float:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            return None if ok else f"{where} must be {words}; got {value!r}"
-    return None  # a None default takes any value
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _expected_types(spec: RewardSpec) -> dict[str, type]:
+    """Option -> bool / int / float / str, from the factory's annotation (`str | None` counts
+    as str), else from its default; options of other types are not checked here."""
+    try:
+        params = inspect.signature(spec.factory, eval_str=True).parameters
+    except Exception:  # an annotation that does not evaluate at run time
+        params = inspect.signature(spec.factory).parameters
+    expected = {}
+    for key, p in params.items():
+        hint = p.annotation
+        if typing.get_args(hint):
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            hint = args[0] if len(args) == 1 else None
+        if hint not in _TYPE_WORDS and p.default is not inspect.Parameter.empty and p.default is not None:
+            hint = type(p.default)
+        if hint in _TYPE_WORDS:
+            expected[key] = hint
+    return expected
+
+
+def _has_type(value, expected: type) -> bool:
+    if expected in (int, float) and isinstance(value, bool):  # True is an int to Python, not to a config
+        return False
+    return isinstance(value, (int, float)) if expected is float else isinstance(value, expected)
 
 
 def check_options(name: str, options: dict[str, Any] | None, where: Callable[[str], str], validate_paths: bool = True) -> None:
@@ -69,15 +93,16 @@ def check_options(name: str, options: dict[str, Any] | None, where: Callable[[st
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
         raise ConfigError(f"{where('batch_size')} must be an integer > 0; got {batch_size!r}")
     allowed = get_reward(kind).options()
+    types = _expected_types(get_reward(kind))
     for key, value in options.items():
         if key in SHARED_OPTIONS:
             continue
         if key not in allowed:
             takes = ", ".join([*allowed, *SHARED_OPTIONS])
             raise ConfigError(f"{where(key)} is not an option of reward '{kind}'; it takes: {takes}")
-        problem = _type_error(where(key), value, allowed[key])
-        if problem:
-            raise ConfigError(problem)
+        none_ok = value is None and allowed[key] is None  # None is the default's own value
+        if key in types and not none_ok and not _has_type(value, types[key]):
+            raise ConfigError(f"{where(key)} must be {_TYPE_WORDS[types[key]]}; got {value!r}")
         if key == "dtype" and value not in DTYPES:
             raise ConfigError(f"{where(key)} must be one of {', '.join(DTYPES)}; got '{value}'")
         if key == "device" and not DEVICE.match(str(value)):

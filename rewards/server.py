@@ -118,7 +118,8 @@ class RewardServer:
         self.httpd.serve_forever()
 
     def start(self) -> "RewardServer":
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="reward-server", daemon=True)
+        # a short poll interval makes close() quick (shutdown waits for the next poll)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="reward-server", daemon=True)
         self._thread.start()
         return self
 

@@ -36,7 +36,7 @@ def encode_request(images: torch.Tensor, prompts, metadata=None) -> bytes:
         meta = json.dumps(metadata)
     except TypeError as exc:
         raise UserError(f"reward metadata must be JSON-serialisable to travel to a reward server ({exc})") from None
-    pixels = torch.from_numpy(to_uint8(images))
+    pixels = torch.from_numpy(to_uint8(images)).contiguous()
     return save({"images": pixels}, metadata={"prompts": json.dumps(list(prompts)), "metadata": meta, "protocol": str(PROTOCOL)})
 
 

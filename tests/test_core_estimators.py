@@ -7,13 +7,22 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from flowrl.core.advantages import ADVANTAGE_KINDS, estimate_advantages
 
 FAST = settings(max_examples=50, deadline=None)
 TINY_EPS = 1e-9  # the estimators' eps, where a test checks exact math rather than the eps guard
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # tiny tensors: intra-op threads only add pool overhead (large on a busy 2-core machine)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------------------
@@ -105,12 +114,43 @@ def test_mc_grpo_permutation_equivariant_without_ties(data):
     assert torch.equal(b.mask, a.mask[perm])
 
 
+def gdpo_total_reference(r: torch.Tensor, g: torch.Tensor, std: str = "group") -> torch.Tensor:
+    """GDPO's weighted sum of per-channel normalised rewards before the batch rescale, in float64
+    with plain loops (unit weights; channels flat within a group contribute 0)."""
+    r = r.double()
+    total = torch.zeros(len(g), dtype=torch.float64)
+    for k in range(r.shape[1]):
+        col = r[:, k]
+        for sel in groups(g):
+            v = col[sel]
+            if (v == v[0]).all():
+                continue
+            scale = v.std(unbiased=False) if std == "group" else col.std(unbiased=False)
+            total[sel] += (v - v.mean()) / scale
+    return total
+
+
+@FAST
+@given(data=st.data(), std=st.sampled_from(["group", "global"]))
+def test_gdpo_matches_float64_reference(data, std):
+    r, g = data.draw(batches(channels=2))
+    total = gdpo_total_reference(r, g, std)
+    out = estimate_advantages("gdpo", r, g, std=std, eps=TINY_EPS)
+    live = out.mask
+    spread = total[live].std(unbiased=False).item() if live.sum() > 1 else 0.0
+    # when every live group's channel z-scores cancel, the rescale only amplifies rounding noise
+    assume(spread > 1e-3)
+    torch.testing.assert_close(out.advantages.double(), total / spread, atol=1e-4, rtol=1e-4)
+
+
 @FAST
 @pytest.mark.parametrize("kind", ["grpo", "mc_grpo", "gdpo", "rank", "reinforce_ada"])
-@pytest.mark.parametrize("std", ["group", "global"])
-@given(data=st.data(), scale=st.floats(0.01, 100.0))
-def test_positive_scale_invariant(kind, std, data, scale):
+@given(data=st.data(), scale=st.floats(0.01, 100.0), std=st.sampled_from(["group", "global"]))
+def test_positive_scale_invariant(kind, data, scale, std):
     r, g = data.draw(batches(channels=kind_channels(kind)))
+    if kind == "gdpo":  # see test_gdpo_matches_float64_reference
+        live = ~estimate_advantages(kind, r, g).degenerate[torch.unique(g, return_inverse=True)[1]]
+        assume(live.sum() > 1 and gdpo_total_reference(r, g, std)[live].std(unbiased=False) > 1e-3)
     a = estimate_advantages(kind, r, g, std=std, eps=TINY_EPS)
     b = estimate_advantages(kind, r * scale, g, std=std, eps=TINY_EPS)
     torch.testing.assert_close(b.advantages, a.advantages, atol=1e-4, rtol=1e-4)
@@ -127,13 +167,13 @@ _INCREASING = {
 
 
 @FAST
-@pytest.mark.parametrize("name", sorted(_INCREASING))
 @given(data=st.data())
-def test_rank_invariant_to_increasing_transforms(name, data):
+def test_rank_invariant_to_increasing_transforms(data):
     r, g = data.draw(batches())
     a = estimate_advantages("rank", r, g)
-    b = estimate_advantages("rank", _INCREASING[name](r), g)
-    assert torch.equal(a.advantages, b.advantages) and torch.equal(a.mask, b.mask)
+    for name, f in _INCREASING.items():
+        b = estimate_advantages("rank", f(r), g)
+        assert torch.equal(a.advantages, b.advantages) and torch.equal(a.mask, b.mask), name
 
 
 @FAST

@@ -140,6 +140,22 @@ def test_hps_converter_keeps_the_state_dict(tmp_path):
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
 
 
+def test_open_clip_without_torchvision_names_the_extra(monkeypatch, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_torchvision(name, *args, **kwargs):  # what importing open_clip meets on a CPU-only machine
+        if name == "open_clip":
+            raise ModuleNotFoundError("No module named 'torchvision'", name="torchvision")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.delitem(sys.modules, "open_clip", raising=False)
+    monkeypatch.setattr(builtins, "__import__", no_torchvision)
+    with pytest.raises(UserError, match=r"torchvision is not installed\): pip install 'flowrl\[hps\]'"):
+        get_reward("hpsv2").factory(checkpoint=str(tmp_path / "hps.safetensors"))
+
+
 def test_missing_open_clip_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "open_clip", None)  # what `import open_clip` meets without the extra
     with pytest.raises(UserError) as info:
@@ -217,7 +233,9 @@ BAD_OPTIONS = [
     (["reward.weights={pickscore: 1.0}", "reward.options.pickscore.path=./no/such/dir"], "reward.options.pickscore.path"),
     (["reward.weights={pickscore: 1.0}", "reward.options.pickscore.path=3"], "reward.options.pickscore.path"),
     (["reward.weights={pickscore: 1.0}", "reward.options.pickscore.batch_size=0"], "reward.options.pickscore.batch_size"),
+    (["reward.weights={pickscore: 1.0}", "reward.options.pickscore.path=null"], "reward.options.pickscore.path"),
     (["reward.weights={remote: 1.0}"], "reward.options.remote.url"),
+    (["reward.weights={remote: 1.0}", "reward.options.remote.url=3"], "reward.options.remote.url"),
     (["reward.weights={remote: 1.0}", "reward.options.remote.url=http://x:1", "reward.options.remote.retries=many"], "reward.options.remote.retries"),
     (["reward.weights={a: 1.0}", "reward.options.a.kind=nope"], "reward.options.a.kind"),
     (["reward.options.brightness.batch_size=2"], "reward.options names 'brightness'"),

@@ -14,7 +14,7 @@ import math
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from tqdm.auto import tqdm
@@ -26,6 +26,7 @@ from flowrl.core.allocation import make_allocator
 from flowrl.errors import ConfigError, UserError
 from flowrl.models import load_policy
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, rollout, transition
+from flowrl.sampling.steps import StepOutput
 from flowrl.sampling.schedules import shifted_sigmas, window_mask
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from flowrl.train.ema import EMA
@@ -43,6 +44,17 @@ class Stage(NamedTuple):
     prompt_ids: torch.Tensor  # [n] pool indices of the real samples
     positions: torch.Tensor  # [n_local] stage positions of this process's samples (>= n: padding)
     reward_time: float
+
+
+class MicroBatch(NamedTuple):
+    """One forward of the policy over stored transitions: `evaluate()` recomputes them (with
+    grad; under `policy.reference()` it gives the reference); `keep` masks the edges that carry
+    gradient (None: all)."""
+
+    evaluate: Callable[[], StepOutput]
+    old_log_prob: torch.Tensor
+    advantages: torch.Tensor
+    keep: torch.Tensor | None = None
 
 
 def sample_seed(base: int, iteration: int, index: int) -> int:
@@ -246,44 +258,56 @@ class GRPOTrainer:
         return total_rewards > (total_rewards.mean() if threshold is None else threshold)
 
     def update(self, batches: list[tuple[Trajectory, torch.Tensor]], spec: SamplerSpec) -> dict:
-        """Inner epochs of PPO-clipped updates over (sample batch, trained step) micro-batches.
-        Micro-batches are exactly the sampling batches, so the first forward reproduces the
-        behaviour log-probs bit for bit and the ratio starts at 1."""
+        """Flat rollouts: one micro-batch per (sample batch, trained step); a sample batch is
+        the unit of gradient accumulation. Micro-batches are exactly the sampling batches, so
+        the first forward reproduces the behaviour log-probs bit for bit and the ratio starts at 1."""
+        bs = self.cfg.sampling.batch_size
+        groups = []
+        for traj, adv in batches:
+            for start in range(0, len(traj), bs):
+                c = slice(start, start + bs)
+                groups.append([
+                    MicroBatch(lambda traj=traj, c=c, step=step: transition(self.policy, traj, spec, c, step, self.policy.encode(traj.prompts[c])),
+                               traj.log_probs[c, step], adv[c])
+                    for step in spec.trained_steps()
+                ])
+        return self.optimize(groups, spec.reduction)
+
+    def optimize(self, groups: list[list[MicroBatch]], reduction: str) -> dict:
+        """Inner epochs of PPO-clipped updates (+ beta x exact Gaussian KL to the reference).
+        Groups are shuffled each epoch; `trainer.gradient_accumulation_steps` groups make one
+        optimizer step; under DDP, gradients are synchronised only on the step's last backward."""
         cfg, acc, t = self.cfg, self.accelerator, self.cfg.trainer
-        steps = spec.trained_steps()
-        bs = cfg.sampling.batch_size
-        chunks = [(traj, adv, slice(s, s + bs)) for traj, adv in batches for s in range(0, len(traj), bs)]
         accum = t.gradient_accumulation_steps
         clip_hi = t.clip_range_high if t.clip_range_high is not None else t.clip_range
         gen = torch.Generator().manual_seed(sample_seed(t.seed, self.iteration, 999_983))
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "ratio_mean": 0.0, "clipfrac": 0.0}
-        count, grad_norms, first_ratio_dev = 0, [], 0.0
+        count, grad_norms, first_ratio_dev = 0, [], None
         self.policy.transformer.train()
-        bar = tqdm(total=t.inner_epochs * len(chunks) * len(steps), desc=f"iter {self.iteration} training", leave=False,
+        bar = tqdm(total=t.inner_epochs * sum(len(g) for g in groups), desc=f"iter {self.iteration} training", leave=False,
                    disable=not (cfg.run.progress and acc.is_local_main_process), unit="step")
         for epoch in range(t.inner_epochs):
-            order = torch.randperm(len(chunks), generator=gen).tolist()
-            for ci, chunk_index in enumerate(order):
-                traj, adv, c = chunks[chunk_index]
-                cond = self.policy.encode(traj.prompts[c])
-                a = adv[c].to(acc.device)
-                closes_group = (ci + 1) % accum == 0 or ci == len(order) - 1
-                group_len = min(accum, len(order) - (ci // accum) * accum)  # the last group may be short
-                for k, step in enumerate(steps):
-                    sync = closes_group and k == len(steps) - 1
+            order = torch.randperm(len(groups), generator=gen).tolist()
+            for gi, group_index in enumerate(order):
+                group = groups[group_index]
+                closes_step = (gi + 1) % accum == 0 or gi == len(order) - 1
+                step_len = min(accum, len(order) - (gi // accum) * accum)  # the last step's share may be short
+                for k, mb in enumerate(group):
+                    sync = closes_step and k == len(group) - 1
                     with contextlib.nullcontext() if sync else acc.no_sync(self.policy.net):
-                        out = transition(self.policy, traj, spec, c, step, cond)
-                        old = traj.log_probs[c, step].to(acc.device)
-                        pl = clipped_policy_loss(out.log_prob, old, a, t.clip_range, clip_hi)
+                        out = mb.evaluate()
+                        keep = mb.keep if mb.keep is not None else slice(None)
+                        old, adv = mb.old_log_prob.to(acc.device)[keep], mb.advantages.to(acc.device)[keep]
+                        pl = clipped_policy_loss(out.log_prob[keep], old, adv, t.clip_range, clip_hi)
                         loss = pl.loss
                         kl = torch.zeros((), device=acc.device)
                         if t.kl_beta > 0:
                             with torch.no_grad(), self.policy.reference():
-                                ref = transition(self.policy, traj, spec, c, step, cond)
-                            kl = gaussian_kl(out.mean, ref.mean, out.std, spec.reduction).mean()
+                                ref = mb.evaluate()
+                            kl = gaussian_kl(out.mean[keep], ref.mean[keep], out.std, reduction).mean()
                             loss = loss + t.kl_beta * kl
-                        acc.backward(loss / (group_len * len(steps)))
-                    if epoch == 0 and ci == 0 and k == 0:
+                        acc.backward(loss / (step_len * len(group)))
+                    if first_ratio_dev is None:
                         first_ratio_dev = (pl.ratio - 1).abs().max().item()
                     sums["loss"] += loss.item()
                     sums["policy_loss"] += pl.loss.item()
@@ -292,7 +316,7 @@ class GRPOTrainer:
                     sums["clipfrac"] += pl.clipped.float().mean().item()
                     count += 1
                     bar.update(1)
-                if closes_group:
+                if closes_step:
                     grad_norms.append(float(acc.clip_grad_norm_(list(self.params.values()), t.max_grad_norm)))
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
@@ -301,8 +325,8 @@ class GRPOTrainer:
         bar.close()
         self.policy.transformer.eval()
         out = {k: v / max(count, 1) for k, v in sums.items()}
-        out.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), first_ratio_deviation=first_ratio_dev,
-                   optimizer_steps=len(grad_norms), lr=self.optimizer.param_groups[0]["lr"])
+        out.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), first_ratio_deviation=first_ratio_dev or 0.0,
+                   optimizer_steps=len(grad_norms), trained_transitions=count, lr=self.optimizer.param_groups[0]["lr"])
         return out
 
     # ---- the loop -----------------------------------------------------------------------
