@@ -1,0 +1,199 @@
+#!/usr/bin/env python
+"""Benchmark BranchGRPO trees against flat GRPO, side by side in one run on the same model.
+
+Four trainers (each its own GRPOTrainer, same model, reward, prompts, seed and batch size):
+
+  flat        flat GRPO in the DanceGRPO setting: 16 samples per prompt, 20 steps, the
+              dance_grpo SDE (noise 0.3) on every step, every step trained;
+  tree        BranchGRPO: one tree per prompt, splits at steps 0, 3, 6, 9 with branching 2
+              (16 leaves), SDE everywhere, every edge trained (rollout.tree.between=sde);
+  tree+depth  the same tree with depth pruning (--prune-depths, default: depth 4, the segment
+              after the last split): same rollouts, fewer trained edges;
+  mix         BranchGRPO-Mix: SDE only inside a progressive window of --mix-window steps and at
+              the splits, ODE elsewhere; only SDE edges trained.
+
+Each trainer runs --warmup iterations, then --iterations timed iterations, interleaved round
+robin so machine-load drift hits all alike. Printed per method: NFE per leaf (sampling
+forwards per final sample), trained edges per iteration, median seconds per iteration (sampling,
+reward, training) and the ratio to flat, e.g. `tree 0.41x flat`.
+
+--reward-budget SECONDS: then, for each method in turn, a fresh trainer trains for that much
+wall time; the reward reached is the mean reward of deterministic (ODE, eval_num_steps) samples
+of the training prompts, 2 fixed seeds each, with the EMA weights when EMA is on. The untrained
+model's score on the same samples is printed as the baseline.
+
+Usage:
+  .venv/bin/python scripts/bench_tree.py --quick                     # a smoke run: 8 steps, 1 iteration
+  .venv/bin/python scripts/bench_tree.py --iterations 3 --reward-budget 600
+  .venv/bin/python scripts/bench_tree.py --model builtin:shapes --reward shapes --reward-budget 600
+Trailing key=value arguments override the config of all four trainers (e.g. model.device=cuda).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+
+def method_overrides(args) -> dict[str, list[str]]:
+    splits = ",".join(map(str, args.split_steps))
+    tree = ["rollout.kind=tree", f"rollout.tree.split_steps=[{splits}]", "rollout.tree.branching=[2]", "rollout.tree.between=sde"]
+    return {
+        "flat": ["rollout.kind=flat", "sampling.window.strategy=all"],
+        "tree": tree,
+        "tree+depth": tree + [f"rollout.tree.prune_depths=[{','.join(map(str, args.prune_depths))}]"],
+        "mix": tree[:-1] + ["rollout.tree.between=window", "sampling.window.strategy=progressive",
+                            f"sampling.window.size={args.mix_window}", "sampling.window.start=0",
+                            f"sampling.window.shift_every={args.mix_shift_every}"],
+    }
+
+
+def common_overrides(args) -> list[str]:
+    leaves = 2 ** len(args.split_steps)
+    return [
+        f"model.path={args.model}", f"reward.weights={{{args.reward}: 1.0}}", f"sampling.num_steps={args.steps}",
+        "sampling.sampler=dance_grpo", f"sampling.noise_level={args.noise}", f"data.group_size={leaves}",
+        f"data.prompts_per_iteration={args.prompts_per_iteration}", "run.tracker=none", "run.progress=false",
+        "run.sample_every=0", "run.checkpoint_every=0", f"trainer.seed={args.seed}", *args.overrides,
+    ]
+
+
+def build(args, name: str, extra: list[str], root: Path, tag: str):
+    from flowrl.config import load_config
+    from flowrl.train.trainer import GRPOTrainer
+
+    cfg = load_config(args.config, common_overrides(args) + extra)
+    return GRPOTrainer(cfg, run_dir=root / f"{tag}-{name.replace('+', '-')}")
+
+
+@torch.no_grad()
+def eval_reward(trainer, seeds_per_prompt: int = 2) -> float:
+    """Mean weighted reward of ODE samples of the training prompts (fixed seeds, EMA weights if on)."""
+    from flowrl.sampling.rollout import SamplerSpec, rollout
+    from flowrl.sampling.schedules import shifted_sigmas
+
+    cfg = trainer.cfg
+    n = cfg.sampling.eval_num_steps
+    spec = SamplerSpec(shifted_sigmas(n, cfg.sampling.shift), torch.zeros(n, dtype=torch.bool), "ode")
+    prompts = [p for p in trainer.prompts for _ in range(seeds_per_prompt)]
+    seeds = [90_000 + j for j in range(len(prompts))]  # never used by training (sample_seed is much larger)
+    bs = cfg.sampling.batch_size
+    ctx = trainer.ema.swapped_in(trainer.params) if trainer.ema is not None else contextlib.nullcontext()
+    with ctx:
+        traj = rollout(trainer.policy, prompts, seeds, spec, bs)
+        images = torch.cat([trainer.policy.decode(traj.final[i : i + bs]) for i in range(0, len(traj), bs)])
+    return (trainer.reward_fn(images, prompts) @ trainer.reward_fn.channel_weights).mean().item()
+
+
+def trained_edges(row: dict) -> int:
+    if "trees" in row:
+        return int(row["trained_transitions"])
+    return int(row["samples"] * row["trained_steps"])  # flat: every trained step of every sample
+
+
+def run(args) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench_tree-") as tmp:  # run directories are scratch
+        return run_in(args, Path(tmp))
+
+
+def run_in(args, root: Path) -> int:
+    methods = method_overrides(args)
+    trainers = {name: build(args, name, extra, root, "time") for name, extra in methods.items()}
+    first = next(iter(trainers.values()))
+    n_params = sum(p.numel() for p in first.policy.transformer.parameters())
+    cfg = first.cfg
+    print(f"bench_tree: {args.model} ({type(first.policy.transformer).__name__}, {n_params / 1e6:.2f}M params), "
+          f"reward {args.reward}, device {first.policy.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()} with {os.cpu_count()} CPUs")
+    print(f"workload: {cfg.data.prompts_per_iteration} prompt(s) x {cfg.data.group_size} samples per iteration, "
+          f"{cfg.sampling.num_steps} steps, dance_grpo SDE noise {cfg.sampling.noise_level}, batch {cfg.sampling.batch_size}; "
+          f"tree splits at {args.split_steps} (branching 2); depth pruning {args.prune_depths}; mix window {args.mix_window} "
+          f"steps; {args.warmup} warm-up + {args.iterations} timed iterations each, interleaved")
+    for _ in range(args.warmup):
+        for t in trainers.values():
+            t.train_iteration()
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    rows: dict[str, dict] = {}
+    for _ in range(args.iterations):
+        for name, t in trainers.items():
+            t0 = time.perf_counter()
+            rows[name] = t.train_iteration()
+            times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print(f"{'method':<11} {'NFE/leaf':>8} {'trained edges':>13} {'s/iter':>9}  {'sampling':>8} {'reward':>7} {'training':>8}")
+    for name, row in rows.items():
+        nfe = row.get("nfe_per_leaf", float(cfg.sampling.num_steps))
+        print(f"{name:<11} {nfe:8.2f} {trained_edges(row):13d} {med[name]:9.3f}  {row['time_sampling']:8.3f} "
+              f"{row['time_reward']:7.3f} {row['time_training']:8.3f}")
+    for name in trainers:
+        print(f"{name} {med[name] / med['flat']:.2f}x flat")
+    del trainers, first
+
+    if args.reward_budget:
+        print(f"reward after {args.reward_budget:g} s of training per method (ODE eval, eval_num_steps "
+              f"{cfg.sampling.eval_num_steps}, 2 seeds per training prompt; methods run one after another):")
+        base = None
+        for name, extra in methods.items():
+            t = build(args, name, extra, root, "budget")
+            if base is None:
+                base = eval_reward(t)
+                print(f"untrained: eval reward {base:.4f}")
+            start, iters = time.perf_counter(), 0
+            while time.perf_counter() - start < args.reward_budget:
+                t.train_iteration()
+                iters += 1
+            spent = time.perf_counter() - start
+            print(f"{name}: {iters} iterations in {spent:.1f} s, eval reward {eval_reward(t):.4f} (untrained {base:.4f})")
+            del t
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="key=value config overrides applied to all four trainers")
+    p.add_argument("--model", default="builtin:tiny-sd3", help="model.path: builtin:NAME, a pipeline directory or a hub id")
+    p.add_argument("--reward", default="jpeg_compressibility", help="reward name (weight 1.0), e.g. shapes with builtin:shapes")
+    p.add_argument("--config", default=None, help="base preset or YAML (default: tiny_jpeg for builtin:tiny-sd3, else the default preset)")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--split-steps", type=int, nargs="+", default=[0, 3, 6, 9])
+    p.add_argument("--prune-depths", type=int, nargs="+", default=[4])
+    p.add_argument("--mix-window", type=int, default=4)
+    p.add_argument("--mix-shift-every", type=int, default=25)
+    p.add_argument("--noise", type=float, default=0.3, help="dance_grpo eta")
+    p.add_argument("--prompts-per-iteration", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iterations", type=int, default=3, help="timed iterations per method")
+    p.add_argument("--reward-budget", type=float, default=0.0, metavar="SECONDS", help="train each method this long, then score")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 8 steps, splits 0-3, 1 timed iteration")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.split_steps, args.mix_window, args.warmup, args.iterations = 8, [0, 1, 2, 3], 2, 1, 1
+    if args.config is None and args.model == "builtin:tiny-sd3":
+        args.config = "tiny_jpeg"
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from flowrl.errors import UserError
+
+    try:
+        return run(args)
+    except UserError as exc:
+        print(f"bench_tree: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

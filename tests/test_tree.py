@@ -1,0 +1,401 @@
+"""BranchGRPO trees: the modality-free core on hand-built trees, the tree sampler on the tiny
+SD3 (NFE, shared prefixes, reproducibility, exact log-probs), gradient-only pruning, and the
+trainer's tree path end to end (metrics, ratio 1, resume, Mix, two processes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowrl.cli import main
+from flowrl.config import ModelConfig, load_config
+from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, step_depths, trained_depths, tree_nfe, width_prune
+from flowrl.errors import ConfigError
+from flowrl.sampling.noise import seeded_noise
+from flowrl.sampling.rollout import SamplerSpec, rollout, transition
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.steps import gaussian_log_prob
+from flowrl.sampling.tree import path_seed, tree_rollout, tree_spec
+from flowrl.train.trainer import GRPOTrainer
+
+EPS = 1e-4
+
+# ---- the core on hand-built trees ------------------------------------------------------------
+# two trees; tree 0 is unbalanced (a has 3 leaves, b has 1), tree 1 has equal leaves
+#   level 0: r0 r1            level 1: a b | c d          level 2: a1 a2 a3 b1 | c1 d1
+PARENTS = [torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0, 0, 1, 2, 3])]
+TREE_IDS = [torch.tensor([0, 1]), torch.tensor([0, 0, 1, 1]), torch.tensor([0, 0, 0, 0, 1, 1])]
+LEAF_REWARDS = torch.tensor([1.0, 2.0, 3.0, 10.0, 5.0, 5.0])
+
+
+def test_mean_fusion_averages_the_leaves_below_each_node():
+    values = fuse_rewards(PARENTS, LEAF_REWARDS, "mean")
+    assert values[2].tolist() == LEAF_REWARDS.tolist()
+    assert values[1].tolist() == [2.0, 10.0, 5.0, 5.0]
+    # the mean of the 4 leaves (16 / 4), not the mean of the two children ((2 + 10) / 2 = 6)
+    assert values[0].tolist() == [4.0, 5.0]
+
+
+def test_probability_fusion_weights_children_by_softmax_of_sibling_log_probs():
+    # a constant -1000 would underflow a naive exp: the softmax must be shifted
+    edge_lp = [torch.tensor([-1000.0, -1000.0 + math.log(3), 0.0, 0.0], dtype=torch.float64),
+               torch.tensor([-1000.0 + math.log(2), -1000.0, -1000.0, 7.0, 1.0, 2.0], dtype=torch.float64)]
+    values = fuse_rewards(PARENTS, LEAF_REWARDS, "prob", edge_lp)
+    a = (2 * 1.0 + 1 * 2.0 + 1 * 3.0) / 4  # weights 2/4, 1/4, 1/4
+    assert values[1].tolist() == pytest.approx([a, 10.0, 5.0, 5.0])
+    assert values[0].tolist() == pytest.approx([0.25 * a + 0.75 * 10.0, 5.0])  # weights 1/4, 3/4
+    with pytest.raises(ValueError):
+        fuse_rewards(PARENTS, LEAF_REWARDS, "prob")
+
+
+def test_depthwise_advantages_normalise_within_each_level_of_each_tree():
+    adv = depthwise_advantages(fuse_rewards(PARENTS, LEAF_REWARDS, "mean"), TREE_IDS, EPS)
+    assert adv[0].tolist() == [0.0, 0.0]  # one node per tree
+    # level 1, tree 0: values 2, 10 -> mean 6, population std 4; tree 1: equal values -> 0
+    assert adv[1].tolist() == pytest.approx([-4 / (4 + EPS), 4 / (4 + EPS), 0.0, 0.0])
+    # level 2, tree 0: 1, 2, 3, 10 -> mean 4, std sqrt((9 + 4 + 1 + 36) / 4)
+    std = math.sqrt(12.5)
+    assert adv[2].tolist() == pytest.approx([-3 / (std + EPS), -2 / (std + EPS), -1 / (std + EPS), 6 / (std + EPS), 0.0, 0.0])
+
+
+def test_width_prune_keeps_the_largest_abs_advantages_per_tree():
+    adv = torch.tensor([0.1, -2.0, 1.5, 0.3, 1.0, -1.0])
+    ids = torch.tensor([0, 0, 0, 0, 1, 1])
+    assert width_prune(adv, ids, 0.5).tolist() == [False, True, True, False, True, False]  # tie: lower index
+    assert width_prune(adv, ids, 1.0).all()
+    assert int(width_prune(torch.arange(10.0), torch.zeros(10), 0.3).sum()) == 3  # 0.3 x 10 is 3.0000000000000004
+
+
+def test_depths_and_depth_pruning_masks():
+    assert step_depths(10, [0, 3, 6, 9]).tolist() == [1, 1, 1, 2, 2, 2, 3, 3, 3, 4]
+    assert step_depths(5, [2]).tolist() == [0, 0, 1, 1, 1]
+    assert trained_depths(4, [2]).tolist() == [False, True, False, True, True]
+    window = [trained_depths(4, [], 2, 10, it).nonzero().squeeze(1).tolist() for it in (0, 9, 10, 25, 100)]
+    assert window == [[1, 2], [1, 2], [2, 3], [3, 4], [3, 4]]
+    assert trained_depths(4, [3], 2, 10, 10).nonzero().squeeze(1).tolist() == [2]
+
+
+def test_closed_form_nfe():
+    assert level_counts(4, {0: 2, 2: 3}) == [1, 2, 2, 6, 6]
+    assert tree_nfe(20, {0: 2, 3: 2, 6: 2, 9: 2}) == 1 + 3 * 2 + 3 * 4 + 3 * 8 + 10 * 16  # 203: 12.7 per leaf, not 20
+    assert tree_nfe(4, {0: 2, 2: 3}, roots=2) == 2 * (1 + 2 + 2 + 6)
+
+
+# ---- the sampler on the tiny SD3 -------------------------------------------------------------
+T = 4
+SPLITS = {0: 2, 2: 3}
+PROMPTS = ["a red circle", "two green triangles"]
+SEEDS = [11, 12345]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_sd3_dir):
+    from flowrl.models import load_policy
+
+    return load_policy(ModelConfig(kind="sd3", path=tiny_sd3_dir, guidance_scale=4.5), device="cpu")
+
+
+def _spec(kind="flow_grpo", noise=0.7, sde=None):
+    sde = torch.ones(T, dtype=torch.bool) if sde is None else sde
+    return SamplerSpec(shifted_sigmas(T, 3.0), sde, kind, noise, "mean")
+
+
+def test_nfe_equals_closed_form_and_counted_forwards(policy, monkeypatch):
+    rows = []
+    velocity = policy.velocity
+    monkeypatch.setattr(policy, "velocity", lambda x, s, c: (rows.append(x.shape[0]), velocity(x, s, c))[1])
+    tree = tree_rollout(policy, PROMPTS, SEEDS, _spec(), SPLITS, batch_size=3)
+    assert sum(rows) == tree.nfe == tree_nfe(T, SPLITS, roots=2) == 22
+    # every level goes through the network in batches: ceil(n_t / 3) forwards of at most 3 nodes
+    assert len(rows) == sum(math.ceil(n / 3) for n in level_counts(T, SPLITS, 2)[:T]) and max(rows) == 3
+    assert [len(x) for x in tree.levels] == level_counts(T, SPLITS, 2)
+
+
+def test_leaves_share_bit_identical_prefixes_and_differ_after_their_split(policy):
+    tree = tree_rollout(policy, PROMPTS, SEEDS, _spec(), SPLITS, batch_size=3)
+    chains = tree.leaf_trajectory()
+    anc = tree.ancestors(T)
+    leaves = len(tree.leaves)
+    checked = 0
+    for i in range(leaves):
+        for j in range(i + 1, leaves):
+            if tree.tree_ids[-1][i] != tree.tree_ids[-1][j]:
+                assert not torch.equal(chains.latents[i, 0], chains.latents[j, 0])  # different trees, different roots
+                continue
+            split = int((anc[:, i] != anc[:, j]).nonzero()[0])  # first level where the paths part
+            assert split - 1 in SPLITS  # they can only part at a split step
+            assert torch.equal(chains.latents[i, :split], chains.latents[j, :split])
+            for t in range(split, T + 1):
+                assert (chains.latents[i, t] != chains.latents[j, t]).float().mean() > 0.99
+            checked += 1
+    assert checked == 2 * 15  # 6 leaves per tree: 15 pairs each
+
+
+def test_a_leaf_is_reproducible_from_seed_and_path_alone(policy):
+    both = tree_rollout(policy, PROMPTS, SEEDS, _spec(), SPLITS, batch_size=4)
+    alone = tree_rollout(policy, PROMPTS[1:], SEEDS[1:], _spec(), SPLITS, batch_size=1)
+    second = both.tree_ids[-1] == 1
+    assert torch.equal(both.paths[-1][second], alone.paths[-1])
+    # other trees in the batch and another batch size change nothing but float rounding
+    torch.testing.assert_close(both.leaves[second], alone.leaves, rtol=1e-5, atol=1e-5)
+
+
+def test_leftmost_path_is_the_flat_rollout_of_the_tree_seed(policy):
+    spec = _spec()
+    flat = rollout(policy, PROMPTS[:1], SEEDS[:1], tree_spec(spec, SPLITS), batch_size=1)
+    tree = tree_rollout(policy, PROMPTS[:1], SEEDS[:1], spec, SPLITS, batch_size=1)
+    chains = tree.leaf_trajectory()
+    assert chains.extras["paths"][0] == 0
+    assert torch.equal(chains.latents[0], flat.latents[0])
+    assert torch.equal(chains.log_probs[0], flat.log_probs[0])
+
+
+@pytest.mark.parametrize("kind,noise", [("flow_grpo", 0.7), ("dance_grpo", 0.5), ("cps", 0.5)])
+def test_every_edge_log_prob_equals_the_flat_step_log_prob(policy, kind, noise):
+    # between splits: SDE at step 1, ODE at step 3 (cps is deterministic at the last step anyway)
+    spec = tree_spec(_spec(kind, noise, torch.tensor([False, True, False, False])), SPLITS)
+    tree = tree_rollout(policy, PROMPTS, SEEDS, spec, SPLITS, batch_size=3)
+    assert tree.stochastic.tolist() == [True, True, True, False]
+    chains = tree.leaf_trajectory()
+    anc = tree.ancestors(T)
+    for t in range(T):
+        flat = transition(policy, chains, spec, slice(None), t, policy.encode(chains.prompts))
+        torch.testing.assert_close(tree.log_probs[t][anc[t + 1]], flat.log_prob, rtol=1e-5, atol=1e-5)
+        if not spec.is_stochastic(t):
+            assert torch.equal(tree.log_probs[t], torch.zeros(len(tree.levels[t + 1])))
+            torch.testing.assert_close(chains.latents[:, t + 1], flat.mean, rtol=1e-5, atol=1e-5)  # an exact ODE edge
+            continue
+        # one std for the noise and the log-prob: x' = mean + std eps with the node's own (seed, path) noise
+        seeds = [path_seed(int(chains.seeds[k]), int(p)) for k, p in enumerate(tree.paths[t + 1][anc[t + 1]].tolist())]
+        eps = seeded_noise(seeds, t, policy.latent_shape())
+        torch.testing.assert_close(chains.latents[:, t + 1], flat.mean + flat.std * eps, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flat.log_prob, gaussian_log_prob(flat.mean + flat.std * eps, flat.mean, flat.std), rtol=1e-5, atol=1e-5)
+        assert abs(float(flat.std) - spec.std(t)) < 1e-6
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_re_evaluated_edges_reproduce_the_behaviour_log_probs_exactly(kind, tiny_sd3_dir, tiny_flux_dir):
+    from flowrl.models import load_policy
+    from flowrl.sampling.tree import parent_batches, tree_edges
+
+    path = tiny_sd3_dir if kind == "sd3" else tiny_flux_dir
+    pol = load_policy(ModelConfig(kind=kind, path=path, guidance_scale=3.5), device="cpu")
+    spec = _spec()
+    tree = tree_rollout(pol, PROMPTS, SEEDS, spec, SPLITS, batch_size=3)
+    seen = torch.zeros(len(tree.leaves), dtype=torch.long)
+    with torch.no_grad():
+        for t in range(T):
+            for parents in parent_batches(len(tree.levels[t]), 3):
+                out, children = tree_edges(pol, tree, spec, t, parents)
+                assert torch.equal(out.log_prob, tree.log_probs[t][children])  # ratio exactly 1
+                assert torch.equal(out.next_x, tree.levels[t + 1][children])
+                if t == T - 1:
+                    seen[children] += 1
+    assert seen.tolist() == [1] * len(tree.leaves)  # the batches cover every edge once
+
+
+# ---- the trainer's tree path -----------------------------------------------------------------
+TREE = [
+    "sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
+    "sampling.batch_size=3", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8", "run.sample_every=0",
+    "rollout.kind=tree", "rollout.tree.split_steps=[0,2]", "rollout.tree.branching=[2]",
+]
+
+
+def _trainer(tmp_path, model_dir, name, *extra) -> GRPOTrainer:
+    return GRPOTrainer(load_config("tiny_jpeg", [*TREE, f"model.path={model_dir}", *extra]), run_dir=tmp_path / name)
+
+
+def test_pruning_leaves_the_rollout_unchanged_and_pruned_edges_without_gradient(tmp_path, tiny_sd3_dir):
+    full = _trainer(tmp_path, tiny_sd3_dir, "full")
+    pruned = _trainer(tmp_path, tiny_sd3_dir, "pruned", "rollout.tree.width_keep=0.5", "rollout.tree.prune_depths=[1]",
+                      "trainer.weight_decay=0")
+    spec = pruned.tree_sampler_spec(0)
+    a, b = full.sample_trees(0, full.tree_sampler_spec(0)), pruned.sample_trees(0, spec)
+    assert all(torch.equal(x, y) for x, y in zip(a.tree.levels, b.tree.levels))  # same images
+    assert torch.equal(a.rewards, b.rewards)
+
+    keep = pruned.tree_keep(b, 0)
+    depth = b.tree.depth_of_step.tolist()  # [1, 1, 2, 2]
+    assert [k is None for k in keep] == [d == 1 for d in depth]
+    for t in (2, 3):  # the last depth: 2 of each tree's 4 leaves, the largest |A|
+        assert int(keep[t].sum()) == 2 * 2
+        for tree_id in (0, 1):
+            mine = b.tree.tree_ids[t + 1] == tree_id
+            top = b.advantages[t + 1][mine].abs()
+            assert top[keep[t][mine]].min() >= top[~keep[t][mine]].max()
+    groups = pruned.tree_groups(b, spec, keep)
+    # step 2 (split): parents [0:3], [3:4] -> children [0:6], [6:8]; step 3: parents = children [0:3], [3:6], [6:8];
+    # a batch whose edges are all pruned is not even evaluated
+    batches = [(2, 0, 6), (2, 6, 8), (3, 0, 3), (3, 3, 6), (3, 6, 8)]
+    assert len(groups) == sum(bool(keep[t][lo:hi].any()) for t, lo, hi in batches) >= 3
+    assert all(g[0].keep.any() for g in groups)
+    mixed = next(g[0] for g in groups if not g[0].keep.all())
+
+    def grads(mb):
+        pruned.optimizer.zero_grad(set_to_none=True)
+        loss, _, _ = pruned.micro_batch_loss(mb, "mean")
+        loss.backward()
+        return {n: p.grad.clone() for n, p in pruned.params.items()}
+
+    # the pruned edges' advantages and old log-probs do not reach the gradient at all
+    g1 = grads(mixed)
+    noisy = mixed._replace(advantages=mixed.advantages + 100.0 * ~mixed.keep, old_log_prob=mixed.old_log_prob - 3.0 * ~mixed.keep)
+    g2 = grads(noisy)
+    assert any(g.abs().sum() > 0 for g in g1.values())
+    assert all(torch.equal(g1[n], g2[n]) for n in g1)
+    # a micro-batch of pruned edges only: zero gradient, so AdamW (no weight decay) leaves every weight as it was
+    pruned.optimizer.zero_grad(set_to_none=True)
+    before = {n: p.detach().clone() for n, p in pruned.params.items()}
+    stats = pruned.optimize([[mixed._replace(keep=torch.zeros_like(mixed.keep))]], "mean", per_transition=True)
+    assert stats["grad_norm"] == 0.0 and stats["optimizer_steps"] == 1
+    assert all(torch.equal(before[n], p) for n, p in pruned.params.items())
+    stats = pruned.optimize([[mixed]], "mean", per_transition=True)
+    assert stats["grad_norm"] > 0 and any(not torch.equal(before[n], p) for n, p in pruned.params.items())
+
+
+def _metrics(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+
+
+def test_tree_training_end_to_end_and_exact_resume(tmp_path, tiny_sd3_dir):
+    common = [*TREE, f"model.path={tiny_sd3_dir}", "run.checkpoint_every=2", "trainer.kl_beta=0.01", "rollout.tree.fusion=prob"]
+    straight = tmp_path / "straight"
+    assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
+    rows = _metrics(straight)
+    assert len(rows) == 4
+    splits = {0: 2, 2: 2}
+    for row in rows:
+        assert row["nfe_per_leaf"] == tree_nfe(4, splits) / 4  # 9 forwards for 4 leaves
+        assert row["samples"] == 8 and row["trees"] == 2
+        assert row["trained_steps"] == 4 and row["trained_transitions"] == 2 * (2 + 2 + 4 + 4)
+        assert row["training_forwards"] == 1 + 2 + 2 + 3  # parents 2, 4, 4, 8 in batches of 3
+        assert row["kl"] >= 0 and math.isfinite(row["loss"])
+        for d in (1, 2):
+            assert 0 < row[f"adv_abs_mean/depth{d}"] <= 5 and 0 < row[f"adv_std/depth{d}"] <= 5
+    # fresh samples, the same batches as sampling: the first importance ratio is exactly 1
+    assert rows[0]["first_ratio_deviation"] < 1e-6
+    assert rows[0]["reward_std"] > 0
+
+    stopped = tmp_path / "stopped"
+    assert main(["train", "tiny_jpeg", *common, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
+    assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
+    assert _metrics(stopped) == rows
+    a = load_file(str(straight / "checkpoints" / "iter_000004" / "trainable.safetensors"))
+    b = load_file(str(stopped / "checkpoints" / "iter_000004" / "trainable.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    first = load_file(str(straight / "checkpoints" / "iter_000002" / "trainable.safetensors"))
+    assert any(not torch.equal(a[k], first[k]) for k in a if "lora_B" in k)
+
+
+def test_mix_trains_only_sde_edges_inside_the_sliding_window(tmp_path, tiny_sd3_dir):
+    trainer = _trainer(tmp_path, tiny_sd3_dir, "mix", "sampling.num_steps=6", "rollout.tree.split_steps=[1,4]",
+                       "rollout.tree.between=window", "sampling.window.strategy=progressive", "sampling.window.size=2",
+                       "sampling.window.start=0", "sampling.window.shift_every=1", "trainer.iterations=2")
+    # iteration 0: window [0, 1] + splits {1, 4}; iteration 1: window [1, 2] + splits
+    assert trainer.tree_sampler_spec(0).sde_steps.tolist() == [True, True, False, False, True, False]
+    assert trainer.tree_sampler_spec(1).sde_steps.tolist() == [False, True, True, False, True, False]
+    batch = trainer.sample_trees(0, trainer.tree_sampler_spec(0))
+    keep = trainer.tree_keep(batch, 0)
+    assert [k is not None for k in keep] == [False, True, False, False, True, False]  # step 0 is SDE but at depth 0
+    for t in (2, 3, 5):  # ODE edges: no density, and the child is the mean
+        assert torch.equal(batch.tree.log_probs[t], torch.zeros_like(batch.tree.log_probs[t]))
+    rows = trainer.train()
+    assert [r["trained_steps"] for r in rows] == [2, 3]
+    assert rows[0]["first_ratio_deviation"] < 1e-6
+    assert rows[0]["nfe_per_leaf"] == tree_nfe(6, {1: 2, 4: 2}) / 4
+
+
+def test_ode_between_splits_trains_the_split_edges_only(tmp_path, tiny_sd3_dir):
+    trainer = _trainer(tmp_path, tiny_sd3_dir, "ode", "rollout.tree.between=ode", "trainer.iterations=1")
+    assert trainer.tree_sampler_spec(0).sde_steps.tolist() == [True, False, True, False]
+    row = trainer.train()[0]
+    assert row["trained_steps"] == 2 and row["trained_transitions"] == 2 * (2 + 4)
+    assert row["first_ratio_deviation"] < 1e-6
+
+
+def test_depth_window_slides_over_iterations(tmp_path, tiny_sd3_dir):
+    trainer = _trainer(tmp_path, tiny_sd3_dir, "window", "rollout.tree.between=ode", "rollout.tree.depth_window=1",
+                       "rollout.tree.depth_window_shift_every=1", "trainer.iterations=3")
+    rows = trainer.train()
+    # depth 1 (the split at step 0: 2 edges per tree), then depth 2 (step 2: 4 per tree), then it stays there
+    assert [r["trained_transitions"] for r in rows] == [2 * 2, 2 * 4, 2 * 4]
+    assert [r["trained_steps"] for r in rows] == [1, 1, 1]
+
+
+BAD_TREES = [
+    (["rollout.kind=forest"], "rollout.kind"),
+    (["rollout.tree.split_steps=[0,4]"], "rollout.tree.split_steps"),
+    (["rollout.tree.split_steps=[2,1]"], "rollout.tree.split_steps"),
+    (["rollout.tree.branching=[1]"], "rollout.tree.branching"),
+    (["rollout.tree.branching=[2,2,2]"], "rollout.tree.branching"),
+    (["data.group_size=8"], "data.group_size"),
+    (["rollout.tree.between=euler"], "rollout.tree.between"),
+    (["rollout.tree.between=window"], "rollout.tree.between"),
+    (["sampling.window.strategy=fixed", "sampling.window.size=2"], "sampling.window.strategy"),
+    (["rollout.tree.fusion=max"], "rollout.tree.fusion"),
+    (["rollout.tree.width_keep=0"], "rollout.tree.width_keep"),
+    (["rollout.tree.prune_depths=[3]"], "rollout.tree.prune_depths"),
+    (["rollout.tree.prune_depths=[1,2]"], "rollout.tree.prune_depths"),
+    (["rollout.tree.depth_window=3"], "rollout.tree.depth_window"),
+    (["rollout.tree.depth_window_shift_every=0"], "rollout.tree.depth_window_shift_every"),
+    (["allocator.kind=vade"], "allocator.kind"),
+    (["advantage.kind=rank"], "advantage.kind"),
+    (["sampling.sampler=cps", "rollout.tree.split_steps=[0,3]"], "rollout.tree.split_steps"),  # cps: no noise at the last step
+]
+
+
+@pytest.mark.parametrize("overrides,key", BAD_TREES)
+def test_bad_tree_config_is_one_sentence_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_jpeg", [*TREE, *overrides], validate_paths=False)
+    message = str(info.value)
+    assert key in message and "\n" not in message
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
+def test_two_processes_share_the_trees_and_end_with_identical_weights(tmp_path, tiny_sd3_dir):
+    # 3 trees on 2 processes: the second process samples one real tree and one padding copy
+    overrides = [*TREE, f"model.path={tiny_sd3_dir}"]
+    worker = tmp_path / "worker.py"
+    worker.write_text(textwrap.dedent(f"""
+        import json, sys
+        from safetensors.torch import save_file
+        from flowrl.config import load_config
+        from flowrl.train.trainer import GRPOTrainer
+        out = sys.argv[1]
+        cfg = load_config("tiny_jpeg", {overrides!r} + [
+            "data.prompts_per_iteration=3", "trainer.iterations=2", "run.checkpoint_every=0", "trainer.kl_beta=0.01",
+            "rollout.tree.width_keep=0.5"])
+        trainer = GRPOTrainer(cfg, run_dir=out + "/run")
+        history = trainer.train()
+        rank = trainer.accelerator.process_index
+        save_file({{n: p.detach().contiguous() for n, p in trainer.params.items()}}, f"{{out}}/rank{{rank}}.safetensors")
+        open(f"{{out}}/rank{{rank}}.json", "w").write(json.dumps({{"world": trainer.accelerator.num_processes, "history": history}}))
+    """))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", str(worker), str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1))
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)
+    assert any(r0[k].abs().sum() > 0 for k in r0 if "lora_B" in k)
+    m0, m1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert m0["world"] == 2
+    for a, b in zip(m0["history"], m1["history"]):
+        assert a["reward_mean"] == b["reward_mean"] and a["samples"] == 12 and a["trees"] == 3
+        # every process counts every real tree's kept edges: 3 trees x (2 + 2 + 2 + 2 kept of 2 + 2 + 4 + 4)
+        assert a["trained_transitions"] == b["trained_transitions"] == 3 * 8
+        assert a["adv_abs_mean/depth2"] == b["adv_abs_mean/depth2"]
+    assert m0["history"][0]["first_ratio_deviation"] < 1e-6
