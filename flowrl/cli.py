@@ -34,8 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", metavar="DIR", help="a run directory (its latest checkpoint)")
     src.add_argument("--config", help="a config or preset: evaluate its base model")
-    e.add_argument("--prompts", required=True, metavar="FILE", help="one prompt per line")
+    e.add_argument("--prompts", metavar="FILE", help="one prompt per line, or builtin:shapes-heldout "
+                   "(the default when the reward is shapes: a GenEval-style per-category table)")
     e.add_argument("-n", type=int, default=1, help="images per prompt")
+    e.add_argument("--per-category", type=int, default=150, help="built-in prompt sets: images per category (default 150)")
     e.add_argument("--seed", type=int, default=0)
 
     sub.add_parser("rewards", help="list the registered rewards")
@@ -108,19 +110,10 @@ def _load_run_policy(run: Path, overrides=()):
 
 
 def _ode_images(cfg, policy, prompts, seeds, steps=None):
-    import torch
+    from flowrl.train.evaluate import ode_images
 
-    from flowrl.sampling.rollout import SamplerSpec, rollout
-    from flowrl.sampling.schedules import shifted_sigmas
-
-    n = steps or cfg.sampling.eval_num_steps
-    spec = SamplerSpec(shifted_sigmas(n, cfg.sampling.shift), torch.zeros(n, dtype=torch.bool), "ode")
-    bs = cfg.sampling.batch_size
-    images = []
-    for i in range(0, len(prompts), bs):
-        traj = rollout(policy, prompts[i : i + bs], seeds[i : i + bs], spec, bs, progress=False)
-        images.append(policy.decode(traj.final))
-    return torch.cat(images)
+    s = cfg.sampling
+    return ode_images(policy, prompts, seeds, steps or s.eval_num_steps, s.shift, s.batch_size)
 
 
 def cmd_sample(args) -> int:
@@ -142,10 +135,14 @@ def cmd_sample(args) -> int:
 def cmd_eval(args) -> int:
     from flowrl.config import load_config
     from flowrl.models import load_policy
+    from flowrl.train.evaluate import evaluate, format_category_table
     from flowrl.train.prompts import read_prompt_file
     from rewards import MultiReward
 
-    prompts = read_prompt_file(args.prompts, field="--prompts")
+    if args.n < 1 or args.per_category < 1:
+        raise UserError(f"-n and --per-category must be >= 1; got {args.n} and {args.per_category}")
+    source = args.prompts
+    prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category) if source else None
     if args.run:
         cfg, policy, ckpt = _load_run_policy(Path(args.run))
         what = f"{args.run} ({ckpt.name})"
@@ -153,14 +150,21 @@ def cmd_eval(args) -> int:
         cfg = load_config(args.config)
         policy, what = load_policy(cfg.model), f"base model {cfg.model.path}"
     reward = MultiReward.from_config(cfg.reward)
+    if prompts is None:
+        if "shapes" not in reward.channels:
+            raise UserError("--prompts is required unless the config's reward is shapes (then builtin:shapes-heldout is the default)")
+        source = "builtin:shapes-heldout"
+        prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category)
     expanded = [p for p in prompts for _ in range(args.n)]
-    seeds = [args.seed + j for j in range(len(expanded))]
-    scores = reward(_ode_images(cfg, policy, expanded, seeds), expanded)
-    print(f"eval of {what} on {len(prompts)} prompts x {args.n} images")
-    width = max(len(c) for c in reward.channel_names + ["weighted sum"])
-    for k, name in enumerate(reward.channel_names):
-        print(f"{name:<{width}}  {scores[:, k].mean().item():.4f}")
-    print(f"{'weighted sum':<{width}}  {(scores @ reward.channel_weights).mean().item():.4f}")
+    result = evaluate(cfg, policy, reward, expanded, seed=args.seed, progress=True)
+    print(f"eval of {what} on {len(prompts)} prompts x {args.n} images ({source})")
+    means = result.means()
+    width = max(len(c) for c in means)
+    for name, value in means.items():
+        print(f"{name:<{width}}  {value:.4f}")
+    table = result.category_table()
+    if table is not None:
+        print(format_category_table({Path(args.run).name if args.run else "base model": table}))
     return 0
 
 

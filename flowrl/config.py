@@ -29,8 +29,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("tiny-sd3", "tiny-flux")
-REPLACED_MAPPINGS = ("reward.weights",)
+BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")
+REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -76,6 +76,38 @@ class SamplingConfig:
 
 
 @dataclass
+class TreeConfig:
+    """BranchGRPO trees (rollout.kind: tree; ALGORITHMS.md section 3). One tree per prompt;
+    leaves per prompt = the product of the branching factors, and must equal data.group_size.
+    Depth d is the segment after the d-th split: the edges at steps split_steps[d-1] ..
+    split_steps[d]-1 (to the end for the last) lead to depth-d nodes. Pruning masks gradient
+    only; the rollout is the same."""
+
+    split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
+    branching: list[int] = field(default_factory=lambda: [2])  # one factor for all splits, or one per split
+    # sde: every step stochastic and trained (BranchGRPO) | ode: only the split steps |
+    # window: BranchGRPO-Mix, SDE inside sampling.window (and at the splits), ODE elsewhere
+    between: str = "sde"
+    fusion: str = "mean"  # mean (of the leaves below) | prob (children weighted by softmax of sibling edge log-probs)
+    width_keep: float = 1.0  # per tree, train only this fraction of last-depth edges, the largest |A| first
+    prune_depths: list[int] = field(default_factory=list)  # depths (1..D) whose edges are never trained
+    depth_window: int = 0  # > 0: train only this many consecutive depths, from depth 1 sliding deeper
+    depth_window_shift_every: int = 10  # iterations per one-depth shift of depth_window
+
+
+@dataclass
+class RolloutConfig:
+    kind: str = "flat"  # flat: G independent chains per prompt | tree: BranchGRPO trees (rollout.tree)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+
+    def splits(self) -> dict[int, int]:
+        """split step -> branching factor."""
+        b = self.tree.branching
+        factors = b if len(b) == len(self.tree.split_steps) else [b[0]] * len(self.tree.split_steps)
+        return dict(zip(self.tree.split_steps, factors))
+
+
+@dataclass
 class DataConfig:
     prompts: list[str] = field(default_factory=list)
     prompt_file: Optional[str] = None  # one prompt per line; used when `prompts` is empty
@@ -91,6 +123,8 @@ class RewardConfig:
     # per reward: model path / hub id, device, dtype, batch_size, kind, url, ... (see rewards/options.py)
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     on_invalid: str = "error"  # error: stop on NaN / inf / wrong shape | drop: mark those samples invalid
+    # per channel ("shapes/partial": 0.5): replaces the reward's weight for that channel only
+    channel_weights: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -131,6 +165,7 @@ class SelectionConfig:
 @dataclass
 class TrainerConfig:
     iterations: int = 40
+    max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time
     lr: float = 3e-4
     weight_decay: float = 1e-4
     adam_beta1: float = 0.9
@@ -163,6 +198,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
@@ -287,6 +323,57 @@ def check_model_path(path: str) -> None:
         raise ConfigError(f"model.path '{path}' does not exist; give an existing pipeline directory, a hub id (org/name), or builtin:tiny-sd3")
 
 
+def _validate_rollout(cfg: Config) -> None:
+    r, s = cfg.rollout, cfg.sampling
+    _choice("rollout.kind", r.kind, ("flat", "tree"))
+    if r.kind != "tree":
+        return
+    tr = r.tree
+    steps = list(tr.split_steps)
+    if not steps or sorted(set(steps)) != steps or steps[0] < 0 or steps[-1] >= s.num_steps:
+        raise ConfigError(f"rollout.tree.split_steps must be strictly increasing steps in [0, {s.num_steps - 1}] "
+                          f"(sampling.num_steps is {s.num_steps}); got {steps}")
+    if len(tr.branching) not in (1, len(steps)) or min(tr.branching) < 2:
+        raise ConfigError(f"rollout.tree.branching must be one factor >= 2 or one per split step ({len(steps)}); got {list(tr.branching)}")
+    leaves = 1
+    for b in r.splits().values():
+        leaves *= b
+    if cfg.data.group_size != leaves:
+        raise ConfigError(f"data.group_size must equal the tree's leaves per prompt ({leaves}, the product of "
+                          f"rollout.tree.branching over the splits) when rollout.kind is tree; got {cfg.data.group_size}")
+    from flowrl.sampling.schedules import shifted_sigmas
+    from flowrl.sampling.steps import transition_std
+
+    sigmas = shifted_sigmas(s.num_steps, s.shift).tolist()
+    flat_steps = [t for t in steps if transition_std(s.sampler, sigmas[t], sigmas[t + 1], s.noise_level, sigmas[1]) <= 0]
+    if flat_steps:
+        raise ConfigError(f"rollout.tree.split_steps {flat_steps} have no noise under sampling.sampler '{s.sampler}' "
+                          "(a split needs a stochastic step to branch); choose earlier steps")
+    _choice("rollout.tree.between", tr.between, ("sde", "ode", "window"))
+    if tr.between == "window" and s.window.strategy == "all":
+        raise ConfigError("rollout.tree.between 'window' (BranchGRPO-Mix) needs sampling.window.strategy fixed, random "
+                          "or progressive; with 'all' use between=sde")
+    if tr.between != "window" and s.window.strategy != "all":
+        raise ConfigError(f"sampling.window.strategy must be all when rollout.tree.between is '{tr.between}'; "
+                          "set rollout.tree.between=window to use an SDE window with trees")
+    _choice("rollout.tree.fusion", tr.fusion, ("mean", "prob"))
+    if not 0 < tr.width_keep <= 1:
+        raise ConfigError(f"rollout.tree.width_keep must be in (0, 1]; got {tr.width_keep}")
+    depths = len(steps)
+    if any(not 1 <= d <= depths for d in tr.prune_depths):
+        raise ConfigError(f"rollout.tree.prune_depths must name depths between 1 and {depths} (one per split); got {list(tr.prune_depths)}")
+    if len(set(tr.prune_depths)) == depths:
+        raise ConfigError(f"rollout.tree.prune_depths prunes all {depths} depths, so nothing would be trained; leave at least one out")
+    if not 0 <= tr.depth_window <= depths:
+        raise ConfigError(f"rollout.tree.depth_window must be between 0 (off) and {depths} (the number of splits); got {tr.depth_window}")
+    _positive("rollout.tree.depth_window_shift_every", tr.depth_window_shift_every)
+    if cfg.allocator.kind != "uniform":
+        raise ConfigError(f"allocator.kind must be uniform when rollout.kind is tree (a tree fixes each prompt's rollouts); got '{cfg.allocator.kind}'")
+    if cfg.advantage.kind != "grpo" or cfg.advantage.std != "group":
+        raise ConfigError(f"advantage.kind must be grpo and advantage.std group when rollout.kind is tree (trees use "
+                          f"BranchGRPO's depth-wise advantages within each tree); got kind '{cfg.advantage.kind}', std '{cfg.advantage.std}'")
+
+
 def validate(cfg: Config, validate_paths: bool = True) -> None:
     m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.trainer
     _choice("model.kind", m.kind, MODEL_KINDS)
@@ -327,12 +414,17 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
                 f"{s.num_steps} steps; got {w.start}"
             )
 
+    _validate_rollout(cfg)
     if d.group_size < 2:
         raise ConfigError(f"data.group_size must be >= 2 (GRPO compares samples within a group); got {d.group_size}")
     _positive("data.prompts_per_iteration", d.prompts_per_iteration)
     if not d.prompts and not d.prompt_file:
         raise ConfigError("data.prompts is empty and data.prompt_file is not set; give prompts or a prompt file")
-    if d.prompt_file and validate_paths and not Path(d.prompt_file).expanduser().is_file():
+    if d.prompt_file and d.prompt_file.startswith("builtin:"):
+        from flowrl.train.prompts import BUILTIN_PROMPT_SETS
+
+        _choice("data.prompt_file", d.prompt_file, BUILTIN_PROMPT_SETS)
+    elif d.prompt_file and validate_paths and not Path(d.prompt_file).expanduser().is_file():
         raise ConfigError(f"data.prompt_file '{d.prompt_file}' does not exist; give a text file with one prompt per line")
 
     if not cfg.reward.weights:
@@ -366,6 +458,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
 
     _positive("trainer.iterations", t.iterations)
     _positive("trainer.lr", t.lr)
+    _positive("trainer.max_minutes", t.max_minutes, strict=False)
     _positive("trainer.weight_decay", t.weight_decay, strict=False)
     _positive("trainer.inner_epochs", t.inner_epochs)
     _positive("trainer.gradient_accumulation_steps", t.gradient_accumulation_steps)

@@ -49,7 +49,8 @@ def check_scores(name: str, scores, n: int) -> torch.Tensor:
 class MultiReward:
     """Calls each named reward in batches and returns its channels side by side, [N, K].
 
-    weights: reward name -> weight; `channel_weights` repeats a reward's weight over its channels.
+    weights: reward name -> weight; `channel_weights` repeats a reward's weight over its channels,
+    unless `channel_weights` (channel name such as "shapes/partial" -> weight) says otherwise.
     options: reward name -> options (model path, device, dtype, batch_size, kind, url, ...).
     rewards: name -> plain callable, used instead of the registry for that name.
     """
@@ -61,6 +62,7 @@ class MultiReward:
         rewards: dict[str, Callable] | None = None,
         options: dict[str, dict[str, Any]] | None = None,
         on_invalid: str = "error",
+        channel_weights: dict[str, float] | None = None,
     ):
         if on_invalid not in ON_INVALID:
             raise UserError(f"reward.on_invalid must be one of {', '.join(ON_INVALID)}; got '{on_invalid}'")
@@ -84,12 +86,18 @@ class MultiReward:
             self.channels[name] = channels
             self.channel_names += [name if len(channels) == 1 else f"{name}/{c}" for c in channels]
             weights_per_channel += [weight] * len(channels)
+        unknown = sorted(set(channel_weights or {}) - set(self.channel_names))
+        if unknown:
+            raise UserError(f"reward.channel_weights names {', '.join(unknown)}, which no reward returns; channels: {', '.join(self.channel_names)}")
+        for k, c in enumerate(self.channel_names):  # per-channel weights replace the reward's own
+            weights_per_channel[k] = (channel_weights or {}).get(c, weights_per_channel[k])
         self.channel_weights = torch.tensor(weights_per_channel, dtype=torch.float32)
 
     @classmethod
     def from_config(cls, reward_cfg, rewards: dict[str, Callable] | None = None) -> "MultiReward":
         """Build from a `flowrl.config.RewardConfig`."""
-        return cls(reward_cfg.weights, reward_cfg.batch_size, rewards=rewards, options=reward_cfg.options, on_invalid=reward_cfg.on_invalid)
+        return cls(reward_cfg.weights, reward_cfg.batch_size, rewards=rewards, options=reward_cfg.options,
+                   on_invalid=reward_cfg.on_invalid, channel_weights=reward_cfg.channel_weights)
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> torch.Tensor:
         """Scores [N, K]; any invalid output raises UserError, whatever `on_invalid` says

@@ -11,7 +11,7 @@ from flowrl.config import load_config
 from flowrl.train.trainer import GRPOTrainer
 
 out, model_dir = Path(sys.argv[1]), sys.argv[2]
-cfg = load_config(None, [
+cfg = load_config("tiny_jpeg", [
     f"model.path={model_dir}", "trainer.iterations=2", "data.prompts_per_iteration=2", "data.group_size=4",
     "sampling.batch_size=2", "sampling.num_steps=3", "sampling.eval_num_steps=2", "run.tracker=none",
     "run.progress=false", "run.sample_every=0", "run.checkpoint_every=0", "trainer.kl_beta=0.01",

@@ -13,12 +13,12 @@ from flowrl.errors import ConfigError
 
 
 def test_default_preset_loads_and_overrides_apply():
-    cfg = load_config(None, ["trainer.lr=1e-5", "sampling.window.strategy=fixed", "sampling.window.size=2"])
+    cfg = load_config("tiny_jpeg", ["trainer.lr=1e-5", "sampling.window.strategy=fixed", "sampling.window.size=2"])
     assert cfg.trainer.lr == 1e-5 and cfg.sampling.window.size == 2
 
 
 def test_mapping_override_replaces():
-    cfg = load_config(None, ["reward.weights={brightness: 2.0}"])
+    cfg = load_config("tiny_jpeg", ["reward.weights={brightness: 2.0}"])
     assert cfg.reward.weights == {"brightness": 2.0}
 
 
@@ -44,7 +44,7 @@ BAD = [
 @pytest.mark.parametrize("overrides,key", BAD)
 def test_bad_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError) as info:
-        load_config(None, overrides)
+        load_config("tiny_jpeg", overrides)
     message = str(info.value)
     assert key in message and "\n" not in message
 

@@ -79,7 +79,7 @@ def test_prompts_metadata_and_channels_travel(serve):
 
 def test_remote_reward_from_the_config(serve):
     server = serve(*_served("brightness"))
-    cfg = load_config(None, ["reward.weights={remote: 1.0, brightness: 1.0}", f"reward.options.remote.url={server.url}"])
+    cfg = load_config("tiny_jpeg", ["reward.weights={remote: 1.0, brightness: 1.0}", f"reward.options.remote.url={server.url}"])
     reward = MultiReward.from_config(cfg.reward)
     scores = reward(_images(), PROMPTS)
     assert reward.channel_names == ["remote", "brightness"]

@@ -212,7 +212,7 @@ def test_text_similarity_without_the_extra_names_it(monkeypatch):
 
 
 def test_reward_options_load_from_the_config(tiny_clip_dir):
-    cfg = load_config(None, [
+    cfg = load_config("tiny_jpeg", [
         "reward.weights={clip_score: 1.0, brightness: 0.5}",
         f"reward.options.clip_score.path={tiny_clip_dir}",
         "reward.options.clip_score.device=cpu",
@@ -246,12 +246,12 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize("overrides,key", BAD_OPTIONS)
 def test_bad_reward_options_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as info:
-        load_config(None, overrides)
+        load_config("tiny_jpeg", overrides)
     assert key in str(info.value) and "\n" not in str(info.value)
 
 
 def test_kind_lets_one_reward_appear_under_two_names():
-    cfg = load_config(None, ["reward.weights={dark: -1.0, light: 1.0}", "reward.options={dark: {kind: brightness}, light: {kind: brightness}}"])
+    cfg = load_config("tiny_jpeg", ["reward.weights={dark: -1.0, light: 1.0}", "reward.options={dark: {kind: brightness}, light: {kind: brightness}}"])
     reward = MultiReward.from_config(cfg.reward)
     scores = reward(_images(2), PROMPTS[:2])
     assert reward.channel_names == ["dark", "light"] and torch.equal(scores[:, 0], scores[:, 1])

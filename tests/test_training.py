@@ -33,10 +33,10 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, tiny_sd3_dir, allocator):
     common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=2", "trainer.kl_beta=0.01",
                      f"allocator.kind={allocator}"]
     straight = tmp_path / "straight"
-    assert main(["train", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
+    assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
 
     stopped = tmp_path / "stopped"
-    assert main(["train", *common, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
+    assert main(["train", "tiny_jpeg", *common, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
     assert len(_metrics(stopped)) == 2
     assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
 
@@ -50,7 +50,7 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir):
     run = tmp_path / "run"
     args = FAST + [f"model.path={tiny_sd3_dir}", "trainer.iterations=2", "run.sample_every=1", "run.checkpoint_every=1",
                    "run.tracker=tensorboard"]
-    assert main(["train", *args, "--run-dir", str(run)]) == 0
+    assert main(["train", "tiny_jpeg", *args, "--run-dir", str(run)]) == 0
     assert (run / "config.yaml").is_file() and load_config(run / "config.yaml").trainer.iterations == 2
     assert len(_metrics(run)) == 2
     assert (run / "reward_curve.png").stat().st_size > 0
@@ -77,7 +77,7 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir):
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
     run = tmp_path / "run"
     args = FAST + [f"model.path={tiny_sd3_dir}", "trainer.iterations=1", "run.sample_every=0"]
-    assert main(["train", *args, "--run-dir", str(run)]) == 0
+    assert main(["train", "tiny_jpeg", *args, "--run-dir", str(run)]) == 0
     (run / "checkpoints" / "iter_000001" / "optimizer.safetensors").write_bytes(b"not a safetensors file")
     assert main(["train", "--resume", str(run), "trainer.iterations=2"]) == 2
     assert "corrupt" in capsys.readouterr().err
@@ -87,7 +87,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
 def test_grpo_raises_the_reward(tmp_path, tiny_sd3_dir):
     """The default preset (60 iterations, fixed seed) on a tiny random SD3 raises JPEG
     compressibility (DDPO's toy reward) by more than the within-batch reward spread."""
-    cfg = load_config(None, [f"model.path={tiny_sd3_dir}", "run.tracker=none", "run.progress=false", "run.sample_every=0",
+    cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "run.tracker=none", "run.progress=false", "run.sample_every=0",
                              "run.checkpoint_every=0", *LEARNING_RECIPE])
     history = GRPOTrainer(cfg, run_dir=tmp_path / "run").train()
     rewards = torch.tensor([r["reward_mean"] for r in history])
@@ -124,7 +124,7 @@ def test_every_sampler_trains_within_its_window(tmp_path, tiny_sd3_dir, sampler)
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
                  f"sampling.sampler={sampler}", "sampling.noise_level=0.5", "sampling.window.strategy=fixed",
                  "sampling.window.size=2", "sampling.window.start=1", "trainer.kl_beta=0.01"]
-    trainer = GRPOTrainer(load_config(None, overrides), run_dir=tmp_path / "run")
+    trainer = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
     before = {n: p.detach().clone() for n, p in trainer.params.items()}
     row = trainer.train()[0]
     assert row["trained_steps"] == 2 and row["first_ratio_deviation"] < 1e-5
@@ -135,8 +135,8 @@ def test_every_sampler_trains_within_its_window(tmp_path, tiny_sd3_dir, sampler)
 
 def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_sd3_dir, capsys):
     args = [*FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=1", "run.sample_every=0", "--run-dir", str(tmp_path / "r")]
-    assert main(["train", *args]) == 0
-    assert main(["train", *args]) == 2
+    assert main(["train", "tiny_jpeg", *args]) == 0
+    assert main(["train", "tiny_jpeg", *args]) == 2
     assert "--resume" in capsys.readouterr().err
     assert len(_metrics(tmp_path / "r")) == 1
 
@@ -147,7 +147,7 @@ def test_gradient_accumulation_takes_fewer_optimizer_steps(tmp_path, tiny_sd3_di
         overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0",
                      "trainer.iterations=1", "sampling.batch_size=2", f"trainer.gradient_accumulation_steps={accum}",
                      "trainer.inner_epochs=2"]
-        rows[accum] = GRPOTrainer(load_config(None, overrides), run_dir=tmp_path / f"a{accum}").train()[0]
+        rows[accum] = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / f"a{accum}").train()[0]
     # 8 samples in batches of 2 = 4 micro-batches per epoch, 2 epochs
     assert rows[1]["optimizer_steps"] == 8 and rows[2]["optimizer_steps"] == 4
 
@@ -157,7 +157,7 @@ def test_allocators_drive_the_trainer(tmp_path, tiny_sd3_dir, allocator):
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=2",
                  "data.prompts_per_iteration=2", "data.group_size=6", "sampling.batch_size=4", "sampling.num_steps=2",
                  f"allocator.kind={allocator}", "allocator.round_size=2"]
-    history = GRPOTrainer(load_config(None, overrides), run_dir=tmp_path / "run").train()
+    history = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run").train()
     for row in history:
         assert row["samples"] == 12  # the budget, exactly, whatever the stages
         assert row["group_size_min"] >= 2
@@ -171,7 +171,7 @@ def test_advantage_kinds_train(tmp_path, tiny_sd3_dir, kind):
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
                  "data.group_size=5", "sampling.batch_size=5", "sampling.num_steps=2", f"advantage.kind={kind}",
                  "reward.weights={jpeg_compressibility: 1.0, brightness: 10.0}"]
-    row = GRPOTrainer(load_config(None, overrides), run_dir=tmp_path / "run").train()[0]
+    row = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run").train()[0]
     assert row["samples"] == 10 and row["first_ratio_deviation"] < 1e-5
     # odd groups: MC-GRPO's pivot and the middle rank carry no gradient
     assert row["nonzero_advantage_samples"] == (8 if kind in ("mc_grpo", "rank") else 10)

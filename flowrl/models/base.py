@@ -43,9 +43,26 @@ def builtin_model_dir(name: str) -> Path:
 
 
 def resolve_model_path(path: str) -> str:
+    if path == BUILTIN_PREFIX + "shapes":  # pretrained, shipped inside the package
+        from flowrl.models.shapes import shapes_model_dir
+
+        return str(shapes_model_dir())
     if path.startswith(BUILTIN_PREFIX):
         return str(builtin_model_dir(path[len(BUILTIN_PREFIX) :]))
     return str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
+
+
+def absent_components(path: str) -> dict[str, None]:
+    """Components a local pipeline directory declares null in model_index.json (the pixel-space
+    shapes model has no VAE and no T5). diffusers drops null entries but then insists on every
+    non-optional component, so they are passed explicitly as None."""
+    import json
+
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
+        return {}
+    entries = json.loads(index.read_text())
+    return {k: None for k, v in entries.items() if isinstance(v, list) and len(v) == 2 and v[0] is None}
 
 
 def pick_device(name: str) -> torch.device:
@@ -65,8 +82,8 @@ class FlowPolicy:
         self.device = torch.device(device)
         self.dtype = DTYPES[cfg.dtype]
         self.transformer = pipe.transformer
-        self.vae = pipe.vae
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.vae = pipe.vae  # None: the transformer works in pixel space, images in [-1, 1]
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         for module in self._modules():
             module.requires_grad_(False)
             module.to(self.device)  # already loaded in self.dtype
@@ -87,7 +104,7 @@ class FlowPolicy:
         transformers.utils.logging.disable_progress_bar()
         path = resolve_model_path(cfg.path)
         try:
-            pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype])
+            pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path))
         except (OSError, ValueError) as exc:
             raise UserError(f"model.path '{cfg.path}' could not be loaded as a {cls.pipeline_class.__name__}: {str(exc).splitlines()[0]}") from None
         return cls(pipe, cfg, device if device is not None else pick_device(cfg.device))
@@ -99,12 +116,12 @@ class FlowPolicy:
     # ---- prompts -------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Batched conditioning for `prompts`; each distinct prompt is encoded once and cached."""
-        missing = [p for p in dict.fromkeys(prompts) if p not in self._cache]
-        if missing:
-            with torch.no_grad():
-                fresh = self._encode_uncached(missing)
-            for i, p in enumerate(missing):
-                self._cache[p] = {k: v[i : i + 1] for k, v in fresh.items()}
+        # one prompt at a time: batched text encoders differ in the last bits with the batch's
+        # other prompts, and a prompt's embedding must not depend on who it was cached with
+        for p in dict.fromkeys(prompts):
+            if p not in self._cache:
+                with torch.no_grad():
+                    self._cache[p] = self._encode_uncached([p])
         return {k: torch.cat([self._cache[p][k] for p in prompts]) for k in self._cache[prompts[0]]}
 
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -123,6 +140,8 @@ class FlowPolicy:
         raise NotImplementedError
 
     def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
+        if self.vae is None:  # pixel space
+            return (latents.float() / 2 + 0.5).clamp(0, 1)
         vc = self.vae.config
         latents = latents.to(self.device, self.dtype) / vc.scaling_factor + (vc.shift_factor or 0.0)
         with torch.no_grad():

@@ -8,7 +8,24 @@ from flowrl.config import DataConfig
 from flowrl.errors import UserError
 
 
-def read_prompt_file(path: str | Path, field: str = "data.prompt_file") -> list[str]:
+BUILTIN_PROMPT_SETS = ("builtin:shapes-train", "builtin:shapes-heldout")
+
+
+def builtin_prompts(name: str, field: str, per_category: int | None = None) -> list[str]:
+    """The shapes world's fixed prompt splits: every prompt of the split, or (`per_category`)
+    the split's prompts cycled to that many per category, GenEval-style equal weights."""
+    from rewards.shapes_world import eval_set, prompt_split
+
+    if name not in BUILTIN_PROMPT_SETS:
+        raise UserError(f"{field} '{name}' names no built-in prompt set; built-ins: {', '.join(BUILTIN_PROMPT_SETS)}")
+    split = name.removeprefix("builtin:shapes-")
+    return eval_set(per_category, split=split) if per_category else prompt_split(split)
+
+
+def read_prompt_file(path: str | Path, field: str = "data.prompt_file", per_category: int | None = None) -> list[str]:
+    """One prompt per line (blank lines and # comments skipped), or a built-in set (builtin:NAME)."""
+    if str(path).startswith("builtin:"):
+        return builtin_prompts(str(path), field, per_category)
     p = Path(path).expanduser()
     if not p.is_file():
         raise UserError(f"{field} '{path}' does not exist; give a text file with one prompt per line")

@@ -23,11 +23,14 @@ from flowrl.config import Config
 from flowrl.core import clipped_policy_loss, gaussian_kl
 from flowrl.core.advantages import estimate_advantages
 from flowrl.core.allocation import make_allocator
+from flowrl.core.losses import PolicyLoss
+from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, trained_depths, width_prune
 from flowrl.errors import ConfigError, UserError
 from flowrl.models import load_policy
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, rollout, transition
 from flowrl.sampling.steps import StepOutput
 from flowrl.sampling.schedules import shifted_sigmas, window_mask
+from flowrl.sampling.tree import TreeTrajectory, edge_children, parent_batches, tree_edges, tree_rollout, tree_spec
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
@@ -55,6 +58,18 @@ class MicroBatch(NamedTuple):
     old_log_prob: torch.Tensor
     advantages: torch.Tensor
     keep: torch.Tensor | None = None
+
+
+class TreeBatch(NamedTuple):
+    """One iteration's trees on this process (BranchGRPO) and what training needs of them."""
+
+    tree: TreeTrajectory  # this process's trees (may end with padding copies)
+    rewards: torch.Tensor  # [n_trees x G, K] every process's real leaves, in tree order
+    prompt_ids: torch.Tensor  # [n_trees x G] pool index of each real leaf
+    advantages: list[torch.Tensor]  # per level [n_t]: depth-wise, clipped; 0 on padding trees
+    real: torch.Tensor  # [n_local_trees] bool: False for padding copies
+    num_trees: int  # real trees over all processes
+    reward_time: float
 
 
 def sample_seed(base: int, iteration: int, index: int) -> int:
@@ -123,7 +138,7 @@ class GRPOTrainer:
         )
         self.policy.net, self.optimizer = acc.prepare(self.policy.transformer, optimizer)
         self.ema = EMA(self.params, t.ema_decay) if t.ema else None
-        self.reward_fn = MultiReward(cfg.reward.weights, cfg.reward.batch_size, rewards=rewards)
+        self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards)
         self.iteration = 0
         self.history: list[dict] = []
 
@@ -184,6 +199,8 @@ class GRPOTrainer:
         return Stage(traj, rewards, torch.tensor(prompt_ids[:n]), positions, time.perf_counter() - t_sampled)
 
     def train_iteration(self) -> dict:
+        if self.cfg.rollout.kind == "tree":
+            return self.tree_iteration()
         cfg, acc, it = self.cfg, self.accelerator, self.iteration
         t0 = time.perf_counter()
         spec = self.sampler_spec(it)
@@ -273,16 +290,46 @@ class GRPOTrainer:
                 ])
         return self.optimize(groups, spec.reduction)
 
-    def optimize(self, groups: list[list[MicroBatch]], reduction: str) -> dict:
+    def micro_batch_loss(self, mb: MicroBatch, reduction: str) -> tuple[torch.Tensor, PolicyLoss | None, torch.Tensor]:
+        """(loss, policy-loss terms, KL) of one micro-batch over its kept transitions: the PPO-clipped
+        surrogate, plus beta x the exact Gaussian KL to the reference (the adapter disabled).
+        With nothing kept: (a zero loss that still reaches every weight, None, 0)."""
+        acc, t = self.accelerator, self.cfg.trainer
+        clip_hi = t.clip_range_high if t.clip_range_high is not None else t.clip_range
+        out = mb.evaluate()
+        if mb.keep is not None and not bool(mb.keep.any()):
+            # nothing kept: a zero loss, after the same forwards as any micro-batch (under DDP every
+            # forward may broadcast buffers, so all processes must run the same number)
+            if t.kl_beta > 0:
+                with torch.no_grad(), self.policy.reference():
+                    mb.evaluate()
+            return out.log_prob.sum() * 0.0, None, torch.zeros((), device=acc.device)
+        keep = mb.keep.to(acc.device) if mb.keep is not None else slice(None)
+        old, adv = mb.old_log_prob.to(acc.device)[keep], mb.advantages.to(acc.device)[keep]
+        pl = clipped_policy_loss(out.log_prob[keep], old, adv, t.clip_range, clip_hi)
+        loss = pl.loss
+        kl = torch.zeros((), device=acc.device)
+        if t.kl_beta > 0:
+            with torch.no_grad(), self.policy.reference():
+                ref = mb.evaluate()
+            kl = gaussian_kl(out.mean[keep], ref.mean[keep], out.std, reduction).mean()
+            loss = loss + t.kl_beta * kl
+        return loss, pl, kl
+
+    def optimize(self, groups: list[list[MicroBatch]], reduction: str, per_transition: bool = False) -> dict:
         """Inner epochs of PPO-clipped updates (+ beta x exact Gaussian KL to the reference).
         Groups are shuffled each epoch; `trainer.gradient_accumulation_steps` groups make one
-        optimizer step; under DDP, gradients are synchronised only on the step's last backward."""
+        optimizer step; under DDP, gradients are synchronised only on the step's last backward.
+        Each micro-batch's loss is a mean over its kept transitions; within an optimizer step
+        every micro-batch weighs the same (flat: equal sizes), or with `per_transition` every
+        kept transition does (trees: micro-batches differ in size). A micro-batch with nothing
+        kept gets a zero backward (so every process runs the same backwards) and no statistics."""
         cfg, acc, t = self.cfg, self.accelerator, self.cfg.trainer
         accum = t.gradient_accumulation_steps
-        clip_hi = t.clip_range_high if t.clip_range_high is not None else t.clip_range
         gen = torch.Generator().manual_seed(sample_seed(t.seed, self.iteration, 999_983))
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "ratio_mean": 0.0, "clipfrac": 0.0}
         count, grad_norms, first_ratio_dev = 0, [], None
+        kept = [[len(mb.advantages) if mb.keep is None else int(mb.keep.sum()) for mb in g] for g in groups]
         self.policy.transformer.train()
         bar = tqdm(total=t.inner_epochs * sum(len(g) for g in groups), desc=f"iter {self.iteration} training", leave=False,
                    disable=not (cfg.run.progress and acc.is_local_main_process), unit="step")
@@ -291,22 +338,21 @@ class GRPOTrainer:
             for gi, group_index in enumerate(order):
                 group = groups[group_index]
                 closes_step = (gi + 1) % accum == 0 or gi == len(order) - 1
-                step_len = min(accum, len(order) - (gi // accum) * accum)  # the last step's share may be short
+                first = (gi // accum) * accum
+                step_len = min(accum, len(order) - first)  # the last step's share may be short
+                step_kept = sum(sum(kept[j]) for j in order[first : first + step_len])
                 for k, mb in enumerate(group):
                     sync = closes_step and k == len(group) - 1
                     with contextlib.nullcontext() if sync else acc.no_sync(self.policy.net):
-                        out = mb.evaluate()
-                        keep = mb.keep if mb.keep is not None else slice(None)
-                        old, adv = mb.old_log_prob.to(acc.device)[keep], mb.advantages.to(acc.device)[keep]
-                        pl = clipped_policy_loss(out.log_prob[keep], old, adv, t.clip_range, clip_hi)
-                        loss = pl.loss
-                        kl = torch.zeros((), device=acc.device)
-                        if t.kl_beta > 0:
-                            with torch.no_grad(), self.policy.reference():
-                                ref = mb.evaluate()
-                            kl = gaussian_kl(out.mean[keep], ref.mean[keep], out.std, reduction).mean()
-                            loss = loss + t.kl_beta * kl
-                        acc.backward(loss / (step_len * len(group)))
+                        loss, pl, kl = self.micro_batch_loss(mb, reduction)
+                        if pl is None:  # nothing kept: zero gradient, no statistics
+                            acc.backward(loss)
+                            bar.update(1)
+                            continue
+                        if per_transition:
+                            acc.backward(loss * (kept[group_index][k] / step_kept))
+                        else:
+                            acc.backward(loss / (step_len * len(group)))
                     if first_ratio_dev is None:
                         first_ratio_dev = (pl.ratio - 1).abs().max().item()
                     sums["loss"] += loss.item()
@@ -329,6 +375,140 @@ class GRPOTrainer:
                    optimizer_steps=len(grad_norms), trained_transitions=count, lr=self.optimizer.param_groups[0]["lr"])
         return out
 
+    # ---- trees (BranchGRPO) -------------------------------------------------------------
+    def tree_sampler_spec(self, iteration: int) -> SamplerSpec:
+        """between=sde: every step stochastic; window (BranchGRPO-Mix): the flat SDE window of
+        this iteration; ode: none. Split steps are stochastic in every case."""
+        spec = self.sampler_spec(iteration)  # sampling.window is 'all' unless between=window (validated)
+        if self.cfg.rollout.tree.between == "ode":
+            spec.sde_steps = torch.zeros_like(spec.sde_steps)
+        return tree_spec(spec, self.cfg.rollout.splits())
+
+    def sample_trees(self, iteration: int, spec: SamplerSpec) -> TreeBatch:
+        """One tree per prompt the allocator picks (uniform), trees split across processes and
+        padded with copies of the last one (zero advantage, never trained) so every process runs
+        the same forwards. Rewards of the leaves are fused up the tree and turned into depth-wise
+        advantages; both only involve one tree, so each process does its own."""
+        cfg, acc = self.cfg, self.accelerator
+        g, bs, tr = cfg.data.group_size, cfg.sampling.batch_size, cfg.rollout.tree
+        counts = self.allocator.first_stage(iteration)
+        ids = torch.repeat_interleave(torch.arange(len(self.prompts)), counts // g).tolist()
+        n = len(ids)
+        # the root noise of tree k is that of the flat group's first sample (seed index k x G)
+        seeds = [sample_seed(cfg.trainer.seed, iteration, k * g) for k in range(n)]
+        pad = (-n) % acc.num_processes
+        ids, seeds = ids + ids[-1:] * pad, seeds + seeds[-1:] * pad
+        n_local = len(ids) // acc.num_processes
+        local = slice(acc.process_index * n_local, (acc.process_index + 1) * n_local)
+        tree = tree_rollout(self.policy, [self.prompts[i] for i in ids[local]], seeds[local], spec, cfg.rollout.splits(), bs,
+                            prompt_ids=ids[local], progress=cfg.run.progress and acc.is_local_main_process,
+                            desc=f"iter {iteration} tree sampling")
+        t_sampled = time.perf_counter()
+        images = torch.cat([self.policy.decode(tree.leaves[i : i + bs]) for i in range(0, len(tree.leaves), bs)])
+        local_rewards = self.reward_fn(images, [tree.prompts[i] for i in tree.tree_ids[-1].tolist()])
+        rewards = acc.gather(local_rewards.to(acc.device)).cpu()[: n * g]  # process-major = tree order; padding last
+        reward_time = time.perf_counter() - t_sampled
+
+        real = torch.arange(local.start, local.stop) < n
+        values = fuse_rewards(tree.parents, local_rewards.float().cpu() @ self.reward_fn.channel_weights, tr.fusion, tree.log_probs)
+        clip = cfg.advantage.clip
+        advantages = [torch.where(real[t_ids], a.clamp(-clip, clip), torch.zeros_like(a))
+                      for a, t_ids in zip(depthwise_advantages(values, tree.tree_ids, cfg.advantage.eps), tree.tree_ids)]
+        prompt_ids = torch.tensor(ids[:n]).repeat_interleave(g)
+        return TreeBatch(tree, rewards, prompt_ids, advantages, real, n, reward_time)
+
+    def tree_keep(self, batch: TreeBatch, iteration: int) -> list[torch.Tensor | None]:
+        """Per step t, the mask over level t + 1 of the edges that carry gradient, or None where
+        the step is not trained at all: ODE steps, depth 0, pruned depths and depths outside the
+        sliding depth window. Width pruning keeps, per tree, the last depth's edges with the
+        largest |A| (the split edges of the last split and every edge after it)."""
+        tr, tree = self.cfg.rollout.tree, batch.tree
+        depth_of_step = tree.depth_of_step
+        depths = len(tree.splits)
+        trained = trained_depths(depths, tr.prune_depths, tr.depth_window, tr.depth_window_shift_every, iteration)
+        width = width_prune(batch.advantages[-1], tree.tree_ids[-1], tr.width_keep) if tr.width_keep < 1 else None
+        keep: list[torch.Tensor | None] = []
+        for t in range(tree.num_steps):
+            d = int(depth_of_step[t])
+            if not bool(tree.stochastic[t]) or not bool(trained[d]):
+                keep.append(None)
+                continue
+            k = batch.real[tree.tree_ids[t + 1]].clone()
+            if width is not None and d == depths:
+                k &= width  # after the last split, level t + 1 holds the leaves' ancestors one to one, in leaf order
+            keep.append(k)
+        return keep
+
+    def tree_groups(self, batch: TreeBatch, spec: SamplerSpec, keep: list[torch.Tensor | None]) -> list[list[MicroBatch]]:
+        """One micro-batch (and accumulation group) per (trained step, sampling batch of parents):
+        the forward of the sampling batch again, so the first ratio is exactly 1. Alone, a
+        micro-batch whose edges are all pruned is skipped (pruning saves its forward); with
+        several processes it stays, with a zero backward, so all run the same backwards."""
+        tree, bs = batch.tree, self.cfg.sampling.batch_size
+        skip_empty = self.accelerator.num_processes == 1
+        groups = []
+        for t, k in enumerate(keep):
+            if k is None:
+                continue
+            for parents in parent_batches(len(tree.levels[t]), bs):
+                children = edge_children(tree, t, parents)
+                if skip_empty and not bool(k[children].any()):
+                    continue
+                groups.append([MicroBatch(lambda t=t, parents=parents: tree_edges(self.policy, tree, spec, t, parents)[0],
+                                          tree.log_probs[t][children], batch.advantages[t + 1][children], k[children])])
+        return groups
+
+    def tree_iteration(self) -> dict:
+        """BranchGRPO (Li et al., arXiv:2509.06040): sample a tree per prompt, reward the leaves,
+        fuse rewards up the tree, depth-wise advantages, PPO-clipped updates on the kept SDE edges."""
+        cfg, acc, it = self.cfg, self.accelerator, self.iteration
+        t0 = time.perf_counter()
+        self.policy.transformer.eval()
+        spec = self.tree_sampler_spec(it)
+        batch = self.sample_trees(it, spec)
+        t_sample = time.perf_counter()
+        total = batch.rewards @ self.reward_fn.channel_weights
+        self.allocator.observe(batch.prompt_ids, self.successes(total))
+        keep = self.tree_keep(batch, it)
+        groups = self.tree_groups(batch, spec, keep)
+        stats = self.optimize(groups, spec.reduction, per_transition=True)
+        t_train = time.perf_counter()
+
+        tree, g, n = batch.tree, cfg.data.group_size, batch.num_trees
+        local_kept = sum(int(k.sum()) for k in keep if k is not None)
+        kept = int(acc.gather(torch.tensor([local_kept], device=acc.device)).sum())
+        per_depth = {}
+        counts = level_counts(tree.num_steps, tree.splits)
+        for d, s in enumerate(sorted(tree.splits), start=1):
+            a = acc.gather(batch.advantages[s + 1].to(acc.device)).cpu()[: n * counts[s + 1]]  # real trees only
+            per_depth[f"adv_abs_mean/depth{d}"] = a.abs().mean().item()
+            per_depth[f"adv_std/depth{d}"] = a.std(unbiased=False).item()
+        leaf_adv = acc.gather(batch.advantages[-1].to(acc.device)).cpu()[: n * g]
+        by_tree = total.view(n, g)
+        row = {
+            "iteration": it,
+            "reward_mean": total.mean().item(),
+            "reward_std": total.std(unbiased=False).item(),
+            **{f"reward/{c}": batch.rewards[:, k].mean().item() for k, c in enumerate(self.reward_fn.channel_names)},
+            "adv_abs_mean": leaf_adv.abs().mean().item(),
+            "degenerate_groups": (by_tree.amax(1) == by_tree.amin(1)).float().mean().item(),
+            "samples": n * g,
+            "prompts": int(batch.prompt_ids.unique().numel()),
+            "trees": n,
+            "nfe_per_leaf": tree.nfe / len(tree.leaves),
+            "trained_steps": sum(k is not None for k in keep),
+            **stats,
+            "trained_transitions": kept,  # kept edges per inner epoch, all processes
+            "training_forwards": len(groups),  # micro-batches per inner epoch, this process
+            **per_depth,
+            "time_sampling": t_sample - t0 - batch.reward_time,
+            "time_reward": batch.reward_time,
+            "time_training": t_train - t_sample,
+        }
+        self.iteration += 1
+        row["time_iteration"] = time.perf_counter() - t0
+        return row
+
     # ---- the loop -----------------------------------------------------------------------
     def train(self) -> list[dict]:
         cfg, acc = self.cfg, self.accelerator
@@ -337,7 +517,10 @@ class GRPOTrainer:
                    disable=not (r.progress and acc.is_local_main_process))
         if self.iteration == 0 and r.sample_every:
             self.save_samples("iter_000000_before")
-        while self.iteration < cfg.trainer.iterations:
+        started = time.perf_counter()
+        budget_s = cfg.trainer.max_minutes * 60
+        out_of_time = False
+        while self.iteration < cfg.trainer.iterations and not out_of_time:
             row = self.train_iteration()
             self.history.append(row)
             acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
@@ -345,7 +528,11 @@ class GRPOTrainer:
                 self.run.append_metrics(row)
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.4g}", kl=f"{row['kl']:.2e}")
-            done = self.iteration >= cfg.trainer.iterations
+            if budget_s:  # every process calls the broadcast, so all agree with rank 0's clock
+                from accelerate.utils import broadcast_object_list
+
+                out_of_time = bool(broadcast_object_list([time.perf_counter() - started >= budget_s])[0])
+            done = self.iteration >= cfg.trainer.iterations or out_of_time
             if r.sample_every and (self.iteration % r.sample_every == 0 or done):
                 self.save_samples(f"iter_{self.iteration:06d}")
             if done or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
