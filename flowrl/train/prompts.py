@@ -12,14 +12,17 @@ BUILTIN_PROMPT_SETS = ("builtin:shapes-train", "builtin:shapes-heldout")
 
 
 def builtin_prompts(name: str, field: str, per_category: int | None = None) -> list[str]:
-    """The shapes world's fixed prompt splits: every prompt of the split, or (`per_category`)
-    the split's prompts cycled to that many per category, GenEval-style equal weights."""
-    from rewards.shapes_world import eval_set, prompt_split
+    """The shapes world's fixed prompt splits, category-balanced: each category's prompts
+    cycled to `per_category` entries (default: the largest category's size, so every prompt
+    appears). Balance matters because the grammar has 18 single-object prompts and over a
+    thousand position prompts, while the evaluation weighs the four categories equally."""
+    from rewards.shapes_world import CATEGORIES, eval_set, prompt_split
 
     if name not in BUILTIN_PROMPT_SETS:
         raise UserError(f"{field} '{name}' names no built-in prompt set; built-ins: {', '.join(BUILTIN_PROMPT_SETS)}")
     split = name.removeprefix("builtin:shapes-")
-    return eval_set(per_category, split=split) if per_category else prompt_split(split)
+    per_category = per_category or max(len(prompt_split(split, c)) for c in CATEGORIES)
+    return eval_set(per_category, split=split)
 
 
 def read_prompt_file(path: str | Path, field: str = "data.prompt_file", per_category: int | None = None) -> list[str]:
