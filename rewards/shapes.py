@@ -4,7 +4,12 @@ An image is analysed, not judged by a model: every pixel goes to its nearest pal
 (or to the background when it is far from all of them), each colour's connected components
 are objects, and an object's shape is the ideal template (circle, square, triangle, drawn in
 the component's square bounding box by the renderer's own `shape_mask`) that overlaps it best,
-or none when no template overlaps well (a blob is no shape).
+or none when no template overlaps well (a blob is no shape). Components under 4 px (at 32x32,
+scaled with the image area) are noise, and so are shapeless ones under twice that (blur halos);
+a shapeless blob larger than that is still an object (an extra one, since no prompt asks for
+it). Relation margin: 1.5 px at 32x32, scaled with the height; the relation compares the
+centres of the largest object of each kind. A batch is analysed at once (`analyse_batch`:
+vectorised colour assignment, one labelling call per chunk).
 
 Checks for a prompt, one per line:
 - for each object of the prompt: its colour is present; an object of its colour and shape is
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -26,14 +32,23 @@ import torch
 from scipy import ndimage
 
 from rewards.registry import register
-from rewards.shapes_world import BACKGROUND, CATEGORIES, COLORS, SHAPES, parse_prompt, shape_mask
+from rewards.shapes_world import BACKGROUND, CATEGORIES, COLORS, SHAPES, Scene, parse_prompt, shape_mask
 
 _NAMES = list(COLORS)
-_PALETTE = np.array([BACKGROUND, *COLORS.values()], dtype=np.float32)  # index 0: background
+_PALETTE = np.array([BACKGROUND, *COLORS.values()], dtype=np.int32)  # index 0: background
 MAX_COLOR_DISTANCE = 90.0  # farther from every palette colour: background (blur, noise)
 MIN_SHAPE_IOU = 0.6
-# 8-connectivity: a triangle's apex or a blurred edge may touch its body only diagonally
-_EIGHT = np.ones((3, 3), dtype=bool)
+# components below min_area are ignored; shapeless ones (no template fits) below
+# SPECK_FACTOR * min_area too: at 32x32 the blurred edge of an orange object on white is a
+# few px within reach of yellow, and such halos must not count as extra objects. A shapeless
+# blob of object size still counts (as an extra object).
+SPECK_FACTOR = 2
+CHUNK = 256  # images analysed together (bounds the memory of the distance and label arrays)
+# 8-connectivity within an image, none across images or colours (the planes of the stacked
+# [image x colour, H, W] masks): a triangle's apex or a blurred edge may touch its body only
+# diagonally, and the renderer's >= 2 px gaps keep separate objects apart either way
+_EIGHT = np.zeros((3, 3, 3), dtype=bool)
+_EIGHT[1] = True
 
 
 @dataclass
@@ -54,59 +69,106 @@ class Verdict:
 
 
 def _as_uint8_hwc(image) -> np.ndarray:
+    """uint8 [H, W, 3] from uint8 [H, W, 3], or float in [0, 1] / uint8 as [3, H, W] or [H, W, 3]
+    (numpy or torch)."""
     if isinstance(image, torch.Tensor):
         image = image.detach().cpu().numpy()
     image = np.asarray(image)
-    if image.dtype != np.uint8:  # float [3, H, W] in [0, 1]
+    if image.dtype != np.uint8:  # floats in [0, 1]
         image = (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
-        if image.shape[0] == 3 and image.shape[-1] != 3:
-            image = image.transpose(1, 2, 0)
+    if image.ndim == 3 and image.shape[0] == 3 and image.shape[-1] != 3:
+        image = image.transpose(1, 2, 0)
     if image.ndim != 3 or image.shape[-1] != 3:
         raise ValueError(f"shapes reward: expected an RGB image [H, W, 3] or [3, H, W]; got shape {tuple(image.shape)}")
     return image
 
 
-def _best_shape(component: np.ndarray) -> str | None:
+def _palette_labels(images: np.ndarray) -> np.ndarray:
+    """uint8 [N, H, W, 3] -> [N, H, W] index of the nearest palette colour (0: background, also
+    for pixels farther than MAX_COLOR_DISTANCE from every colour). Exact integer arithmetic."""
+    x = images.astype(np.int32)
+    dist = np.zeros(images.shape[:3] + (len(_PALETTE),), dtype=np.int32)  # squared distances
+    for c in range(3):
+        dist += (x[..., c, None] - _PALETTE[:, c]) ** 2
+    label = dist.argmin(-1).astype(np.uint8)
+    label[dist.min(-1) > MAX_COLOR_DISTANCE**2] = 0
+    return label
+
+
+@lru_cache(maxsize=None)
+def _templates(side: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shape templates of a side x side box, stacked [S, side, side], and their areas."""
+    stack = np.stack([shape_mask(s, side) for s in SHAPES])
+    return stack, stack.sum(axis=(1, 2))
+
+
+def _best_shape(component: np.ndarray, min_side: int = 3) -> str | None:
     """The template with the best IoU in the component's square bounding box (the component
-    centred in it), or None below MIN_SHAPE_IOU."""
+    centred in it), or None below MIN_SHAPE_IOU or in a box smaller than min_side (where the
+    templates are all alike); ties go to the later shape in SHAPES."""
     h, w = component.shape  # already cropped to its bounding box
     side = max(h, w)
+    if side < min_side:
+        return None
     box = np.zeros((side, side), dtype=bool)
     oy, ox = (side - h) // 2, (side - w) // 2
     box[oy : oy + h, ox : ox + w] = component
-    best, best_iou = None, MIN_SHAPE_IOU
-    for shape in SHAPES:
-        template = shape_mask(shape, side)
-        iou = (box & template).sum() / (box | template).sum()
-        if iou >= best_iou:
-            best, best_iou = shape, iou
-    return best
+    templates, areas = _templates(side)
+    inter = (templates & box).sum(axis=(1, 2))
+    iou = inter / (areas + int(component.sum()) - inter)
+    best = len(SHAPES) - 1 - int(np.argmax(iou[::-1]))
+    return SHAPES[best] if iou[best] >= MIN_SHAPE_IOU else None
+
+
+def _analyse_chunk(images: np.ndarray) -> list[list[Detected]]:
+    n, h, w, _ = images.shape
+    k = len(_NAMES)
+    label = _palette_labels(images)
+    masks = label[:, None] == np.arange(1, k + 1, dtype=np.uint8)[None, :, None, None]  # [N, K, H, W]
+    components, count = ndimage.label(masks.reshape(n * k, h, w), structure=_EIGHT)
+    found: list[list[Detected]] = [[] for _ in range(n)]
+    if count == 0:
+        return found
+    areas = np.bincount(components.ravel(), minlength=count + 1)
+    min_area = max(4, round(4 * h * w / 1024))  # 4 px at 32x32: smaller specks are noise
+    min_side = max(3, round(3 * max(h, w) / 32))  # a 2x2 box has no shape
+    keep = np.flatnonzero(areas >= min_area)
+    keep = keep[keep > 0]
+    if len(keep) == 0:
+        return found
+    # renumber the kept components 1..m (the rest to 0) so that find_objects, which builds a
+    # slice per label, skips the many specks of a noisy image
+    renumber = np.zeros(count + 1, dtype=np.int32)
+    renumber[keep] = np.arange(1, len(keep) + 1, dtype=np.int32)
+    components = renumber[components]
+    for j, (plane, ys, xs) in enumerate(ndimage.find_objects(components)):
+        comp = components[plane.start, ys, xs] == j + 1
+        area, shape = int(areas[keep[j]]), _best_shape(comp, min_side)
+        if shape is None and area < SPECK_FACTOR * min_area:
+            continue  # a shapeless speck: blur halo or noise, not an object
+        cy, cx = np.nonzero(comp)
+        image, color = divmod(plane.start, k)
+        found[image].append(Detected(
+            _NAMES[color], shape, (ys.start, xs.start, ys.stop, xs.stop),
+            (float(cy.mean() + ys.start + 0.5), float(cx.mean() + xs.start + 0.5)), area,
+        ))
+    return found
+
+
+def analyse_batch(images: np.ndarray) -> list[list[Detected]]:
+    """uint8 [N, H, W, 3] -> the objects of each image (see `analyse`)."""
+    images = np.asarray(images, dtype=np.uint8)
+    out: list[list[Detected]] = []
+    for i in range(0, len(images), CHUNK):
+        out += _analyse_chunk(images[i : i + CHUNK])
+    return out
 
 
 def analyse(image) -> list[Detected]:
-    img = _as_uint8_hwc(image).astype(np.float32)
-    h, w, _ = img.shape
-    dist = np.linalg.norm(img[:, :, None, :] - _PALETTE[None, None], axis=-1)  # [H, W, 1 + C]
-    label = dist.argmin(-1)
-    label[dist.min(-1) > MAX_COLOR_DISTANCE] = 0
-    min_area = max(4, round(4 * h * w / 1024))  # 4 px at 32x32
-    found = []
-    for ci, name in enumerate(_NAMES, start=1):
-        mask = label == ci
-        if not mask.any():
-            continue
-        components, n = ndimage.label(mask, structure=_EIGHT)
-        for k, sl in enumerate(ndimage.find_objects(components), start=1):
-            comp = components[sl] == k
-            area = int(comp.sum())
-            if area < min_area:
-                continue
-            ys, xs = np.nonzero(comp)
-            found.append(Detected(
-                name, _best_shape(comp), (sl[0].start, sl[1].start, sl[0].stop, sl[1].stop),
-                (float(ys.mean() + sl[0].start + 0.5), float(xs.mean() + sl[1].start + 0.5)), area,
-            ))
-    return found
+    """The objects of one image: the connected components (8-connectivity) of each palette
+    colour of at least 4 px (at 32x32, scaled with the area), in colour order, each with the
+    template shape that fits its bounding box best (None for a blob)."""
+    return analyse_batch(_as_uint8_hwc(image)[None])[0]
 
 
 def _relation_holds(relation: str, a: tuple[float, float], b: tuple[float, float], margin: float) -> bool:
@@ -115,10 +177,12 @@ def _relation_holds(relation: str, a: tuple[float, float], b: tuple[float, float
     return along >= margin
 
 
-def verify(prompt: str, image) -> Verdict:
-    scene = parse_prompt(prompt)
-    img = _as_uint8_hwc(image)
-    objects = analyse(img)
+@lru_cache(maxsize=4096)
+def _scene(prompt: str) -> Scene:
+    return parse_prompt(prompt)  # PromptError (not cached) for a prompt outside the grammar
+
+
+def _judge(scene: Scene, objects: list[Detected], height: int) -> Verdict:
     kinds = Counter((o.color, o.shape) for o in objects)
     colors = Counter(o.color for o in objects)
     checks: dict[str, bool] = {}
@@ -133,7 +197,7 @@ def verify(prompt: str, image) -> Verdict:
         a, b = scene.objects
         first = [o for o in objects if (o.color, o.shape) == (a.color, a.shape)]
         second = [o for o in objects if (o.color, o.shape) == (b.color, b.shape)]
-        margin = 1.5 * img.shape[0] / 32
+        margin = 1.5 * height / 32
         checks[f"{scene.relation}"] = bool(first and second) and _relation_holds(
             scene.relation, max(first, key=lambda o: o.area).centre, max(second, key=lambda o: o.area).centre, margin
         )
@@ -141,13 +205,22 @@ def verify(prompt: str, image) -> Verdict:
     return Verdict(float(passed == len(checks)), passed / len(checks), scene.category, checks)
 
 
+def verify(prompt: str, image) -> Verdict:
+    """The checks of `prompt` on one image (see the module docstring); PromptError for a prompt
+    outside the grammar."""
+    scene = _scene(prompt)
+    img = _as_uint8_hwc(image)
+    return _judge(scene, analyse_batch(img[None])[0], img.shape[0])
+
+
 def score_batch(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
     """[N, 3, H, W] in [0, 1] -> [N, 2] float32: (strict, partial)."""
     if len(prompts) != images.shape[0]:
         raise ValueError(f"shapes reward: {images.shape[0]} images but {len(prompts)} prompts")
+    scenes = [_scene(p) for p in prompts]  # a bad prompt fails before any analysis
     arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
-    out = [(v.strict, v.partial) for v in (verify(p, a) for p, a in zip(prompts, arr))]
-    return torch.tensor(out, dtype=torch.float32).reshape(len(prompts), 2)
+    verdicts = [_judge(s, objs, arr.shape[1]) for s, objs in zip(scenes, analyse_batch(arr))]
+    return torch.tensor([(v.strict, v.partial) for v in verdicts], dtype=torch.float32).reshape(len(prompts), 2)
 
 
 def category_table(prompts: Sequence[str], strict: Sequence[float], partial: Sequence[float] | None = None) -> dict[str, dict[str, float]]:

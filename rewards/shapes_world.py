@@ -214,17 +214,20 @@ def _place(sizes: list[int], relation: str | None, rng: np.random.Generator, siz
 
 
 def render(prompt: str | Scene, rng: np.random.Generator, size: int = 32) -> np.ndarray:
-    """An image [size, size, 3] uint8 matching the prompt. Always succeeds: when random
+    """An image [size, size, 3] uint8 matching the prompt. Always succeeds (at the sizes the
+    verifier reads, 32 and 64; sizes under 24 make objects too small to verify): when random
     placement keeps failing, the objects shrink until they fit."""
     scene = parse_prompt(prompt) if isinstance(prompt, str) else prompt
     objects = [(o.color, o.shape) for o in scene.objects for _ in range(o.count)]
     lo, hi = size * 7 // 32, (size * 12 // 32 if len(objects) <= 2 else size * 9 // 32)
     sizes = [int(rng.integers(lo, hi + 1)) for _ in objects]
-    while True:
-        boxes = _place(sizes, scene.relation, rng, size)
-        if boxes is not None:
-            break
-        sizes = [max(3, s - 1) for s in sizes]
+    floor = [min(3, s) for s in sizes]
+    stuck = 0  # failed rounds at the smallest sizes: only an image far too small gets there
+    while (boxes := _place(sizes, scene.relation, rng, size)) is None:
+        stuck += sizes == floor
+        if stuck > 20:
+            raise ValueError(f"render: cannot fit the objects of '{prompt_of(scene)}' in a {size}x{size} image; use size >= 16")
+        sizes = [max(f, s - 1) for f, s in zip(floor, sizes)]
     image = np.empty((size, size, 3), dtype=np.uint8)
     image[:] = BACKGROUND
     for (color, shape), (y, x, s) in zip(objects, boxes):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rewards import MultiReward, available_rewards
-from rewards.shapes import analyse, category_table, score_batch, verify
+from rewards.shapes import analyse, analyse_batch, category_table, score_batch, verify
 from rewards.shapes_world import (
     BACKGROUND, CATEGORIES, COLORS, ObjectSpec, PromptError, Scene, all_prompts, category_of, eval_set,
     parse_prompt, prompt_split, render, sample_prompts, shape_mask,
@@ -45,6 +45,8 @@ def test_unparseable_prompts_get_one_sentence(bad):
 
 
 def test_grammar_and_fixed_splits():
+    palette = [np.array(c) for c in (BACKGROUND, *COLORS.values())]
+    assert min(np.linalg.norm(a - b) for i, a in enumerate(palette) for b in palette[i + 1 :]) >= 100
     prompts = all_prompts()
     assert len(prompts) == len(set(prompts)) and len(COLORS) >= 6
     assert {category_of(p) for p in prompts} == set(CATEGORIES)
@@ -65,8 +67,9 @@ def test_renderer_places_every_object_and_the_verifier_agrees():
     scores = score_batch(images, prompts)
     assert scores.shape == (500, 2) and scores.dtype == torch.float32
     assert scores[:, 0].mean() >= 0.98
-    for i, p in enumerate(four):  # all four objects found
-        assert len(analyse(images[i])) == 4, p
+    found = analyse_batch((images.permute(0, 2, 3, 1) * 255).round().to(torch.uint8).numpy())
+    for p, objects in zip(prompts, found):  # every object placed and found, "four ..." included
+        assert len(objects) == sum(o.count for o in parse_prompt(p).objects), p
     big = sample_prompts(60, np.random.default_rng(2))
     assert score_batch(_batch(big, seed=2, size=64), big)[:, 0].mean() >= 0.98
 
@@ -127,3 +130,21 @@ def test_registered_reward_channels():
 
     with pytest.raises(UserError, match="channel_weights names shapes/nope"):
         MultiReward({"shapes": 1.0}, channel_weights={"shapes/nope": 1.0})
+
+
+def test_analyse_accepts_every_layout_and_ignores_specks():
+    img = _render_scene([("red", "circle", 2, 2, 9), ("blue", "triangle", 18, 18, 10)])
+    want = [(d.color, d.shape, d.box, d.area) for d in analyse(img)]
+    assert want == [("red", "circle", (2, 2, 11, 11), 69), ("blue", "triangle", (18, 18, 28, 28), 60)]
+    chw = img.transpose(2, 0, 1).astype(np.float32) / 255
+    for layout in (chw, torch.from_numpy(chw), torch.from_numpy(img.transpose(2, 0, 1).copy())):
+        assert [(d.color, d.shape, d.box, d.area) for d in analyse(layout)] == want
+    speck = img.copy()
+    speck[np.arange(26, 31), np.arange(2, 7)] = COLORS["yellow"]  # 5 px diagonal, no shape: a halo, not an object
+    speck[2:5, 28:29] = COLORS["green"]  # 3 px: below the minimum area
+    assert verify("a red circle and a blue triangle", speck).strict == 1
+    blob = img.copy()
+    blob[24:30, 2:4] = COLORS["yellow"]  # 12 px, a thin bar that fits no template: an extra object
+    blob[24:26, 4:8] = COLORS["yellow"]
+    assert [(d.color, d.shape) for d in analyse(blob)][-1] == ("yellow", None)
+    assert not verify("a red circle and a blue triangle", blob).checks["no extra objects"]

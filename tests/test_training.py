@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -175,3 +176,31 @@ def test_advantage_kinds_train(tmp_path, tiny_sd3_dir, kind):
     assert row["samples"] == 10 and row["first_ratio_deviation"] < 1e-5
     # odd groups: MC-GRPO's pivot and the middle rank carry no gradient
     assert row["nonzero_advantage_samples"] == (8 if kind in ("mc_grpo", "rank") else 10)
+
+
+def test_rewards_score_each_batch_as_it_finishes_and_invalid_ones_drop(tmp_path, tiny_sd3_dir):
+    """The reward sees one sampling batch per call (so scoring overlaps the next batch's
+    sampling), and with reward.on_invalid=drop a NaN score removes that sample from the
+    advantage instead of stopping the run."""
+    import threading
+
+    from rewards import register
+
+    calls = []
+
+    @register("test_flaky", "mean pixel value, NaN for the first sample of the first call")
+    def flaky(images, prompts, metadata=None):
+        calls.append((len(prompts), threading.current_thread().name))
+        scores = images.mean(dim=(1, 2, 3))
+        if len(calls) == 1:
+            scores[0] = float("nan")
+        return scores
+
+    overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
+                 "reward.weights={test_flaky: 1.0}", "reward.on_invalid=drop"]
+    trainer = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
+    row = trainer.train()[0]
+    assert [n for n, _ in calls] == [4, 4] and all(name.startswith("reward") for _, name in calls)
+    assert row["dropped_samples"] == 1 and row["samples"] == 8
+    assert math.isfinite(row["loss"]) and math.isfinite(row["reward_mean"])
+    assert row["time_reward"] > 0 and row["time_reward_wait"] >= 0

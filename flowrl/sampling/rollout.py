@@ -84,9 +84,12 @@ def rollout(
     policy_version: int = 0,
     progress: bool = False,
     desc: str = "sampling",
+    on_batch=None,
 ) -> Trajectory:
     """Sample len(prompts) chains in batches of `batch_size`, recording every latent and the
-    behaviour log-prob of every stochastic step. Noise comes from (seed, step) generators."""
+    behaviour log-prob of every stochastic step. Noise comes from (seed, step) generators.
+    `on_batch(batch_slice, final_latents)` is called as each batch finishes (the trainer starts
+    scoring it there, while the next batch samples)."""
     n, shape = len(prompts), policy.latent_shape()
     latents = torch.empty((n, spec.num_steps + 1, *shape), dtype=torch.float32)
     log_probs = torch.zeros((n, spec.num_steps), dtype=torch.float32)
@@ -105,6 +108,8 @@ def rollout(
             latents[idx, t + 1] = x.cpu()
             log_probs[idx, t] = out.log_prob.cpu()
             bar.update(x.shape[0])
+        if on_batch is not None:
+            on_batch(idx, x)
     bar.close()
     ids = torch.as_tensor(list(prompt_ids) if prompt_ids is not None else range(n), dtype=torch.long)
     return Trajectory(

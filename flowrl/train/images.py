@@ -24,8 +24,14 @@ def image_grid(images: torch.Tensor, columns: int | None = None, pad: int = 2) -
     return Image.fromarray(canvas)
 
 
-def save_grid(images: torch.Tensor, path: str | Path, columns: int | None = None) -> Path:
+def save_grid(images: torch.Tensor, path: str | Path, columns: int | None = None, min_side: int = 128) -> Path:
+    """Write the grid as PNG; images smaller than `min_side` are enlarged by an integer factor
+    (nearest neighbour, so pixels stay pixels) to be visible at all."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    image_grid(images, columns).save(path)
+    grid = image_grid(images, columns)
+    factor = math.ceil(min_side / min(images.shape[-2:]))
+    if factor > 1:
+        grid = grid.resize((grid.width * factor, grid.height * factor), Image.NEAREST)
+    grid.save(path)
     return path

@@ -36,7 +36,7 @@ from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
 from flowrl.train.prompts import load_prompts
 from flowrl.train.run_dir import RunDir
-from rewards import MultiReward
+from rewards import AsyncRewardRunner, MultiReward
 
 
 class Stage(NamedTuple):
@@ -46,7 +46,9 @@ class Stage(NamedTuple):
     rewards: torch.Tensor  # [n, K] every process's real samples, in stage order
     prompt_ids: torch.Tensor  # [n] pool indices of the real samples
     positions: torch.Tensor  # [n_local] stage positions of this process's samples (>= n: padding)
-    reward_time: float
+    reward_time: float  # seconds inside reward calls (overlapping the sampling of later batches)
+    reward_wait: float  # seconds spent waiting for rewards after the last batch was sampled
+    valid: torch.Tensor  # [n] bool: False where the reward output was invalid (reward.on_invalid: drop)
 
 
 class MicroBatch(NamedTuple):
@@ -139,6 +141,7 @@ class GRPOTrainer:
         self.policy.net, self.optimizer = acc.prepare(self.policy.transformer, optimizer)
         self.ema = EMA(self.params, t.ema_decay) if t.ema else None
         self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards)
+        self.reward_runner = AsyncRewardRunner(self.reward_fn)
         self.iteration = 0
         self.history: list[dict] = []
 
@@ -178,9 +181,15 @@ class GRPOTrainer:
         prompt_ids, seeds = prompt_ids + prompt_ids[-1:] * pad, seeds + seeds[-1:] * pad
         n_local = len(seeds) // acc.num_processes
         local = slice(acc.process_index * n_local, (acc.process_index + 1) * n_local)
+        local_prompts = [self.prompts[i] for i in prompt_ids[local]]
+        busy_before = self.reward_runner.reward_seconds
+
+        def score(batch: slice, final: torch.Tensor) -> None:  # on a worker thread, while the next batch samples
+            self.reward_runner.submit_with_mask(self.policy.decode(final), local_prompts[batch])
+
         traj = rollout(
             self.policy,
-            [self.prompts[i] for i in prompt_ids[local]],
+            local_prompts,
             seeds[local],
             spec,
             cfg.sampling.batch_size,
@@ -189,14 +198,19 @@ class GRPOTrainer:
             policy_version=self.iteration,
             progress=cfg.run.progress and acc.is_local_main_process,
             desc=desc,
+            on_batch=score,
         )
         t_sampled = time.perf_counter()
-        bs = cfg.sampling.batch_size
-        images = torch.cat([self.policy.decode(traj.final[i : i + bs]) for i in range(0, len(traj), bs)])
-        local_rewards = self.reward_fn(images, traj.prompts)
-        rewards = acc.gather(local_rewards.to(acc.device)).cpu()[:n]  # group statistics need everyone's samples
+        results = self.reward_runner.wait_all()
+        wait = time.perf_counter() - t_sampled
+        local_rewards = torch.cat([r[0] for r in results])
+        local_valid = torch.cat([r[1] for r in results])
+        # group statistics need everyone's samples
+        rewards = acc.gather(local_rewards.to(acc.device)).cpu()[:n]
+        valid = acc.gather(local_valid.to(acc.device)).cpu()[:n]
         positions = torch.arange(local.start, local.stop)
-        return Stage(traj, rewards, torch.tensor(prompt_ids[:n]), positions, time.perf_counter() - t_sampled)
+        return Stage(traj, rewards, torch.tensor(prompt_ids[:n]), positions,
+                     self.reward_runner.reward_seconds - busy_before, wait, valid)
 
     def train_iteration(self) -> dict:
         if self.cfg.rollout.kind == "tree":
@@ -227,28 +241,35 @@ class GRPOTrainer:
 
         rewards = torch.cat([st.rewards for st in stages])
         prompt_ids = torch.cat([st.prompt_ids for st in stages])
+        valid = torch.cat([st.valid for st in stages])
+        if not valid.any():
+            raise UserError(f"every reward output of iteration {it} was invalid (NaN, inf or misshapen); see reward.on_invalid")
         a = cfg.advantage
-        adv = estimate_advantages(a.kind, rewards, prompt_ids, weights, a.std, a.eps, a.clip)
-        self.allocator.observe(prompt_ids, self.successes(rewards @ weights))
+        # samples with invalid rewards (reward.on_invalid: drop) take no part: zero advantage
+        adv = estimate_advantages(a.kind, rewards[valid], prompt_ids[valid], weights, a.std, a.eps, a.clip)
+        advantages = torch.zeros(len(valid))
+        advantages[valid] = adv.advantages.float()
+        self.allocator.observe(prompt_ids[valid], self.successes(rewards[valid] @ weights))
         batches, offset = [], 0
         for st in stages:  # each process's slice of every stage, padding copies at zero advantage
             n = len(st.prompt_ids)
             local_adv = torch.zeros(len(st.positions))
             real = st.positions < n
-            local_adv[real] = adv.advantages[offset + st.positions[real]]
+            local_adv[real] = advantages[offset + st.positions[real]]
             batches.append((st.traj, local_adv))
             offset += n
         stats = self.update(batches, spec)
         t_train = time.perf_counter()
 
-        total = rewards @ weights
+        total = rewards[valid] @ weights
         sizes = torch.bincount(prompt_ids, minlength=n_prompts)
         sizes = sizes[sizes > 0]
         row = {
             "iteration": it,
             "reward_mean": total.mean().item(),
             "reward_std": total.std(unbiased=False).item(),
-            **{f"reward/{c}": rewards[:, k].mean().item() for k, c in enumerate(self.reward_fn.channel_names)},
+            **{f"reward/{c}": rewards[valid, k].mean().item() for k, c in enumerate(self.reward_fn.channel_names)},
+            "dropped_samples": int((~valid).sum()),
             "adv_abs_mean": adv.advantages.abs().mean().item(),
             "degenerate_groups": adv.degenerate.float().mean().item(),
             "nonzero_advantage_samples": int((adv.mask & (adv.advantages != 0)).sum()),
@@ -260,8 +281,11 @@ class GRPOTrainer:
             "group_size_histogram": {str(int(k)): int(v) for k, v in zip(*torch.unique(sizes, return_counts=True))},
             "trained_steps": len(spec.trained_steps()),
             **stats,
-            "time_sampling": t_sample - t0 - t_reward,
+            # rewards run on a worker thread while later batches sample: time_reward overlaps
+            # time_sampling, and only time_reward_wait (after the last batch) is not hidden
+            "time_sampling": t_sample - t0,
             "time_reward": t_reward,
+            "time_reward_wait": sum(st.reward_wait for st in stages),
             "time_training": t_train - t_sample,
         }
         self.iteration += 1
@@ -538,6 +562,7 @@ class GRPOTrainer:
             if done or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
                 self.save()
         bar.close()
+        self.reward_runner.close()
         acc.end_training()
         return self.history
 
