@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("-n", type=int, default=1, help="images per prompt")
     e.add_argument("--per-category", type=int, default=150, help="built-in prompt sets: images per category (default 150)")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("overrides", nargs="*", help="dot-list overrides of the config (model.guidance_scale=3.0 ...)")
 
     sub.add_parser("rewards", help="list the registered rewards")
 
@@ -144,10 +145,10 @@ def cmd_eval(args) -> int:
     source = args.prompts
     prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category) if source else None
     if args.run:
-        cfg, policy, ckpt = _load_run_policy(Path(args.run))
+        cfg, policy, ckpt = _load_run_policy(Path(args.run), args.overrides)
         what = f"{args.run} ({ckpt.name})"
     else:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, args.overrides)
         policy, what = load_policy(cfg.model), f"base model {cfg.model.path}"
     reward = MultiReward.from_config(cfg.reward)
     if prompts is None:

@@ -73,6 +73,8 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n\na blue square\n")
     assert main(["eval", "--run", str(run), "--prompts", str(prompts)]) == 0
+    assert main(["eval", "--run", str(run), "--prompts", str(prompts), "model.guidance_scale=2.5"]) == 0
+    assert main(["eval", "--run", str(run), "--prompts", str(prompts), "model.bogus=1"]) == 2
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
