@@ -30,6 +30,7 @@ TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")
+ROLLOUT_KINDS = ("flat", "tree", "two_stage")
 REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -96,9 +97,33 @@ class TreeConfig:
 
 
 @dataclass
+class TwoStageConfig:
+    """Sol-RL, "FP4 explore, BF16 train" (rollout.kind: two_stage; ALGORITHMS.md section 5).
+    Stage 1 samples `candidates` chains per prompt from recorded seeds with a copy of the
+    current policy in `explore_precision` (LoRA merged in, re-synchronised every iteration) and
+    scores them; `selection.kind` picks data.group_size of them per prompt; stage 2 regenerates
+    exactly those seeds (initial and per-step noise) with the training policy, and only the
+    regenerated samples are trained on."""
+
+    candidates: int = 32  # M per prompt, >= data.group_size (the K that are selected and trained)
+    explore_precision: str = "nvfp4"  # nvfp4 | fp8 | bf16 | fp16 | fp32
+    # auto: torchao's kernels where the GPU has them (NVFP4: sm100+, FP8: sm89+), fake quantisation
+    # elsewhere | emulated: always fake quantisation | torchao: the kernels or an error
+    backend: str = "auto"
+    preview_steps: int = 0  # 0: stage 1 runs the training sampler | P > 0: a P-step ODE preview
+    # false: train on the selected candidates themselves; only allowed when they already are
+    # training-precision samples of the training sampler (explore_precision = model.dtype, no preview)
+    regenerate: bool = True
+    fidelity_every: int = 10  # iterations between regenerating the whole pool to log reward rank correlations (0: never)
+
+
+@dataclass
 class RolloutConfig:
-    kind: str = "flat"  # flat: G independent chains per prompt | tree: BranchGRPO trees (rollout.tree)
+    # flat: G independent chains per prompt | tree: BranchGRPO trees (rollout.tree) |
+    # two_stage: low-precision exploration, selection, regeneration (rollout.two_stage)
+    kind: str = "flat"
     tree: TreeConfig = field(default_factory=TreeConfig)
+    two_stage: TwoStageConfig = field(default_factory=TwoStageConfig)
 
     def splits(self) -> dict[int, int]:
         """split step -> branching factor."""
@@ -325,7 +350,9 @@ def check_model_path(path: str) -> None:
 
 def _validate_rollout(cfg: Config) -> None:
     r, s = cfg.rollout, cfg.sampling
-    _choice("rollout.kind", r.kind, ("flat", "tree"))
+    _choice("rollout.kind", r.kind, ROLLOUT_KINDS)
+    if r.kind == "two_stage":
+        _validate_two_stage(cfg)
     if r.kind != "tree":
         return
     tr = r.tree
@@ -372,6 +399,29 @@ def _validate_rollout(cfg: Config) -> None:
     if cfg.advantage.kind != "grpo" or cfg.advantage.std != "group":
         raise ConfigError(f"advantage.kind must be grpo and advantage.std group when rollout.kind is tree (trees use "
                           f"BranchGRPO's depth-wise advantages within each tree); got kind '{cfg.advantage.kind}', std '{cfg.advantage.std}'")
+
+
+def _validate_two_stage(cfg: Config) -> None:
+    from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS
+
+    ts, k = cfg.rollout.two_stage, cfg.data.group_size
+    if cfg.rollout.tree != TreeConfig():
+        raise ConfigError("rollout.tree is set but rollout.kind is two_stage, which regenerates flat chains only; "
+                          "leave rollout.tree at its defaults or use rollout.kind tree")
+    if ts.candidates < k:
+        raise ConfigError(f"rollout.two_stage.candidates must be >= data.group_size ({k}), the samples selected from them per prompt; got {ts.candidates}")
+    _choice("rollout.two_stage.explore_precision", ts.explore_precision, EXPLORE_PRECISIONS)
+    _choice("rollout.two_stage.backend", ts.backend, BACKENDS)
+    _positive("rollout.two_stage.preview_steps", ts.preview_steps, strict=False)
+    _positive("rollout.two_stage.fidelity_every", ts.fidelity_every, strict=False)
+    if not ts.regenerate and (ts.explore_precision != cfg.model.dtype or ts.preview_steps):
+        # the guard: low-precision (or preview) samples never enter the loss
+        raise ConfigError(f"rollout.two_stage.regenerate must be true when explore_precision is '{ts.explore_precision}' and "
+                          f"preview_steps {ts.preview_steps} (training on the candidates themselves needs explore_precision = "
+                          f"model.dtype '{cfg.model.dtype}' and preview_steps 0)")
+    if cfg.allocator.kind != "uniform":
+        raise ConfigError(f"allocator.kind must be uniform when rollout.kind is two_stage (selection, not allocation, picks "
+                          f"the trained samples); got '{cfg.allocator.kind}'")
 
 
 def validate(cfg: Config, validate_paths: bool = True) -> None:

@@ -61,3 +61,24 @@ def select(kind: str, rewards: torch.Tensor, k: int, generator: torch.Generator 
     if kind == "random":
         return random_subset(rewards, k, generator)
     raise ValueError(f"selection.kind must be one of {SELECTION_KINDS}, got {kind!r}")
+
+
+def select_per_group(kind: str, rewards: torch.Tensor, group_ids: torch.Tensor, k: dict[int, int],
+                     valid: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sorted indices into the pool `rewards` [N]: `select(kind, ...)` of k[g] candidates within
+    each group g of `group_ids` [N]. Only `valid` candidates are chosen while a group has k[g]
+    of them; a group with fewer takes all its valid ones and fills up with invalid ones."""
+    r = rewards.float().flatten()
+    ok = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.bool().flatten()
+    picked = []
+    for g in torch.unique(group_ids).tolist():
+        idx = torch.nonzero(group_ids == g).flatten()
+        good, bad = idx[ok[idx]], idx[~ok[idx]]
+        need = k[g]
+        if need > idx.numel():
+            raise ValueError(f"group {g} has {idx.numel()} candidates, fewer than the {need} to select")
+        if good.numel() >= need:
+            picked.append(good[select(kind, r[good], need, generator)])
+        else:
+            picked.append(torch.cat([good, bad[: need - good.numel()]]))
+    return torch.sort(torch.cat(picked)).values

@@ -71,6 +71,20 @@ class Trajectory:
     def __len__(self) -> int:
         return self.latents.shape[0]
 
+    def subset(self, rows: Sequence[int]) -> "Trajectory":
+        """The rollouts at `rows` (flat rollouts only), in that order."""
+        if self.parents is not None:
+            raise ValueError("subset() takes rows of flat rollouts; tree nodes depend on their parents")
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        return Trajectory(self.latents[idx], self.log_probs[idx], self.sigmas, self.trained, [self.prompts[i] for i in idx.tolist()],
+                          self.prompt_ids[idx], self.group_ids[idx], self.seeds[idx], None, self.precision, self.policy_version)
+
+
+def policy_precision(policy) -> str:
+    """The precision a policy samples in: an exploration copy's label ('nvfp4-emulated', 'fp8',
+    see flowrl/sampling/precision.py), else its dtype ('float32', 'bfloat16')."""
+    return getattr(policy, "precision", None) or str(policy.dtype).removeprefix("torch.")
+
 
 @torch.no_grad()
 def rollout(
@@ -121,7 +135,7 @@ def rollout(
         prompt_ids=ids,
         group_ids=torch.as_tensor(list(group_ids), dtype=torch.long) if group_ids is not None else ids.clone(),
         seeds=torch.as_tensor(list(seeds), dtype=torch.long),
-        precision=str(policy.dtype).removeprefix("torch."),
+        precision=policy_precision(policy),
         policy_version=policy_version,
     )
 

@@ -27,7 +27,8 @@ from flowrl.core.losses import PolicyLoss
 from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, trained_depths, width_prune
 from flowrl.errors import ConfigError, UserError
 from flowrl.models import load_policy
-from flowrl.sampling.rollout import SamplerSpec, Trajectory, rollout, transition
+from flowrl.sampling.precision import check_training_precision
+from flowrl.sampling.rollout import SamplerSpec, Trajectory, policy_precision, rollout, transition
 from flowrl.sampling.steps import StepOutput
 from flowrl.sampling.schedules import shifted_sigmas, window_mask
 from flowrl.sampling.tree import TreeTrajectory, edge_children, parent_batches, tree_edges, tree_rollout, tree_spec
@@ -144,6 +145,11 @@ class GRPOTrainer:
         self.reward_runner = AsyncRewardRunner(self.reward_fn)
         self.iteration = 0
         self.history: list[dict] = []
+        self.two_stage = None
+        if cfg.rollout.kind == "two_stage":
+            from flowrl.train.two_stage import TwoStage
+
+            self.two_stage = TwoStage(self)  # owns the low-precision exploration copy
 
         if resume:
             self._resume()
@@ -170,8 +176,9 @@ class GRPOTrainer:
         return SamplerSpec(shifted_sigmas(s.eval_num_steps, s.shift), torch.zeros(s.eval_num_steps, dtype=torch.bool), "ode")
 
     # ---- one iteration ------------------------------------------------------------------
-    def sample_stage(self, prompt_ids: list[int], seeds: list[int], spec: SamplerSpec, desc: str) -> Stage:
-        """Sample one allocation stage, split across processes, and gather its rewards.
+    def sample_stage(self, prompt_ids: list[int], seeds: list[int], spec: SamplerSpec, desc: str, policy=None) -> Stage:
+        """Sample one allocation stage, split across processes, and gather its rewards (with
+        `policy`, default the trained one; two-stage exploration passes its low-precision copy).
         The stage is padded with copies of its last sample to a multiple of the process count,
         so every process runs the same number of batches (DDP needs equal backward counts);
         the copies get zero advantage and count toward nothing."""
@@ -188,7 +195,7 @@ class GRPOTrainer:
             self.reward_runner.submit_with_mask(self.policy.decode(final), local_prompts[batch])
 
         traj = rollout(
-            self.policy,
+            policy if policy is not None else self.policy,
             local_prompts,
             seeds[local],
             spec,
@@ -215,6 +222,8 @@ class GRPOTrainer:
     def train_iteration(self) -> dict:
         if self.cfg.rollout.kind == "tree":
             return self.tree_iteration()
+        if self.cfg.rollout.kind == "two_stage":
+            return self.two_stage.iteration()
         cfg, acc, it = self.cfg, self.accelerator, self.iteration
         t0 = time.perf_counter()
         spec = self.sampler_spec(it)
@@ -301,7 +310,10 @@ class GRPOTrainer:
     def update(self, batches: list[tuple[Trajectory, torch.Tensor]], spec: SamplerSpec) -> dict:
         """Flat rollouts: one micro-batch per (sample batch, trained step); a sample batch is
         the unit of gradient accumulation. Micro-batches are exactly the sampling batches, so
-        the first forward reproduces the behaviour log-probs bit for bit and the ratio starts at 1."""
+        the first forward reproduces the behaviour log-probs bit for bit and the ratio starts at 1.
+        Refuses any trajectory not sampled in the training precision (Sol-RL's guard)."""
+        for traj, _ in batches:
+            check_training_precision(traj.precision, policy_precision(self.policy))
         bs = self.cfg.sampling.batch_size
         groups = []
         for traj, adv in batches:

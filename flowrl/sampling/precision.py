@@ -1,0 +1,308 @@
+"""Low-precision exploration copies of the current policy (Sol-RL, ALGORITHMS.md section 5).
+
+An `ExplorationCopy` holds a second transformer in the exploration precision with the LoRA
+adapter merged into its base weights, and a policy view that samples through it. After every
+optimizer update `resync()` merges the trained adapter into the base again and re-quantises.
+
+Precisions and how they run:
+
+  nvfp4  FP4 E2M1 values {0, 0.5, 1, 1.5, 2, 3, 4, 6} (signed), one FP8 E4M3 scale per block
+         of 16 values along the input dimension, one FP32 scale per tensor; weights and
+         activations (dynamic per-tensor scale), fp32 accumulation. Real kernels: torchao's
+         NVFP4DynamicActivationNVFP4WeightConfig on sm100+ (Blackwell). Elsewhere: fake
+         quantisation with `nvfp4_fake_quantize`, which reproduces torchao's NVFP4Tensor
+         quantise/dequantise bit for bit (tests/test_two_stage.py).
+  fp8    float8_e4m3fn with one dynamic FP32 scale per tensor, weights and activations. Real:
+         torchao's Float8DynamicActivationFloat8WeightConfig on sm89+ (Ada, Hopper); elsewhere
+         fake quantisation (scale, cast to float8_e4m3fn, cast back, unscale).
+  bf16 / fp16 / fp32   a plain copy in that dtype; when it is the training dtype there is no
+         copy at all: the policy explores itself (and `resync` costs nothing).
+
+Only the linear layers inside the transformer blocks with both dimensions a multiple of 16
+are quantised (torchao's NVFP4/FP8 kernels need that); embeddings and the output layers
+(names containing embed, proj_out, norm_out) stay in the copy's compute dtype, the usual
+choice for quantised diffusion transformers.
+
+torchao is an optional dependency (`pip install flowrl[fp4]`), imported only by the real
+kernel backends.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowrl.errors import UserError
+
+EXPLORE_PRECISIONS = ("nvfp4", "fp8", "bf16", "fp16", "fp32")
+BACKENDS = ("auto", "emulated", "torchao")
+PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7, sign in a separate bit
+E2M1_MAX = 6.0
+E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # 2**-6, the smallest normal
+NVFP4_BLOCK = 16
+HIGH_PRECISION_LAYERS = ("embed", "proj_out", "norm_out")
+CAST_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
+
+
+# ---- fake quantisation (plain tensor code, any device) -------------------------------
+_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_TIES_UP = torch.tensor([0.75, 1.75, 3.5])  # midpoints whose upper neighbour has the even code
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values to the nearest FP4 E2M1 value, ties to the even code, saturating at
+    +-6 (what an fp32 -> float4_e2m1 conversion does)."""
+    a = x.abs()
+    mid, up = _MIDPOINTS.to(x.device), _TIES_UP.to(x.device)
+    code = torch.bucketize(a, mid)  # a tie lands on the lower code...
+    code = code + torch.isin(a, up).long()  # ...unless the upper one is even
+    q = torch.tensor(E2M1_GRID, device=x.device)[code]
+    return torch.where(x < 0, -q, q)
+
+
+def nvfp4_fake_quantize(x: torch.Tensor, per_tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantise to NVFP4 and back, in fp32: blocks of 16 along the last dimension, each with an
+    FP8 E4M3 scale, all under one FP32 per-tensor scale amax / (448 x 6). The operations and
+    their order follow torchao's `nvfp4_quantize` and `NVFP4Tensor.dequantize`, so the values
+    are the same bit for bit."""
+    if x.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 needs the last dimension to be a multiple of {NVFP4_BLOCK}, got {tuple(x.shape)}")
+    xf = x.float()
+    if per_tensor_scale is None:
+        per_tensor_scale = xf.abs().amax() / (E4M3_MAX * E2M1_MAX)
+    if float(per_tensor_scale) == 0.0:  # an all-zero tensor quantises to zeros
+        return torch.zeros_like(xf)
+    blocks = xf.reshape(-1, NVFP4_BLOCK)
+    block_scale = blocks.abs().amax(dim=-1) / E2M1_MAX
+    scale_fp8 = (block_scale / per_tensor_scale).clamp(min=E4M3_TINY, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    reciprocal = (1.0 / per_tensor_scale) / scale_fp8
+    codes = round_to_e2m1((blocks * reciprocal.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX))
+    return (codes * (per_tensor_scale * scale_fp8).unsqueeze(-1)).reshape(xf.shape)
+
+
+def fp8_fake_quantize(x: torch.Tensor) -> torch.Tensor:
+    """Quantise to float8_e4m3fn with one FP32 scale amax / 448 per tensor and back (torchao's
+    float8 per-tensor scaling: x / scale, clamp, round-to-nearest-even cast, x_fp8 x scale)."""
+    xf = x.float()
+    scale = xf.abs().amax() / E4M3_MAX
+    if float(scale) == 0.0:
+        return torch.zeros_like(xf)
+    return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+
+
+FAKE_QUANTIZERS = {"nvfp4": nvfp4_fake_quantize, "fp8": fp8_fake_quantize}
+
+
+class FakeQuantLinear(nn.Module):
+    """y = Q(x) Q(W)^T + b in fp32, Q the format's fake quantisation (activations with a dynamic
+    per-tensor scale over the whole input): what the NVFP4 / FP8 tensor-core GEMMs compute
+    (exact low-precision products, fp32 accumulation), on any device. The output has the
+    input's dtype."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fmt: str, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt = in_features, out_features, fmt
+        self.quantize = FAKE_QUANTIZERS[fmt]
+        self.register_buffer("weight", torch.zeros(out_features, in_features, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, device=device) if bias else None)
+
+    @torch.no_grad()
+    def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight.copy_(self.quantize(weight.float()))
+        if self.bias is not None:
+            self.bias.copy_(bias.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xq = self.quantize(x.reshape(-1, shape[-1]).float())
+        return F.linear(xq, self.weight, self.bias).reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+
+# ---- the copy ------------------------------------------------------------------------
+def real_kernels_available(fmt: str, device: torch.device) -> bool:
+    """NVFP4 GEMMs need sm100+ (Blackwell); FP8 GEMMs sm89+ (Ada, Hopper)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    cap = torch.cuda.get_device_capability(device)
+    return cap >= (10, 0) if fmt == "nvfp4" else cap >= (8, 9)
+
+
+def quantizable(name: str, module: nn.Module) -> bool:
+    return (isinstance(module, nn.Linear) and module.in_features % NVFP4_BLOCK == 0 and module.out_features % NVFP4_BLOCK == 0
+            and not any(k in name for k in HIGH_PRECISION_LAYERS))
+
+
+@torch.no_grad()
+def merged_state(transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """The transformer's parameters and buffers under their plain (adapter-free) names, with
+    every active LoRA adapter merged into its base weight (in fp32). The source is not touched."""
+    from peft.tuners.lora import LoraLayer
+
+    lora = {name: m for name, m in transformer.named_modules() if isinstance(m, LoraLayer)}
+    adapter_tensors = set()
+    for name, m in lora.items():
+        for sub, _ in [*m.named_parameters(), *m.named_buffers()]:
+            if not sub.startswith("base_layer."):
+                adapter_tensors.add(f"{name}.{sub}")
+    out = {}
+    for name, t in [*transformer.named_parameters(), *transformer.named_buffers()]:
+        if name not in adapter_tensors:
+            out[name.replace(".base_layer.", ".")] = t.detach()
+    for name, m in lora.items():
+        w = m.base_layer.weight.detach().float()
+        if not m.disable_adapters:
+            for adapter in m.active_adapters:
+                if adapter in m.lora_A:
+                    w = w + m.get_delta_weight(adapter).float()
+        out[f"{name}.weight"] = w
+    return out
+
+
+class _CastInputs(nn.Module):
+    """Feeds the copy its compute dtype: the policy hands over latents and prompt embeddings in
+    the training dtype."""
+
+    def __init__(self, net: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.net, self.dtype = net, dtype
+
+    def forward(self, *args, **kwargs):
+        kwargs = {k: v.to(self.dtype) if k in CAST_INPUTS and torch.is_tensor(v) else v for k, v in kwargs.items()}
+        return self.net(*args, **kwargs)
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
+class ExplorationCopy:
+    """The current policy in `precision` (EXPLORE_PRECISIONS) for stage-1 exploration.
+
+    backend: auto (torchao kernels where the GPU has them, fake quantisation elsewhere) |
+    emulated (always fake quantisation) | torchao (real kernels or an error). Use `.policy` to
+    sample (its `precision` label goes into every Trajectory it produces), and `resync()` after
+    each optimizer update; it returns the seconds it took."""
+
+    def __init__(self, policy, precision: str, backend: str = "auto"):
+        if precision not in EXPLORE_PRECISIONS:
+            raise UserError(f"rollout.two_stage.explore_precision must be one of {', '.join(EXPLORE_PRECISIONS)}; got '{precision}'")
+        if backend not in BACKENDS:
+            raise UserError(f"rollout.two_stage.backend must be one of {', '.join(BACKENDS)}; got '{backend}'")
+        self.source, self.requested = policy, precision
+        device = policy.device
+        self.quantized: list[str] = []
+        if precision in PLAIN_DTYPES:
+            self.mode = "identity" if PLAIN_DTYPES[precision] == policy.dtype else "plain"
+            compute = PLAIN_DTYPES[precision]
+        elif backend == "emulated" or (backend == "auto" and not real_kernels_available(precision, device)):
+            self.mode, compute = "emulated", policy.dtype
+        else:
+            if not real_kernels_available(precision, device):
+                need = "an sm100+ (Blackwell) GPU" if precision == "nvfp4" else "an sm89+ (Ada or Hopper) GPU"
+                raise UserError(f"rollout.two_stage.backend 'torchao' runs {precision} kernels, which need {need}; this "
+                                f"device is {device}: use backend auto or emulated")
+            _import_torchao()
+            self.mode, compute = "torchao", torch.bfloat16
+        self.compute_dtype = compute
+        if self.mode == "identity":
+            self.net, self.policy, self.label = None, policy, None
+            return
+        self.label = {"plain": str(compute).removeprefix("torch."), "emulated": f"{precision}-emulated", "torchao": precision}[self.mode]
+
+        from accelerate import init_empty_weights
+
+        src = policy.transformer
+        with init_empty_weights():  # every tensor is loaded from the policy by resync()
+            net = type(src).from_config(src.config)
+        net = net.to_empty(device=device)
+        nn.Module.to(net, compute)  # diffusers' own .to() warns about fp32-pinned modules; there are none to keep
+        net.requires_grad_(False).eval()
+        if self.mode != "plain":
+            self.quantized = [n for n, m in net.named_modules() if quantizable(n, m)]
+            if not self.quantized:
+                raise UserError(f"rollout.two_stage.explore_precision '{precision}': {type(src).__name__} has no linear layer "
+                                f"with both dimensions a multiple of {NVFP4_BLOCK} to quantise; choose bf16 or fp32")
+        self.shapes = {}
+        for name in self.quantized:
+            lin = net.get_submodule(name)
+            self.shapes[name] = (lin.in_features, lin.out_features, lin.bias is not None)
+            if self.mode == "emulated":
+                _set_module(net, name, FakeQuantLinear(lin.in_features, lin.out_features, lin.bias is not None, precision, device))
+        prefixes = tuple(n + "." for n in self.quantized)
+        self._plain = {n: t for n, t in [*net.named_parameters(), *net.named_buffers()] if not n.startswith(prefixes)}
+        self.net = net
+        view = copy.copy(policy)  # shares the prompt cache, the text encoders and the VAE
+        view.net = _CastInputs(net, compute) if compute != policy.dtype else net
+        view.precision = self.label
+        self.policy = view
+        self.resync()
+
+    @torch.no_grad()
+    def resync(self) -> float:
+        """Merge the policy's current adapter into the base weights and load (and quantise)
+        them into the copy. Returns the seconds taken (0 when the policy explores itself)."""
+        if self.mode == "identity":
+            return 0.0
+        t0 = time.perf_counter()
+        state = merged_state(self.source.transformer)
+        for name, t in self._plain.items():
+            t.copy_(state[name])
+        for name in self.quantized:
+            weight, bias = state[f"{name}.weight"], state.get(f"{name}.bias")
+            if self.mode == "emulated":
+                self.net.get_submodule(name).load(weight, bias)
+            else:
+                _set_module(self.net, name, self._torchao_linear(name, weight, bias))
+        if self.source.device.type == "cuda":
+            torch.cuda.synchronize(self.source.device)
+        return time.perf_counter() - t0
+
+    def _torchao_linear(self, name: str, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        torchao = _import_torchao()
+        in_f, out_f, has_bias = self.shapes[name]
+        lin = nn.Linear(in_f, out_f, bias=has_bias, device=self.source.device, dtype=torch.bfloat16).requires_grad_(False)
+        lin.weight.copy_(weight)
+        if has_bias:
+            lin.bias.copy_(bias)
+        if self.requested == "nvfp4":
+            config = torchao.prototype.mx_formats.NVFP4DynamicActivationNVFP4WeightConfig()
+        else:
+            config = torchao.quantization.Float8DynamicActivationFloat8WeightConfig()  # per-tensor scales
+        torchao.quantization.quantize_(lin, config)
+        return lin
+
+    def quantized_weight(self, name: str) -> torch.Tensor:
+        """The weight layer `name` computes with, dequantised to fp32 (for checks)."""
+        w = self.net.get_submodule(name).weight
+        return w.dequantize().float() if self.mode == "torchao" else w.float()
+
+
+def _import_torchao():
+    try:
+        import torchao
+        import torchao.prototype.mx_formats  # noqa: F401
+        import torchao.quantization  # noqa: F401
+    except ImportError:
+        raise UserError("rollout.two_stage.backend 'torchao' (or auto on a GPU with FP8/NVFP4 kernels) needs torchao: "
+                        "pip install 'flowrl[fp4]', or set rollout.two_stage.backend=emulated") from None
+    return torchao
+
+
+def check_training_precision(trajectory_precision: str, training_precision: str) -> None:
+    """The run-time half of the guard: samples enter the loss only in the training precision."""
+    if trajectory_precision != training_precision:
+        raise UserError(
+            f"refusing to train on samples drawn in {trajectory_precision} by a policy trained in {training_precision}: "
+            "exploration samples must be regenerated in the training precision first (rollout.two_stage.regenerate=true)"
+        )

@@ -1,0 +1,319 @@
+"""Sol-RL two-stage exploration: NVFP4 / FP8 fake quantisation against torchao, the merged
+exploration copy, exact regeneration of selected seeds, the precision guard, selection spread,
+rank correlations, and a short training run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from flowrl.cli import main
+from flowrl.config import load_config
+from flowrl.core.correlation import kendall_tau, rankdata, spearman
+from flowrl.core.selection import select_per_group
+from flowrl.errors import ConfigError, UserError
+from flowrl.sampling.precision import (E2M1_GRID, ExplorationCopy, fp8_fake_quantize, merged_state, nvfp4_fake_quantize,
+                                       round_to_e2m1)
+from flowrl.sampling.rollout import rollout
+from flowrl.train.trainer import GRPOTrainer
+
+FAST = ["sampling.num_steps=3", "sampling.eval_num_steps=3", "data.prompts_per_iteration=2", "data.group_size=4",
+        "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8",
+        "run.sample_every=0", "run.checkpoint_every=0"]
+
+
+def two_stage(tiny_sd3_dir, *extra):
+    return [*FAST, f"model.path={tiny_sd3_dir}", "rollout.kind=two_stage", "rollout.two_stage.candidates=8", *extra]
+
+
+def _randomise_lora(policy, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_trainable_parameters().items():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+# ---- fake quantisation against torchao -----------------------------------------------
+def test_nvfp4_and_fp8_fake_quantisation_match_torchao_bit_for_bit():
+    pytest.importorskip("torchao")
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
+    from torchao.quantization.quant_primitives import _choose_scale_float8, _dequantize_affine_float8, _quantize_affine_float8
+
+    g = torch.Generator().manual_seed(0)
+    for i in range(12):
+        # rows on very different scales, so block scales span the E4M3 range; some exact zeros
+        x = torch.randn(32, 64, generator=g) * torch.exp(3 * torch.randn(32, 1, generator=g))
+        x[0, :16] = 0
+        x = x.bfloat16() if i % 3 == 0 else x
+        ours = nvfp4_fake_quantize(x)
+        ref = NVFP4Tensor.to_nvfp4(x.contiguous(), per_tensor_scale=per_tensor_amax_to_scale(x.abs().amax())).dequantize(torch.float32)
+        assert torch.equal(ours, ref), i
+        scale = _choose_scale_float8(x.float(), list(x.shape))
+        assert torch.equal(fp8_fake_quantize(x), _dequantize_affine_float8(_quantize_affine_float8(x.float(), scale), scale)), i
+    # the rounding itself, ties included (random data rarely lands exactly on a midpoint)
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked
+
+    v = torch.cat([torch.arange(0, 7.0, 0.125), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 1e-8])])
+    v = torch.cat([v, -v])
+    assert torch.equal(round_to_e2m1(v), f4_unpacked_to_f32(f32_to_f4_unpacked(v)))
+
+
+def test_nvfp4_format_holds_e2m1_values_under_e4m3_block_scales():
+    """Independently of torchao: each block of 16 is an E2M1 value times one E4M3-representable
+    scale (times the per-tensor FP32 scale), and the largest block maps its amax near 6."""
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    q = nvfp4_fake_quantize(x).reshape(-1, 16)
+    pts = x.abs().amax() / (448 * 6)
+    blocks = x.reshape(-1, 16)
+    block_scale = (blocks.abs().amax(-1) / 6 / pts).to(torch.float8_e4m3fn).float()
+    codes = q / (pts * block_scale).unsqueeze(-1)
+    grid = torch.tensor(E2M1_GRID)
+    assert torch.isclose(codes.abs().unsqueeze(-1), grid, atol=1e-5).any(-1).all()
+    assert torch.allclose(codes.abs().amax(-1), torch.full((len(codes),), 6.0))  # every block's amax lands on 6
+    assert (q - blocks).abs().max() <= (pts * block_scale).max()  # at most one grid step (1 or 2) x scale off
+    assert torch.equal(nvfp4_fake_quantize(torch.zeros(2, 16)), torch.zeros(2, 16))
+
+
+# ---- the exploration copy ------------------------------------------------------------
+def test_exploration_copy_holds_torchao_dequantised_merged_weights(tiny_sd3_dir):
+    pytest.importorskip("torchao")
+    from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
+    from torchao.quantization import quantize_
+
+    cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "lora.rank=4", "lora.alpha=8"])
+    from flowrl.models import load_policy
+
+    policy = load_policy(cfg.model, device="cpu")
+    policy.add_lora(cfg.lora)
+    _randomise_lora(policy)
+    copy = ExplorationCopy(policy, "nvfp4", backend="emulated")
+    assert copy.label == "nvfp4-emulated" and len(copy.quantized) > 4
+    state = merged_state(policy.transformer)
+    for name in copy.quantized:
+        lora_layer = policy.transformer.get_submodule(name)
+        x = torch.randn(3, lora_layer.in_features)
+        # the merged weight is the adapter's forward...
+        assert torch.allclose(torch.nn.functional.linear(x, state[f"{name}.weight"], state.get(f"{name}.bias")), lora_layer(x), atol=1e-5)
+        # ...and the copy holds exactly torchao's NVFP4 round trip of it
+        ref = torch.nn.Linear(lora_layer.in_features, lora_layer.out_features)
+        with torch.no_grad():
+            ref.weight.copy_(state[f"{name}.weight"])
+        quantize_(ref, NVFP4WeightOnlyConfig())
+        assert torch.equal(copy.quantized_weight(name), ref.weight.dequantize(torch.float32)), name
+
+    # resync follows the trained adapter
+    _randomise_lora(policy, seed=1)
+    name = next(n for n in copy.quantized if "to_q" in n)
+    before = copy.quantized_weight(name).clone()
+    assert copy.resync() > 0
+    assert not torch.equal(before, copy.quantized_weight(name))
+    assert torch.equal(copy.quantized_weight(name), nvfp4_fake_quantize(merged_state(policy.transformer)[f"{name}.weight"]))
+
+    # samples through the copy are labelled, close to but not equal to full precision
+    from flowrl.sampling.rollout import SamplerSpec
+    from flowrl.sampling.schedules import shifted_sigmas
+
+    spec = SamplerSpec(shifted_sigmas(3, 3.0), torch.zeros(3, dtype=torch.bool), "ode")
+    low = rollout(copy.policy, ["a red circle"] * 2, [1, 2], spec, 2)
+    full = rollout(policy, ["a red circle"] * 2, [1, 2], spec, 2)
+    assert low.precision == "nvfp4-emulated" and full.precision == "float32"
+    assert torch.equal(low.latents[:, 0], full.latents[:, 0])  # same seeds, same initial noise
+    assert not torch.equal(low.final, full.final)
+    assert (low.final - full.final).abs().mean() < 0.5 * full.final.abs().mean()
+
+    bf16 = ExplorationCopy(policy, "bf16")
+    assert bf16.label == "bfloat16" and rollout(bf16.policy, ["a red circle"], [1], spec, 1).precision == "bfloat16"
+    fp32 = ExplorationCopy(policy, "fp32")
+    assert fp32.policy is policy and fp32.resync() == 0.0  # the training precision explores itself
+
+
+# ---- regeneration ----------------------------------------------------------------------
+def _capture(trainer):
+    """Record every stage the trainer samples and every batch it trains on."""
+    stages, trained = [], []
+    sample_stage, update = trainer.sample_stage, trainer.update
+
+    def record_stage(*args, **kwargs):
+        st = sample_stage(*args, **kwargs)
+        stages.append(st)
+        return st
+
+    def record_update(batches, spec):
+        trained.extend(batches)
+        return update(batches, spec)
+
+    trainer.sample_stage, trainer.update = record_stage, record_update
+    return stages, trained
+
+
+def _selected_seeds(trainer, pool, k):
+    """The seeds best_worst picks from the pool's stage-1 rewards, K per prompt."""
+    explore = pool.rewards.float() @ trainer.reward_fn.channel_weights
+    picked = select_per_group("best_worst", explore, pool.prompt_ids, {int(p): k for p in pool.prompt_ids.unique()})
+    return pool.traj.seeds[picked].tolist()
+
+
+def test_same_precision_regeneration_equals_the_candidates_bit_for_bit(tmp_path, tiny_sd3_dir):
+    cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, "rollout.two_stage.explore_precision=fp32",
+                                             "rollout.two_stage.fidelity_every=0", "trainer.iterations=1"))
+    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    stages, trained = _capture(trainer)
+    row = trainer.train()[0]
+    pool, regen = stages
+    assert len(pool.traj) == 16 and len(regen.traj) == 8 and row["samples"] == 8
+    assert regen.traj.seeds.tolist() == _selected_seeds(trainer, pool, 4)
+    rows = [pool.traj.seeds.tolist().index(s) for s in regen.traj.seeds.tolist()]
+    assert torch.equal(regen.traj.latents, pool.traj.latents[rows])
+    assert torch.equal(regen.traj.log_probs, pool.traj.log_probs[rows])
+    assert torch.equal(regen.rewards, pool.rewards[rows])
+    assert trained[0][0] is regen.traj and regen.traj.precision == "float32"
+
+
+def test_low_precision_candidates_are_replayed_in_the_training_precision(tmp_path, tiny_sd3_dir):
+    """Stage 2 replays the selected seeds' initial and per-step noise with the training policy."""
+    from flowrl.sampling.noise import seeded_noise
+
+    cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, "rollout.two_stage.explore_precision=nvfp4",
+                                             "rollout.two_stage.backend=emulated", "rollout.two_stage.fidelity_every=0"))
+    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    stages, trained = _capture(trainer)
+    trainer.update = lambda batches, spec: (trained.extend(batches), {})[1]  # no step: the policy stays the sampler
+    trainer.two_stage.iteration()
+    pool, regen = stages
+    assert pool.traj.precision == "nvfp4-emulated" and regen.traj.precision == "float32"
+    assert [t.precision for t, _ in trained] == ["float32"]
+    assert regen.traj.seeds.tolist() == _selected_seeds(trainer, pool, 4)
+    rows = [pool.traj.seeds.tolist().index(s) for s in regen.traj.seeds.tolist()]
+    assert torch.equal(regen.traj.latents[:, 0], pool.traj.latents[rows, 0])  # the initial noise
+    assert not torch.equal(regen.traj.latents[:, -1], pool.traj.latents[rows, -1])  # other precision, other chain
+    spec, bs = trainer.sampler_spec(0), cfg.sampling.batch_size
+    # the per-step noise: (x_{t+1} - mean_t) / std recovers the seed's noise in both stages
+    for policy, traj in ((trainer.two_stage.explorer.policy, pool.traj), (trainer.policy, regen.traj)):
+        for start in range(0, len(traj), bs):  # the sampling batches (the fake-quantised activations are batch-scaled)
+            c = slice(start, start + bs)
+            cond = policy.encode(traj.prompts[c])
+            for t in spec.trained_steps():
+                x, x_next = traj.latents[c, t], traj.latents[c, t + 1]
+                out = spec.step(t, x, policy.velocity(x, float(spec.sigmas[t]), cond), x_next=x_next)
+                noise = seeded_noise(traj.seeds[c].tolist(), t, x.shape[1:])
+                assert torch.allclose((x_next - out.mean) / out.std, noise, atol=1e-4), (traj.precision, t)
+
+
+# ---- the guard ------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, field", [
+    (["rollout.two_stage.regenerate=false"], "rollout.two_stage.regenerate"),  # nvfp4 candidates into the loss
+    (["rollout.two_stage.regenerate=false", "rollout.two_stage.explore_precision=bf16"], "rollout.two_stage.regenerate"),
+    (["rollout.two_stage.regenerate=false", "rollout.two_stage.explore_precision=fp32", "rollout.two_stage.preview_steps=2"],
+     "rollout.two_stage.regenerate"),
+    (["rollout.tree.split_steps=[0,1]"], "rollout.tree"),  # two_stage + tree
+    (["rollout.two_stage.candidates=3"], "rollout.two_stage.candidates"),
+    (["rollout.two_stage.explore_precision=int4"], "rollout.two_stage.explore_precision"),
+    (["rollout.two_stage.backend=cuda"], "rollout.two_stage.backend"),
+    (["allocator.kind=vade"], "allocator.kind"),
+])
+def test_config_guard_rejects_mixed_precision_and_bad_two_stage_settings(tiny_sd3_dir, overrides, field):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *overrides))
+    msg = str(err.value)
+    assert msg.startswith(field) and msg.count(". ") == 0 and "\n" not in msg
+
+
+def test_guard_allows_training_on_same_precision_candidates_and_the_cli_exits_2(tmp_path, tiny_sd3_dir, capsys):
+    cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, "rollout.two_stage.regenerate=false",
+                                             "rollout.two_stage.explore_precision=fp32"))
+    assert not cfg.rollout.two_stage.regenerate
+    args = two_stage(tiny_sd3_dir, "rollout.two_stage.regenerate=false", "trainer.iterations=1")
+    assert main(["train", "tiny_jpeg", *args, "--run-dir", str(tmp_path / "r")]) == 2
+    assert "rollout.two_stage.regenerate must be true" in capsys.readouterr().err
+
+
+def test_update_refuses_a_low_precision_trajectory(tmp_path, tiny_sd3_dir):
+    trainer = GRPOTrainer(load_config("tiny_jpeg", [*FAST, f"model.path={tiny_sd3_dir}"]), run_dir=tmp_path / "run")
+    spec = trainer.sampler_spec(0)
+    copy = ExplorationCopy(trainer.policy, "fp8", backend="emulated")
+    traj = rollout(copy.policy, ["a red circle"] * 4, [1, 2, 3, 4], spec, 4)
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    with pytest.raises(UserError, match="refusing to train on samples drawn in fp8-emulated by a policy trained in float32"):
+        trainer.update([(traj, torch.ones(4))], spec)
+    assert all(torch.equal(before[n], p) for n, p in trainer.params.items())
+    full = rollout(trainer.policy, ["a red circle"] * 4, [1, 2, 3, 4], spec, 4)
+    assert trainer.update([(full, torch.tensor([1.0, -1.0, 0.5, -0.5]))], spec)["trained_transitions"] > 0
+
+
+# ---- selection ------------------------------------------------------------------------
+def test_selected_subsets_have_the_spread_their_selector_promises():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(3 * 8, generator=g)
+    groups = torch.arange(3).repeat_interleave(8)
+    k = {0: 4, 1: 4, 2: 3}
+    picked = select_per_group("best_worst", rewards, groups, k)
+    for grp in range(3):
+        sel = picked[groups[picked] == grp]
+        pool = rewards[groups == grp]
+        assert len(sel) == k[grp]
+        assert rewards[sel].max() == pool.max() and rewards[sel].min() == pool.min()
+    picked = select_per_group("max_variance", rewards, groups, k)
+    for grp in range(3):
+        idx = torch.nonzero(groups == grp).flatten().tolist()
+        best = max(rewards[list(c)].var(unbiased=False).item() for c in itertools.combinations(idx, k[grp]))
+        assert rewards[picked[groups[picked] == grp]].var(unbiased=False).item() == pytest.approx(best, rel=1e-6)
+    # invalid candidates are skipped while a group has enough valid ones
+    valid = torch.ones(24, dtype=torch.bool)
+    valid[torch.argmax(rewards[:8])] = False
+    sel = select_per_group("best_worst", rewards, groups, k, valid)
+    assert torch.argmax(rewards[:8]).item() not in sel.tolist() and len(sel) == 11
+
+
+# ---- correlations ----------------------------------------------------------------------
+def test_rank_correlations_with_ties():
+    a, b = torch.tensor([1.0, 2.0, 2.0, 3.0, 5.0]), torch.tensor([2.0, 1.0, 3.0, 3.0, 4.0])
+    assert rankdata(a).tolist() == [1.0, 2.5, 2.5, 4.0, 5.0]
+    # by hand: 10 pairs; concordant 7, discordant 1, tied only in a 1, only in b 1 -> tau_b = 6 / sqrt(9 x 9)
+    assert kendall_tau(a, b) == pytest.approx(6 / 9)
+    assert spearman(a, -a) == pytest.approx(-1.0) and math.isnan(spearman(a, torch.ones(5)))
+    stats = pytest.importorskip("scipy.stats")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 6, (200,), generator=g).float(), torch.randint(0, 6, (200,), generator=g).float()
+    y = y + x
+    assert spearman(x, y) == pytest.approx(stats.spearmanr(x.numpy(), y.numpy()).statistic, abs=1e-12)
+    assert kendall_tau(x, y) == pytest.approx(stats.kendalltau(x.numpy(), y.numpy()).statistic, abs=1e-12)
+
+
+# ---- end to end ------------------------------------------------------------------------
+def test_two_stage_training_run_logs_its_metrics(tmp_path, tiny_sd3_dir):
+    run = tmp_path / "run"
+    args = two_stage(tiny_sd3_dir, "rollout.two_stage.backend=emulated", "rollout.two_stage.fidelity_every=2",
+                     "rollout.two_stage.preview_steps=2", "trainer.iterations=3", "trainer.kl_beta=0.01")
+    assert main(["train", "tiny_jpeg", *args, "--run-dir", str(run)]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["explore_precision"] == "nvfp4-emulated"
+        assert r["samples"] == 8 and r["candidates"] == 16 and r["nfe_explore"] == 16 * 2
+        assert r["explore_images_per_s"] > 0 and r["time_resync"] > 0 and r["trained_transitions"] > 0
+        assert r["selection/selected_range"] == pytest.approx(r["selection/pool_range"])  # best_worst keeps both ends
+        assert r["selection/selected_std"] >= r["selection/pool_std"]
+    # fidelity on iterations 0 and 2: the whole pool of 16 regenerated, the 8 selected trained
+    assert {"fidelity/spearman", "fidelity/kendall"} <= rows[0].keys() and "fidelity/spearman" not in rows[1]
+    assert -1 <= rows[2]["fidelity/spearman"] <= 1 and -1 <= rows[2]["fidelity/kendall"] <= 1
+    assert rows[0]["nfe_regenerate"] == 16 * 3 and rows[1]["nfe_regenerate"] == 8 * 3
+    ckpt = load_config(run / "config.yaml")
+    assert ckpt.rollout.kind == "two_stage" and ckpt.rollout.two_stage.preview_steps == 2
+
+
+def test_two_stage_without_regeneration_trains_on_the_selected_candidates(tmp_path, tiny_sd3_dir):
+    cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, "rollout.two_stage.explore_precision=fp32",
+                                             "rollout.two_stage.regenerate=false", "selection.kind=max_variance",
+                                             "trainer.iterations=1"))
+    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    stages, trained = _capture(trainer)
+    row = trainer.train()[0]
+    assert len(stages) == 1 and row["nfe_regenerate"] == 0 and row["samples"] == 8
+    (traj, adv), = trained
+    assert len(traj) == 8 and set(traj.seeds.tolist()) <= set(stages[0].traj.seeds.tolist())
+    assert row["first_ratio_deviation"] < 1e-5 and (adv != 0).any()
