@@ -77,6 +77,7 @@ def test_nvfp4_format_holds_e2m1_values_under_e4m3_block_scales():
     assert torch.allclose(codes.abs().amax(-1), torch.full((len(codes),), 6.0))  # every block's amax lands on 6
     assert (q - blocks).abs().max() <= (pts * block_scale).max()  # at most one grid step (1 or 2) x scale off
     assert torch.equal(nvfp4_fake_quantize(torch.zeros(2, 16)), torch.zeros(2, 16))
+    assert torch.equal(fp8_fake_quantize(torch.zeros(3, 5)), torch.zeros(3, 5))
 
 
 # ---- the exploration copy ------------------------------------------------------------

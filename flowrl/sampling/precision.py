@@ -52,19 +52,15 @@ CAST_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
 
 
 # ---- fake quantisation (plain tensor code, any device) -------------------------------
-_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_TIES_UP = torch.tensor([0.75, 1.75, 3.5])  # midpoints whose upper neighbour has the even code
-
-
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round fp32 values to the nearest FP4 E2M1 value, ties to the even code, saturating at
-    +-6 (what an fp32 -> float4_e2m1 conversion does)."""
+    +-6 (what an fp32 -> float4_e2m1 conversion does). The grid's spacing is 0.5 below 2, 1
+    below 4 and 2 up to 6, so within each range this is round-half-even of x / spacing (the
+    even quotient is the even code; x / spacing is exact)."""
+    x = x.clamp(-E2M1_MAX, E2M1_MAX)
     a = x.abs()
-    mid, up = _MIDPOINTS.to(x.device), _TIES_UP.to(x.device)
-    code = torch.bucketize(a, mid)  # a tie lands on the lower code...
-    code = code + torch.isin(a, up).long()  # ...unless the upper one is even
-    q = torch.tensor(E2M1_GRID, device=x.device)[code]
-    return torch.where(x < 0, -q, q)
+    spacing = 0.5 + (a >= 2) * 0.5 + (a >= 4)
+    return torch.round(x / spacing) * spacing
 
 
 def nvfp4_fake_quantize(x: torch.Tensor, per_tensor_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,12 +71,13 @@ def nvfp4_fake_quantize(x: torch.Tensor, per_tensor_scale: torch.Tensor | None =
     if x.shape[-1] % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs the last dimension to be a multiple of {NVFP4_BLOCK}, got {tuple(x.shape)}")
     xf = x.float()
-    if per_tensor_scale is None:
-        per_tensor_scale = xf.abs().amax() / (E4M3_MAX * E2M1_MAX)
-    if float(per_tensor_scale) == 0.0:  # an all-zero tensor quantises to zeros
-        return torch.zeros_like(xf)
     blocks = xf.reshape(-1, NVFP4_BLOCK)
-    block_scale = blocks.abs().amax(dim=-1) / E2M1_MAX
+    block_amax = blocks.abs().amax(dim=-1)
+    if per_tensor_scale is None:
+        per_tensor_scale = block_amax.amax() / (E4M3_MAX * E2M1_MAX)
+    # an all-zero tensor: any positive scale quantises it to zeros (and no host sync to find out)
+    per_tensor_scale = torch.where(per_tensor_scale > 0, per_tensor_scale, torch.ones_like(per_tensor_scale))
+    block_scale = block_amax / E2M1_MAX
     scale_fp8 = (block_scale / per_tensor_scale).clamp(min=E4M3_TINY, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
     reciprocal = (1.0 / per_tensor_scale) / scale_fp8
     codes = round_to_e2m1((blocks * reciprocal.unsqueeze(-1)).clamp(-E2M1_MAX, E2M1_MAX))
@@ -92,8 +89,7 @@ def fp8_fake_quantize(x: torch.Tensor) -> torch.Tensor:
     float8 per-tensor scaling: x / scale, clamp, round-to-nearest-even cast, x_fp8 x scale)."""
     xf = x.float()
     scale = xf.abs().amax() / E4M3_MAX
-    if float(scale) == 0.0:
-        return torch.zeros_like(xf)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all zeros stay zeros
     return (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
 
 
