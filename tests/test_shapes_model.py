@@ -122,3 +122,21 @@ def test_short_training_on_the_shipped_model_moves_its_samples_toward_the_reward
     brightness = [row["reward/brightness"] for row in history]
     first, last = sum(brightness[:3]) / 3, sum(brightness[-3:]) / 3
     assert last < first - 0.03, brightness
+
+
+def test_pretraining_fine_tunes_from_an_exported_pipeline(tmp_path, tiny_shapes_dir):
+    from safetensors.torch import load_file
+
+    pretrain = _pretrain_module()
+    common = ["--batch", "4", "--warmup", "2", "--checkpoint-every", "2", "--quiet", "--init", str(tiny_shapes_dir)]
+    # the architecture comes from --init, not from --layers/--heads (left at their defaults here)
+    assert pretrain.main(["--work", str(tmp_path / "ft"), "--steps", "2", "--sigmas", "uniform", "--lr", "0", *common]) == 0
+    trained = load_file(str(tmp_path / "ft/checkpoints/iter_000002/trainable.safetensors"))
+    init = load_policy(ModelConfig(kind="sd3", path=str(tiny_shapes_dir), height=32, width=32, max_sequence_length=0,
+                                   device="cpu")).transformer.state_dict()
+    # lr 0: two steps later the weights are still exactly the initial ones
+    assert all(torch.equal(trained[f"transformer.{k}"], v) for k, v in init.items() if f"transformer.{k}" in trained)
+    assert sum(k.startswith("transformer.") for k in trained) > 10
+    # uniform sigmas reach the ends of (0, 1) that logit-normal rarely draws
+    sigmas = torch.cat([pretrain.batch(0, s, 64, 32, 0.1, "uniform")[2] for s in range(4)])
+    assert sigmas.max() > 0.95 and sigmas.min() < 0.05
