@@ -48,12 +48,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 def method_overrides(args) -> dict[str, list[str]]:
     splits = ",".join(map(str, args.split_steps))
-    tree = ["rollout.kind=tree", f"rollout.tree.split_steps=[{splits}]", "rollout.tree.branching=[2]", "rollout.tree.between=sde"]
+    tree = ["rollout.kind=tree", f"rollout.tree.split_steps=[{splits}]", "rollout.tree.branching=[2]", "rollout.tree.between=sde",
+            "sampling.window.strategy=all"]  # every step SDE and trained (presets may set a window)
     return {
         "flat": ["rollout.kind=flat", "sampling.window.strategy=all"],
         "tree": tree,
         "tree+depth": tree + [f"rollout.tree.prune_depths=[{','.join(map(str, args.prune_depths))}]"],
-        "mix": tree[:-1] + ["rollout.tree.between=window", "sampling.window.strategy=progressive",
+        "mix": tree[:-2] + ["rollout.tree.between=window", "sampling.window.strategy=progressive",
                             f"sampling.window.size={args.mix_window}", "sampling.window.start=0",
                             f"sampling.window.shift_every={args.mix_shift_every}"],
     }
