@@ -79,15 +79,16 @@ def build(args, name: str, extra: list[str], root: Path, tag: str):
 
 
 @torch.no_grad()
-def eval_reward(trainer, seeds_per_prompt: int = 2) -> float:
-    """Mean weighted reward of ODE samples of the training prompts (fixed seeds, EMA weights if on)."""
+def eval_reward(trainer, seeds_per_prompt: int = 2, max_prompts: int = 0) -> float:
+    """Mean weighted reward of ODE samples of the training prompts (the first `max_prompts` when
+    > 0; fixed seeds, EMA weights if on)."""
     from flowrl.sampling.rollout import SamplerSpec, rollout
     from flowrl.sampling.schedules import shifted_sigmas
 
     cfg = trainer.cfg
     n = cfg.sampling.eval_num_steps
     spec = SamplerSpec(shifted_sigmas(n, cfg.sampling.shift), torch.zeros(n, dtype=torch.bool), "ode")
-    prompts = [p for p in trainer.prompts for _ in range(seeds_per_prompt)]
+    prompts = [p for p in trainer.prompts[: max_prompts or None] for _ in range(seeds_per_prompt)]
     seeds = [90_000 + j for j in range(len(prompts))]  # never used by training (sample_seed is much larger)
     bs = cfg.sampling.batch_size
     ctx = trainer.ema.swapped_in(trainer.params) if trainer.ema is not None else contextlib.nullcontext()
@@ -143,19 +144,20 @@ def run_in(args, root: Path) -> int:
 
     if args.reward_budget:
         print(f"reward after {args.reward_budget:g} s of training per method (ODE eval, eval_num_steps "
-              f"{cfg.sampling.eval_num_steps}, 2 seeds per training prompt; methods run one after another):")
+              f"{cfg.sampling.eval_num_steps}, 2 seeds per training prompt"
+              f"{f' of the first {args.eval_prompts}' if args.eval_prompts else ''}; methods run one after another):")
         base = None
         for name, extra in methods.items():
             t = build(args, name, extra, root, "budget")
             if base is None:
-                base = eval_reward(t)
+                base = eval_reward(t, max_prompts=args.eval_prompts)
                 print(f"untrained: eval reward {base:.4f}")
             start, iters = time.perf_counter(), 0
             while time.perf_counter() - start < args.reward_budget:
                 t.train_iteration()
                 iters += 1
             spent = time.perf_counter() - start
-            print(f"{name}: {iters} iterations in {spent:.1f} s, eval reward {eval_reward(t):.4f} (untrained {base:.4f})")
+            print(f"{name}: {iters} iterations in {spent:.1f} s, eval reward {eval_reward(t, max_prompts=args.eval_prompts):.4f} (untrained {base:.4f})")
             del t
     return 0
 
@@ -176,6 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iterations", type=int, default=3, help="timed iterations per method")
     p.add_argument("--reward-budget", type=float, default=0.0, metavar="SECONDS", help="train each method this long, then score")
+    p.add_argument("--eval-prompts", type=int, default=64, help="score the first N training prompts (0: all of them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 steps, splits 0-3, 1 timed iteration")
