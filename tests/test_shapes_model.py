@@ -137,6 +137,10 @@ def test_pretraining_fine_tunes_from_an_exported_pipeline(tmp_path, tiny_shapes_
     # lr 0: two steps later the weights are still exactly the initial ones
     assert all(torch.equal(trained[f"transformer.{k}"], v) for k, v in init.items() if f"transformer.{k}" in trained)
     assert sum(k.startswith("transformer.") for k in trained) > 10
-    # uniform sigmas reach the ends of (0, 1) that logit-normal rarely draws
-    sigmas = torch.cat([pretrain.batch(0, s, 64, 32, 0.1, "uniform")[2] for s in range(4)])
-    assert sigmas.max() > 0.95 and sigmas.min() < 0.05
+    # uniform sigmas spend ~20% of the draws in the ends (0, 0.1) and (0.9, 1), where logit-normal
+    # spends ~3% (for these seeds: 0.18 and 0.04)
+    def ends(kind):
+        sigmas = torch.cat([pretrain.batch(0, s, 64, 32, 0.1, kind)[2] for s in range(4)])
+        return ((sigmas > 0.9) | (sigmas < 0.1)).float().mean().item()
+
+    assert ends("uniform") > 0.12 > ends("logit_normal")
