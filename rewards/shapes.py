@@ -58,6 +58,7 @@ class Detected:
     box: tuple[int, int, int, int]  # y0, x0, y1, x1 (end exclusive)
     centre: tuple[float, float]  # y, x
     area: int
+    ious: tuple[float, ...] = ()  # overlap with each template of SHAPES, in its bounding box
 
 
 @dataclass
@@ -102,14 +103,14 @@ def _templates(side: int) -> tuple[np.ndarray, np.ndarray]:
     return stack, stack.sum(axis=(1, 2))
 
 
-def _best_shape(component: np.ndarray, min_side: int = 3) -> str | None:
-    """The template with the best IoU in the component's square bounding box (the component
+def _best_shape(component: np.ndarray, min_side: int = 3) -> tuple[str | None, tuple[float, ...]]:
+    """(the template with the best IoU in the component's square bounding box (the component
     centred in it), or None below MIN_SHAPE_IOU or in a box smaller than min_side (where the
-    templates are all alike); ties go to the later shape in SHAPES."""
+    templates are all alike); the IoU with each template). Ties go to the later shape in SHAPES."""
     h, w = component.shape  # already cropped to its bounding box
     side = max(h, w)
     if side < min_side:
-        return None
+        return None, (0.0,) * len(SHAPES)
     box = np.zeros((side, side), dtype=bool)
     oy, ox = (side - h) // 2, (side - w) // 2
     box[oy : oy + h, ox : ox + w] = component
@@ -117,7 +118,7 @@ def _best_shape(component: np.ndarray, min_side: int = 3) -> str | None:
     inter = (templates & box).sum(axis=(1, 2))
     iou = inter / (areas + int(component.sum()) - inter)
     best = len(SHAPES) - 1 - int(np.argmax(iou[::-1]))
-    return SHAPES[best] if iou[best] >= MIN_SHAPE_IOU else None
+    return (SHAPES[best] if iou[best] >= MIN_SHAPE_IOU else None), tuple(float(v) for v in iou)
 
 
 def _analyse_chunk(images: np.ndarray) -> list[list[Detected]]:
@@ -143,14 +144,15 @@ def _analyse_chunk(images: np.ndarray) -> list[list[Detected]]:
     components = renumber[components]
     for j, (plane, ys, xs) in enumerate(ndimage.find_objects(components)):
         comp = components[plane.start, ys, xs] == j + 1
-        area, shape = int(areas[keep[j]]), _best_shape(comp, min_side)
+        area = int(areas[keep[j]])
+        shape, ious = _best_shape(comp, min_side)
         if shape is None and area < SPECK_FACTOR * min_area:
             continue  # a shapeless speck: blur halo or noise, not an object
         cy, cx = np.nonzero(comp)
         image, color = divmod(plane.start, k)
         found[image].append(Detected(
             _NAMES[color], shape, (ys.start, xs.start, ys.stop, xs.stop),
-            (float(cy.mean() + ys.start + 0.5), float(cx.mean() + xs.start + 0.5)), area,
+            (float(cy.mean() + ys.start + 0.5), float(cx.mean() + xs.start + 0.5)), area, ious,
         ))
     return found
 
@@ -223,6 +225,44 @@ def score_batch(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
     return torch.tensor([(v.strict, v.partial) for v in verdicts], dtype=torch.float32).reshape(len(prompts), 2)
 
 
+def _quality(scene: Scene, objects: list[Detected], height: int) -> float:
+    """A graded version of the checks in [0, 1], 1 only for a perfect match: every requested
+    object is paired with a distinct detected object of its colour (greedily, the pairs with
+    the best overlap with the requested template first) and earns that overlap (IoU); a
+    relation that holds between the paired objects earns 1; the sum is divided by the
+    number of requested objects, plus 1 for a relation, plus every detected object left unpaired.
+    Unlike strict (0 or 1) and partial (a few discrete levels), it rewards a ragged square
+    for getting squarer, which gives GRPO a signal inside groups that strict leaves tied."""
+    want = {o: SHAPES.index(o.shape) for o in scene.objects}
+    pairs = sorted(((objects[i].ious[want[o]], n, i) for n, o in enumerate(scene.objects)
+                    for i in range(len(objects)) if objects[i].color == o.color), reverse=True)
+    left = [o.count for o in scene.objects]
+    paired: dict[int, list[int]] = {n: [] for n in range(len(scene.objects))}
+    used, total = set(), 0.0
+    for iou, n, i in pairs:
+        if left[n] and i not in used:
+            left[n] -= 1
+            used.add(i)
+            paired[n].append(i)
+            total += iou
+    units = sum(o.count for o in scene.objects) + len(objects) - len(used)
+    if scene.relation is not None:
+        units += 1
+        if paired[0] and paired[1]:
+            total += _relation_holds(scene.relation, objects[paired[0][0]].centre, objects[paired[1][0]].centre,
+                                     1.5 * height / 32)
+    return total / units
+
+
+def quality_batch(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+    """[N, 3, H, W] in [0, 1] -> [N] float32: the graded match (`_quality`)."""
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"shapes_quality reward: {images.shape[0]} images but {len(prompts)} prompts")
+    scenes = [_scene(p) for p in prompts]
+    arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    return torch.tensor([_quality(s, objs, arr.shape[1]) for s, objs in zip(scenes, analyse_batch(arr))], dtype=torch.float32)
+
+
 def category_table(prompts: Sequence[str], strict: Sequence[float], partial: Sequence[float] | None = None) -> dict[str, dict[str, float]]:
     """Mean strict (and partial) per category, plus `overall`: the mean over the categories
     present, each weighted equally, as GenEval reports it."""
@@ -250,3 +290,9 @@ def category_table(prompts: Sequence[str], strict: Sequence[float], partial: Seq
           channels=("strict", "partial"))
 def shapes(images, prompts, metadata=None):
     return score_batch(images, prompts)
+
+
+@register("shapes_quality", "graded shapes-world match in [0, 1]: template overlap of each requested object and the relation, "
+          "diluted by extra objects (a dense companion of shapes/strict for GRPO)")
+def shapes_quality(images, prompts, metadata=None):
+    return quality_batch(images, prompts)

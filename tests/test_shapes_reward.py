@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rewards import MultiReward, available_rewards
-from rewards.shapes import analyse, analyse_batch, category_table, score_batch, verify
+from rewards.shapes import analyse, analyse_batch, category_table, quality_batch, score_batch, verify
 from rewards.shapes_world import (
     BACKGROUND, CATEGORIES, COLORS, ObjectSpec, PromptError, Scene, all_prompts, category_of, eval_set,
     parse_prompt, prompt_split, render, sample_prompts, shape_mask,
@@ -109,6 +109,34 @@ def test_hand_made_failures():
     assert sorted((o.color, o.shape) for o in analyse(shapes)) == [("green", "circle"), ("orange", "triangle"), ("purple", "square")]
 
 
+def _quality(prompt, image):
+    return quality_batch(torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255, [prompt]).item()
+
+
+def test_quality_is_one_on_renders_and_grades_failures():
+    prompts = sample_prompts(200, np.random.default_rng(7))
+    assert quality_batch(_batch(prompts, seed=7), prompts).min() == 1.0  # every render: a perfect match
+    noise = torch.rand(200, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    assert quality_batch(noise, prompts).mean() < 0.05
+    three = _render_scene([("red", "circle", 2, 2, 8), ("red", "circle", 2, 20, 8), ("red", "circle", 20, 10, 8)])
+    assert _quality("two red circles", three) == pytest.approx(2 / 3)  # two paired (IoU 1), one extra
+    assert _quality("four red circles", three) == pytest.approx(3 / 4)  # one missing
+    assert _quality("three blue circles", three) == 0.0  # no object of the colour
+    square_iou = _quality("three red squares", three)  # right count, wrong shape: the circles' overlap with a square
+    assert 0.6 < square_iou < 0.9 and square_iou == pytest.approx(shape_mask("circle", 8).mean())
+    above = _render_scene([("red", "circle", 2, 12, 9), ("blue", "square", 20, 12, 9)])
+    assert _quality("a red circle above a blue square", above) == 1.0
+    assert _quality("a red circle below a blue square", above) == pytest.approx(2 / 3)  # the relation fails
+    # graded where strict is flat: a square with a bite taken out scores between a square and nothing
+    square = _render_scene([("green", "square", 8, 8, 12)])
+    bitten = square.copy()
+    bitten[8:12, 8:12] = BACKGROUND
+    assert verify("a green square", bitten).strict == 1 and 0.85 < _quality("a green square", bitten) < 1.0
+    ragged = square.copy()  # a hollow square: no template fits, strict and partial see a blob
+    ragged[10:18, 10:18] = BACKGROUND
+    assert verify("a green square", ragged).strict == 0 and 0 < _quality("a green square", ragged) < _quality("a green square", bitten)
+
+
 def test_score_batch_deterministic_and_category_table():
     prompts = sample_prompts(40, np.random.default_rng(5))
     images = _batch(prompts, seed=5)
@@ -128,6 +156,8 @@ def test_registered_reward_channels():
     assert torch.equal(reward.channel_weights, torch.tensor([1.0, 0.5]))
     from flowrl.errors import UserError
 
+    both = MultiReward({"shapes": 1.0, "shapes_quality": 0.5})
+    assert both.channel_names == ["shapes/strict", "shapes/partial", "shapes_quality"] and both(_batch(prompts), prompts).shape == (3, 3)
     with pytest.raises(UserError, match="channel_weights names shapes/nope"):
         MultiReward({"shapes": 1.0}, channel_weights={"shapes/nope": 1.0})
 
