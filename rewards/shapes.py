@@ -215,12 +215,17 @@ def verify(prompt: str, image) -> Verdict:
     return _judge(scene, analyse_batch(img[None])[0], img.shape[0])
 
 
+def _scenes_and_pixels(images: torch.Tensor, prompts: Sequence[str], reward: str) -> tuple[list[Scene], np.ndarray]:
+    """Parsed prompts (a bad prompt fails before any analysis) and uint8 [N, H, W, 3] pixels."""
+    if len(prompts) != images.shape[0]:
+        raise ValueError(f"{reward} reward: {images.shape[0]} images but {len(prompts)} prompts")
+    scenes = [_scene(p) for p in prompts]
+    return scenes, (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+
+
 def score_batch(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
     """[N, 3, H, W] in [0, 1] -> [N, 2] float32: (strict, partial)."""
-    if len(prompts) != images.shape[0]:
-        raise ValueError(f"shapes reward: {images.shape[0]} images but {len(prompts)} prompts")
-    scenes = [_scene(p) for p in prompts]  # a bad prompt fails before any analysis
-    arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    scenes, arr = _scenes_and_pixels(images, prompts, "shapes")
     verdicts = [_judge(s, objs, arr.shape[1]) for s, objs in zip(scenes, analyse_batch(arr))]
     return torch.tensor([(v.strict, v.partial) for v in verdicts], dtype=torch.float32).reshape(len(prompts), 2)
 
@@ -256,10 +261,7 @@ def _quality(scene: Scene, objects: list[Detected], height: int) -> float:
 
 def quality_batch(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
     """[N, 3, H, W] in [0, 1] -> [N] float32: the graded match (`_quality`)."""
-    if len(prompts) != images.shape[0]:
-        raise ValueError(f"shapes_quality reward: {images.shape[0]} images but {len(prompts)} prompts")
-    scenes = [_scene(p) for p in prompts]
-    arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    scenes, arr = _scenes_and_pixels(images, prompts, "shapes_quality")
     return torch.tensor([_quality(s, objs, arr.shape[1]) for s, objs in zip(scenes, analyse_batch(arr))], dtype=torch.float32)
 
 
