@@ -178,3 +178,13 @@ def test_analyse_accepts_every_layout_and_ignores_specks():
     blob[24:26, 4:8] = COLORS["yellow"]
     assert [(d.color, d.shape) for d in analyse(blob)][-1] == ("yellow", None)
     assert not verify("a red circle and a blue triangle", blob).checks["no extra objects"]
+
+
+def test_category_table_format_keeps_long_model_names():
+    from flowrl.train.evaluate import format_category_table
+
+    table = category_table(["a red circle", "two red circles"], [1.0, 0.0], [1.0, 0.5])
+    text = format_category_table({"base": table, "trained (iter_000276)": table})
+    head, *rows = text.splitlines()
+    assert "trained (iter_000276) strict" in head and len(rows) == 3
+    assert all(len(r) == len(head) for r in rows)  # columns line up under their names

@@ -58,12 +58,13 @@ def format_category_table(tables: dict[str, dict[str, dict[str, float]]]) -> str
     names = list(tables)
     first = tables[names[0]]
     cats = [c for c in first if c != "overall"] + ["overall"]
-    head = f"{'category':<12} {'n':>5}" + "".join(f" {n[:18] + ' strict':>25} {'partial':>8}" for n in names)
+    widths = [max(12, len(n) + 7) for n in names]  # the whole model name, then " strict"
+    head = f"{'category':<12} {'n':>5}" + "".join(f" {n + ' strict':>{w}} {'partial':>8}" for n, w in zip(names, widths))
     lines = [head]
     for c in cats:
         row = f"{c:<12} {int(first[c].get('n', 0)):>5}"
-        for n in names:
+        for n, w in zip(names, widths):
             t = tables[n][c]
-            row += f" {t['strict']:>25.3f} {t.get('partial', float('nan')):>8.3f}"
+            row += f" {t['strict']:>{w}.3f} {t.get('partial', float('nan')):>8.3f}"
         lines.append(row)
     return "\n".join(lines)
