@@ -58,7 +58,7 @@ class Detected:
     box: tuple[int, int, int, int]  # y0, x0, y1, x1 (end exclusive)
     centre: tuple[float, float]  # y, x
     area: int
-    ious: tuple[float, ...] = ()  # overlap with each template of SHAPES, in its bounding box
+    ious: tuple[float, ...]  # overlap with each template of SHAPES, in its bounding box
 
 
 @dataclass
@@ -173,6 +173,10 @@ def analyse(image) -> list[Detected]:
     return analyse_batch(_as_uint8_hwc(image)[None])[0]
 
 
+def _relation_margin(height: int) -> float:
+    return 1.5 * height / 32  # 1.5 px at 32x32
+
+
 def _relation_holds(relation: str, a: tuple[float, float], b: tuple[float, float], margin: float) -> bool:
     dy, dx = b[0] - a[0], b[1] - a[1]
     along = {"left of": dx, "right of": -dx, "above": dy, "below": -dy}[relation]
@@ -199,9 +203,9 @@ def _judge(scene: Scene, objects: list[Detected], height: int) -> Verdict:
         a, b = scene.objects
         first = [o for o in objects if (o.color, o.shape) == (a.color, a.shape)]
         second = [o for o in objects if (o.color, o.shape) == (b.color, b.shape)]
-        margin = 1.5 * height / 32
         checks[f"{scene.relation}"] = bool(first and second) and _relation_holds(
-            scene.relation, max(first, key=lambda o: o.area).centre, max(second, key=lambda o: o.area).centre, margin
+            scene.relation, max(first, key=lambda o: o.area).centre, max(second, key=lambda o: o.area).centre,
+            _relation_margin(height),
         )
     passed = sum(checks.values())
     return Verdict(float(passed == len(checks)), passed / len(checks), scene.category, checks)
@@ -242,7 +246,7 @@ def _quality(scene: Scene, objects: list[Detected], height: int) -> float:
     pairs = sorted(((objects[i].ious[want[o]], n, i) for n, o in enumerate(scene.objects)
                     for i in range(len(objects)) if objects[i].color == o.color), reverse=True)
     left = [o.count for o in scene.objects]
-    paired: dict[int, list[int]] = {n: [] for n in range(len(scene.objects))}
+    paired: list[list[int]] = [[] for _ in scene.objects]
     used, total = set(), 0.0
     for iou, n, i in pairs:
         if left[n] and i not in used:
@@ -255,7 +259,7 @@ def _quality(scene: Scene, objects: list[Detected], height: int) -> float:
         units += 1
         if paired[0] and paired[1]:
             total += _relation_holds(scene.relation, objects[paired[0][0]].centre, objects[paired[1][0]].centre,
-                                     1.5 * height / 32)
+                                     _relation_margin(height))
     return total / units
 
 
