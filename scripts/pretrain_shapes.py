@@ -40,7 +40,8 @@ def vocabulary() -> list[str]:
 SIGMA_SAMPLING = ("logit_normal", "uniform")
 
 
-def batch(seed: int, step: int, size: int, image_size: int, drop: float, sigma_sampling: str = "logit_normal"):
+def batch(seed: int, step: int, size: int, image_size: int, drop: float, sigma_sampling: str = "logit_normal",
+          sigma_location: float = 0.0):
     """(images [B, 3, H, W] in [-1, 1], prompts with "" for dropped conditions, sigmas, noise)."""
     rng = np.random.default_rng([seed, step])
     prompts = sample_prompts(size, rng, split="train")
@@ -48,7 +49,10 @@ def batch(seed: int, step: int, size: int, image_size: int, drop: float, sigma_s
     x0 = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     conditioned = ["" if rng.random() < drop else p for p in prompts]
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    sigmas = torch.sigmoid(torch.randn(size, generator=gen)) if sigma_sampling == "logit_normal" else torch.rand(size, generator=gen)
+    if sigma_sampling == "logit_normal":
+        sigmas = torch.sigmoid(torch.randn(size, generator=gen) + sigma_location)
+    else:
+        sigmas = torch.rand(size, generator=gen)
     noise = torch.randn(x0.shape, generator=gen)
     return x0, conditioned, sigmas, noise
 
@@ -93,6 +97,10 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sigmas", choices=SIGMA_SAMPLING, default="logit_normal", help="how training sigmas are drawn")
+    ap.add_argument("--sigma-location", type=float, default=0.0,
+                    help="mean of the logit-normal sigma draws (> 0 trains more at high noise, where the layout forms)")
+    ap.add_argument("--zero-init", action="store_true",
+                    help="DiT's adaLN-Zero: every block starts as the identity and the output as zero")
     ap.add_argument("--init", metavar="DIR", help="start from a pipeline directory or builtin:shapes (fine-tuning) instead of random weights")
     ap.add_argument("--checkpoint-every", type=int, default=250)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -112,7 +120,7 @@ def main(argv=None) -> int:
         pipe = StableDiffusion3Pipeline.from_pretrained(path, **absent_components(path))
     else:
         pipe = build_shapes_pipeline(vocabulary(), image_size=args.image_size, num_layers=args.layers, heads=args.heads,
-                                     head_dim=args.head_dim, seed=args.seed)
+                                     head_dim=args.head_dim, seed=args.seed, zero_init=args.zero_init)
     params = trainable(pipe)
     optimizer = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.0)
     ema = EMA(params, args.ema)
@@ -143,7 +151,8 @@ def main(argv=None) -> int:
     bar = tqdm(total=args.steps, initial=step, desc="pretrain shapes", unit="step", disable=args.quiet)
     t0, seen, running = time.time(), 0, None
     while step < args.steps:
-        x0, prompts, sigmas, noise = batch(args.seed, step, args.batch, args.image_size, args.drop, args.sigmas)
+        x0, prompts, sigmas, noise = batch(args.seed, step, args.batch, args.image_size, args.drop, args.sigmas,
+                                           args.sigma_location)
         for g in optimizer.param_groups:
             g["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
         loss = flow_loss(pipe, x0, prompts, sigmas, noise)

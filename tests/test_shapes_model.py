@@ -144,3 +144,30 @@ def test_pretraining_fine_tunes_from_an_exported_pipeline(tmp_path, tiny_shapes_
         return ((sigmas > 0.9) | (sigmas < 0.1)).float().mean().item()
 
     assert ends("uniform") > 0.12 > ends("logit_normal")
+
+
+def test_zero_init_starts_every_block_as_the_identity_and_predicts_zero():
+    pipe = build_shapes_pipeline(WORDS, num_layers=2, heads=2, head_dim=8, text_hidden=16, text_layers=1, zero_init=True)
+    t = pipe.transformer
+    x = torch.randn(2, 3, 32, 32)
+    context, pooled = torch.randn(2, 5, 32), torch.randn(2, 32)
+    out = t(hidden_states=x, timestep=torch.tensor([500.0, 900.0]), encoder_hidden_states=context,
+            pooled_projections=pooled, return_dict=False)[0]
+    assert torch.equal(out, torch.zeros_like(out))
+    # with zero gates a block passes both streams through unchanged
+    h, c = t.pos_embed(x), t.context_embedder(context)
+    temb = t.time_text_embed(torch.tensor([500.0, 900.0]), pooled)
+    c2, h2 = t.transformer_blocks[0](hidden_states=h, encoder_hidden_states=c, temb=temb)
+    assert torch.equal(h2, h) and torch.equal(c2, c)
+    # the default initialisation is not zero
+    plain = build_shapes_pipeline(WORDS, num_layers=2, heads=2, head_dim=8, text_hidden=16, text_layers=1).transformer
+    assert plain.proj_out.weight.abs().sum() > 0
+
+
+def test_sigma_location_moves_the_logit_normal_draws_toward_noise():
+    pretrain = _pretrain_module()
+    centred = torch.cat([pretrain.batch(0, s, 64, 32, 0.1)[2] for s in range(4)])
+    shifted = torch.cat([pretrain.batch(0, s, 64, 32, 0.1, "logit_normal", 0.5)[2] for s in range(4)])
+    # the same normal draws, moved by 0.5 in logit space
+    assert torch.allclose(torch.logit(shifted), torch.logit(centred) + 0.5, atol=1e-4)
+    assert (shifted > 0.7).float().mean() > (centred > 0.7).float().mean() + 0.1

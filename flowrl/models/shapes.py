@@ -51,8 +51,11 @@ def _text_encoder(tokenizer, hidden: int, projection: int, layers: int, heads: i
 
 
 def build_shapes_pipeline(words: list[str], image_size: int = 32, patch_size: int = 4, num_layers: int = 6,
-                          heads: int = 4, head_dim: int = 32, text_hidden: int = 64, text_layers: int = 2, seed: int = 0):
-    """A randomly initialised pixel-space SD3 pipeline for the shapes world (not yet saved)."""
+                          heads: int = 4, head_dim: int = 32, text_hidden: int = 64, text_layers: int = 2, seed: int = 0,
+                          zero_init: bool = False):
+    """A randomly initialised pixel-space SD3 pipeline for the shapes world (not yet saved).
+    `zero_init`: adaLN-Zero (Peebles & Xie 2023, DiT): the modulation layers and the output
+    projection start at zero, so every block starts as the identity and the model predicts 0."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     tok = word_tokenizer(words)
@@ -65,6 +68,8 @@ def build_shapes_pipeline(words: list[str], image_size: int = 32, patch_size: in
         caption_projection_dim=heads * head_dim, pooled_projection_dim=2 * projection,
         pos_embed_max_size=image_size // patch_size,
     )
+    if zero_init:
+        _zero_modulation(transformer)
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
@@ -76,6 +81,18 @@ def build_shapes_pipeline(words: list[str], image_size: int = 32, patch_size: in
         text_encoder_3=None,
         tokenizer_3=None,
     )
+
+
+def _zero_modulation(transformer) -> None:
+    from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero
+
+    with torch.no_grad():
+        for module in transformer.modules():
+            if isinstance(module, (AdaLayerNormZero, AdaLayerNormContinuous)):
+                module.linear.weight.zero_()
+                module.linear.bias.zero_()
+        transformer.proj_out.weight.zero_()
+        transformer.proj_out.bias.zero_()
 
 
 def save_shapes_pipeline(pipe, directory: str | Path) -> Path:
