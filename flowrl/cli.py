@@ -73,9 +73,13 @@ def cmd_train(args) -> int:
         if config is not None:
             raise UserError("--resume takes its config from the run directory; give only overrides such as trainer.iterations=100")
         cfg = load_config(run / CONFIG_FILE, overrides)
-        trainer = GRPOTrainer(cfg, run_dir=run, resume=True)
     else:
         cfg = load_config(config, overrides)
+    if _launches_cpu_processes(cfg):
+        return _relaunch(cfg.run.cpu_processes, args.argv)
+    if args.resume:
+        trainer = GRPOTrainer(cfg, run_dir=run, resume=True)
+    else:
         trainer = GRPOTrainer(cfg, run_dir=args.run_dir)
     if trainer.accelerator.is_main_process:
         print(f"run directory: {trainer.run.path}", file=sys.stderr)
@@ -84,6 +88,38 @@ def cmd_train(args) -> int:
         first, last = history[0]["reward_mean"], history[-1]["reward_mean"]
         print(f"reward {first:.4g} -> {last:.4g} over {len(history)} iterations; run: {trainer.run.path}")
     return 0
+
+
+LAUNCHED_ENV = "FLOWRL_LAUNCHED"  # set for the processes a relaunch starts, so they never relaunch again
+
+
+def _launches_cpu_processes(cfg) -> bool:
+    """Whether this `flowrl train` should start `run.cpu_processes` copies of itself: a CPU run,
+    not itself one of the processes of a launcher."""
+    import os
+
+    import torch
+
+    from flowrl.models.base import pick_device
+
+    inside = LAUNCHED_ENV in os.environ or "WORLD_SIZE" in os.environ
+    return cfg.run.cpu_processes > 1 and not inside and pick_device(cfg.model.device) == torch.device("cpu")
+
+
+def _relaunch(processes: int, argv: list[str]) -> int:
+    """The same command as `processes` processes joined by gloo (accelerate's torchrun launcher;
+    its --cpu flag would start a single process): rank 0 writes the run directory, the processes
+    split every iteration's rollouts, and the available cores are split between them."""
+    import os
+    import subprocess
+
+    threads = max(1, len(os.sched_getaffinity(0)) // processes) if hasattr(os, "sched_getaffinity") else 1
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+           "--num_machines", "1", "--num_cpu_threads_per_process", str(threads), "--mixed_precision", "no",
+           "--dynamo_backend", "no", "-m", "flowrl.cli", *argv]
+    env = {**os.environ, LAUNCHED_ENV: "1", "CUDA_VISIBLE_DEVICES": ""}  # a CPU run: the launcher must not claim GPUs
+    print(f"flowrl: launching {processes} CPU processes of {threads} thread(s) each (run.cpu_processes)", file=sys.stderr)
+    return subprocess.call(cmd, env=env)
 
 
 def _load_run_policy(run: Path, overrides=()):
@@ -201,6 +237,7 @@ def cmd_serve_reward(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "rewards": cmd_rewards, "serve-reward": cmd_serve_reward}[args.command]
     try:
         return handler(args)

@@ -216,6 +216,9 @@ class RunConfig:
     sample_every: int = 10  # iterations between sample grids (0: never)
     checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
     progress: bool = True
+    # a CPU run with N > 1 relaunches itself as N processes (accelerate launch --cpu) that split
+    # each iteration's rollouts and the cores: for small models one process per core beats threads
+    cpu_processes: int = 1
 
 
 @dataclass
@@ -524,3 +527,4 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     _choice("run.tracker", cfg.run.tracker, TRACKERS)
     _positive("run.sample_every", cfg.run.sample_every, strict=False)
     _positive("run.checkpoint_every", cfg.run.checkpoint_every, strict=False)
+    _positive("run.cpu_processes", cfg.run.cpu_processes)

@@ -31,11 +31,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from flowrl.cli import _load_run_policy
+    from flowrl.cli import main as cli_main
     from flowrl.config import load_config
     from flowrl.models import load_policy
     from flowrl.train.evaluate import evaluate, format_category_table
     from flowrl.train.prompts import builtin_prompts
-    from flowrl.train.trainer import GRPOTrainer
+    from flowrl.train.run_dir import RunDir
     from rewards import MultiReward
 
     cfg = load_config(args.config, args.overrides + ["run.progress=false"])
@@ -54,9 +55,13 @@ def main(argv=None) -> int:
 
     run_dir = Path(args.run_dir or f"runs/bench-shapes-{time.strftime('%Y%m%d-%H%M%S')}")
     t0 = time.perf_counter()
-    trainer = GRPOTrainer(cfg, run_dir=run_dir)
-    history = trainer.train()
+    # through the CLI, exactly as a user runs it (with run.cpu_processes > 1 it launches the processes)
+    code = cli_main(["train", *([args.config] if args.config else []), *args.overrides, "run.progress=false",
+                     "--run-dir", str(run_dir)])
+    if code != 0:
+        raise SystemExit(f"bench_shapes: training failed (exit {code})")
     t_train = time.perf_counter() - t0
+    history = RunDir(run_dir).read_metrics()
     rollouts = sum(row["samples"] for row in history)
     _, policy, ckpt = _load_run_policy(run_dir)
     trained = evaluate(cfg, policy, reward, prompts, seed=args.seed)

@@ -1,7 +1,7 @@
 """Pretrain the embedded default model on the shapes world by rectified-flow matching.
 
-    python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 5000
-    python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 5000   # resumes
+    python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 5500 --threads 1   # the shipped model
+    python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 5500 --threads 1   # resumes
     python scripts/pretrain_shapes.py --work runs/pretrain-shapes --export flowrl/assets/shapes-sd3
     python scripts/pretrain_shapes.py --work runs/finetune --init builtin:shapes --sigmas uniform --steps 2000
 
@@ -9,8 +9,8 @@ Loss (Esser et al. 2024, SD3): x_sigma = (1 - sigma) x0 + sigma eps, the network
 v = eps - x0, sigma ~ logit-normal(0, 1) or uniform(0, 1) (`--sigmas`); x0 is the rendered image
 in [-1, 1] (pixel space). Logit-normal rarely draws sigma > 0.85 (4% of draws), where a 32x32
 pixel image likely decides its layout (how many objects and where); uniform spends 15% there.
-The transformer and both text encoders train from random weights; 10% of the prompts are
-replaced by "" so classifier-free guidance works. Every batch is a pure function of
+The transformer (adaLN-Zero initialisation, Peebles & Xie 2023) and both text encoders train
+from random weights; 10% of the prompts are replaced by "" so classifier-free guidance works. Every batch is a pure function of
 (seed, step), so a resumed run continues exactly; an EMA of the weights is what ships.
 """
 
@@ -85,7 +85,7 @@ def flow_loss(pipe, x0, prompts, sigmas, noise):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="checkpoint directory (resumed when it holds one)")
-    ap.add_argument("--steps", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=5500)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=200)
@@ -99,8 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sigmas", choices=SIGMA_SAMPLING, default="logit_normal", help="how training sigmas are drawn")
     ap.add_argument("--sigma-location", type=float, default=0.0,
                     help="mean of the logit-normal sigma draws (> 0 trains more at high noise, where the layout forms)")
-    ap.add_argument("--zero-init", action="store_true",
-                    help="DiT's adaLN-Zero: every block starts as the identity and the output as zero")
+    ap.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=True,
+                    help="DiT's adaLN-Zero: every block starts as the identity and the output as zero (default; "
+                         "in 5500 steps it reached 0.188 held-out strict against 0.080 without, BENCHMARKS.md)")
     ap.add_argument("--init", metavar="DIR", help="start from a pipeline directory or builtin:shapes (fine-tuning) instead of random weights")
     ap.add_argument("--checkpoint-every", type=int, default=250)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
