@@ -212,11 +212,13 @@ def test_rewards_score_each_batch_as_it_finishes_and_invalid_ones_drop(tmp_path,
 def test_cpu_processes_relaunch_flowrl_train_once_as_that_many_processes(tmp_path, tiny_sd3_dir):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "flowrl.cli", "train", "tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", "model.device=cpu",
-           "trainer.iterations=2", "run.sample_every=0", "run.checkpoint_every=0", "run.cpu_processes=2", "--run-dir", str(run)]
+           "trainer.iterations=2", "run.sample_every=1", "run.checkpoint_every=0", "run.cpu_processes=2", "--run-dir", str(run)]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "FLOWRL_LAUNCHED")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)  # a hang (a collective only one rank enters) fails here
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("launching 2 CPU processes") == 1  # the processes it starts do not launch again
     assert json.loads((run / "checkpoints" / "iter_000002" / "state.json").read_text())["num_processes"] == 2
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1] and all(r["samples"] == 8 for r in rows)
+    # rank 0 alone draws the sample grids: a forward that synchronised the processes would hang here
+    assert sorted(f.name for f in (run / "samples").iterdir()) == ["iter_000000_before.png", "iter_000001.png", "iter_000002.png"]

@@ -99,7 +99,7 @@ def flat_config(cfg: Config) -> dict:
 
 class GRPOTrainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
-        from accelerate import Accelerator, PartialState
+        from accelerate import Accelerator, DistributedDataParallelKwargs, PartialState
         from accelerate.utils import broadcast_object_list
 
         self.cfg = cfg
@@ -116,6 +116,9 @@ class GRPOTrainer:
             cpu=cpu,
             log_with=None if cfg.run.tracker == "none" else cfg.run.tracker,
             project_dir=str(self.run.path),
+            # DDP would broadcast the transformer's buffers (constant position embeddings) in every
+            # forward: a collective that hangs when only rank 0 samples (grids, evals)
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         )
         acc = self.accelerator
 
