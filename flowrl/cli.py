@@ -4,6 +4,7 @@ sentence on stderr and exit 2, without a traceback."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -96,8 +97,6 @@ LAUNCHED_ENV = "FLOWRL_LAUNCHED"  # set for the processes a relaunch starts, so 
 def _launches_cpu_processes(cfg) -> bool:
     """Whether this `flowrl train` should start `run.cpu_processes` copies of itself: a CPU run,
     not itself one of the processes of a launcher."""
-    import os
-
     import torch
 
     from flowrl.models.base import pick_device
@@ -107,19 +106,42 @@ def _launches_cpu_processes(cfg) -> bool:
 
 
 def _relaunch(processes: int, argv: list[str]) -> int:
-    """The same command as `processes` processes joined by gloo (accelerate's torchrun launcher;
-    its --cpu flag would start a single process): rank 0 writes the run directory, the processes
-    split every iteration's rollouts, and the available cores are split between them."""
-    import os
+    """The same command as `processes` processes joined by gloo, in torchrun's environment
+    (accelerate reads it): rank 0 writes the run directory, the processes split every
+    iteration's rollouts, and the cores are split between them. Started here rather than by a
+    launcher so that a user error keeps its one sentence and exit code 2: when one process
+    fails, the others are stopped and its exit code is returned."""
+    import socket
     import subprocess
+    import time
 
-    threads = max(1, len(os.sched_getaffinity(0)) // processes) if hasattr(os, "sched_getaffinity") else 1
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-           "--num_machines", "1", "--num_cpu_threads_per_process", str(threads), "--mixed_precision", "no",
-           "--dynamo_backend", "no", "-m", "flowrl.cli", *argv]
-    env = {**os.environ, LAUNCHED_ENV: "1", "CUDA_VISIBLE_DEVICES": ""}  # a CPU run: the launcher must not claim GPUs
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // processes)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, LAUNCHED_ENV: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes), "OMP_NUM_THREADS": str(threads),
+           "CUDA_VISIBLE_DEVICES": ""}  # a CPU run
     print(f"flowrl: launching {processes} CPU processes of {threads} thread(s) each (run.cpu_processes)", file=sys.stderr)
-    return subprocess.call(cmd, env=env)
+    procs = [subprocess.Popen([sys.executable, "-m", "flowrl.cli", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(processes)]
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or all(c == 0 for c in codes):
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    p.wait()
+                return failed[0] if failed else 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:  # the processes got the same Ctrl-C and stop on their own
+        for p in procs:
+            p.wait()
+        raise
 
 
 def _load_run_policy(run: Path, overrides=()):
@@ -235,6 +257,10 @@ def cmd_serve_reward(args) -> int:
     return 0
 
 
+def _is_first_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -242,10 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except UserError as exc:
-        print(f"flowrl: error: {exc}", file=sys.stderr)
+        if _is_first_process():  # the processes of one run hit the same mistake: say it once
+            print(f"flowrl: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print("flowrl: interrupted; the last checkpoint is intact (resume with --resume RUN_DIR)", file=sys.stderr)
+        if _is_first_process() and LAUNCHED_ENV not in os.environ:  # a relaunched run: its launcher says it
+            print("flowrl: interrupted; the last checkpoint is intact (resume with --resume RUN_DIR)", file=sys.stderr)
         return 130
 
 

@@ -222,3 +222,6 @@ def test_cpu_processes_relaunch_flowrl_train_once_as_that_many_processes(tmp_pat
     assert [r["iteration"] for r in rows] == [0, 1] and all(r["samples"] == 8 for r in rows)
     # rank 0 alone draws the sample grids: a forward that synchronised the processes would hang here
     assert sorted(f.name for f in (run / "samples").iterdir()) == ["iter_000000_before.png", "iter_000001.png", "iter_000002.png"]
+    # a user error inside the processes (the run directory exists now) keeps its one sentence and exit code 2
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert again.returncode == 2 and again.stderr.count("flowrl: error:") == 1 and "Traceback" not in again.stderr, again.stderr[-3000:]
