@@ -59,6 +59,34 @@ def test_pixel_space_pipeline_loads_through_the_sd3_adapter(tiny_shapes_dir):
     assert policy.trainable_parameters()
 
 
+def test_training_logs_strict_accuracy_per_category(tmp_path, tiny_shapes_dir):
+    # the default task's metrics show which GenEval categories a run moves, and the plot draws them
+    import json
+
+    from flowrl.cli import main
+
+    run = tmp_path / "run"
+    args = [f"model.path={tiny_shapes_dir}", "run.cpu_processes=1", "trainer.iterations=2", "trainer.max_minutes=0",
+            "sampling.num_steps=3", "sampling.window.size=1", "data.prompts_per_iteration=2", "data.group_size=4",
+            "sampling.batch_size=8", "lora.rank=2", "lora.alpha=2", "lora.target_modules=[to_q, to_v]", "run.progress=false", "run.tracker=none",
+            "run.sample_every=0", "run.checkpoint_every=0", "data.prompt_file=null",
+            "data.prompts=[a red circle, a blue square above a green triangle]"]
+    assert main(["train", *args, "--run-dir", str(run)]) == 0
+    for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
+        assert {k for k in row if k.startswith("strict/")} == {"strict/single", "strict/position"}
+        # both prompts drew 4 samples: the categories' mean is the overall strict mean
+        assert (row["strict/single"] + row["strict/position"]) / 2 == pytest.approx(row["reward/shapes/strict"])
+    assert (run / "reward_curve.png").stat().st_size > 0
+
+
+def test_trailing_mean_skips_iterations_without_the_category():
+    from flowrl.train.run_dir import trailing_mean
+
+    out = trailing_mean([None, 1.0, None, 0.0, 0.5], window=2)
+    assert out[0] != out[0]  # NaN: nothing seen yet
+    assert out[1:] == [1.0, 1.0, 0.0, 0.25]
+
+
 def test_pretraining_is_deterministic_and_resumes_exactly(tmp_path):
     from safetensors.torch import load_file
 

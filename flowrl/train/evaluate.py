@@ -25,12 +25,18 @@ class EvalResult(NamedTuple):
 
     def category_table(self) -> dict[str, dict[str, float]] | None:
         """Per-category strict/partial means when a shapes reward was scored, else None."""
-        if "shapes/strict" not in self.channel_names:
-            return None
-        from rewards.shapes import category_table
+        return shapes_category_table(self.prompts, self.channel_names, self.scores)
 
-        k_strict, k_partial = self.channel_names.index("shapes/strict"), self.channel_names.index("shapes/partial")
-        return category_table(self.prompts, self.scores[:, k_strict].tolist(), self.scores[:, k_partial].tolist())
+
+def shapes_category_table(prompts: list[str], channel_names: list[str], scores: torch.Tensor) -> dict[str, dict[str, float]] | None:
+    """GenEval-style per-category strict/partial means of scores [N, K] when the shapes reward
+    is among the channels (else None)."""
+    if "shapes/strict" not in channel_names:
+        return None
+    from rewards.shapes import category_table
+
+    k_strict, k_partial = channel_names.index("shapes/strict"), channel_names.index("shapes/partial")
+    return category_table(prompts, scores[:, k_strict].tolist(), scores[:, k_partial].tolist())
 
 
 def ode_images(policy, prompts: list[str], seeds: list[int], num_steps: int, shift: float, batch_size: int,

@@ -61,7 +61,9 @@ class RunDir:
         import matplotlib.pyplot as plt
 
         its = [r["iteration"] for r in rows]
-        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        categories = sorted({k for r in rows for k in r if k.startswith("strict/")})
+        fig, axes = plt.subplots(1 + bool(categories), 1, figsize=(6, 3.5 * (1 + bool(categories))), dpi=100, squeeze=False)
+        ax = axes[0, 0]
         ax.plot(its, [r["reward_mean"] for r in rows], label="reward (weighted sum)")
         for key in sorted(k for k in rows[-1] if k.startswith("reward/")):
             ax.plot(its, [r.get(key, float("nan")) for r in rows], alpha=0.6, label=key)
@@ -69,8 +71,27 @@ class RunDir:
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+        if categories:  # a few prompts per category per iteration: smooth over a trailing window
+            ax = axes[1, 0]
+            window = max(1, min(20, len(rows) // 5))
+            for key in categories:
+                ax.plot(its, trailing_mean([r.get(key) for r in rows], window), label=key)
+            ax.set_xlabel("iteration")
+            ax.set_ylabel(f"training strict, mean of {window} iterations")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
         fig.tight_layout()
         out = self.path / "reward_curve.png"
         fig.savefig(out)
         plt.close(fig)
         return out
+
+
+def trailing_mean(values: list[float | None], window: int) -> list[float]:
+    """Mean of the last `window` values that are present (None where an iteration drew no
+    prompt of that kind); NaN until one is."""
+    out = []
+    for i in range(len(values)):
+        seen = [v for v in values[max(0, i + 1 - window) : i + 1] if v is not None]
+        out.append(sum(seen) / len(seen) if seen else float("nan"))
+    return out

@@ -34,6 +34,7 @@ from flowrl.sampling.schedules import shifted_sigmas, window_mask
 from flowrl.sampling.tree import TreeTrajectory, edge_children, parent_batches, tree_edges, tree_rollout, tree_spec
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from flowrl.train.ema import EMA
+from flowrl.train.evaluate import shapes_category_table
 from flowrl.train.images import save_grid
 from flowrl.train.prompts import load_prompts
 from flowrl.train.run_dir import RunDir
@@ -280,7 +281,7 @@ class GRPOTrainer:
             "iteration": it,
             "reward_mean": total.mean().item(),
             "reward_std": total.std(unbiased=False).item(),
-            **{f"reward/{c}": rewards[valid, k].mean().item() for k, c in enumerate(self.reward_fn.channel_names)},
+            **self.reward_columns(rewards[valid], prompt_ids[valid]),
             "dropped_samples": int((~valid).sum()),
             "adv_abs_mean": adv.advantages.abs().mean().item(),
             "degenerate_groups": adv.degenerate.float().mean().item(),
@@ -303,6 +304,16 @@ class GRPOTrainer:
         self.iteration += 1
         row["time_iteration"] = time.perf_counter() - t0
         return row
+
+    def reward_columns(self, rewards: torch.Tensor, prompt_ids: torch.Tensor) -> dict[str, float]:
+        """Metrics of an iteration's rewards [N, K]: the mean of every channel, and with the
+        shapes reward the strict mean per GenEval category (`strict/<category>`), so a run shows
+        which categories RL moves (the overall mean hides a gain in one behind a loss in another)."""
+        names = self.reward_fn.channel_names
+        out = {f"reward/{c}": rewards[:, k].mean().item() for k, c in enumerate(names)}
+        table = shapes_category_table([self.prompts[i] for i in prompt_ids.tolist()], list(names), rewards)
+        out.update({f"strict/{c}": t["strict"] for c, t in (table or {}).items() if c != "overall"})
+        return out
 
     def successes(self, total_rewards: torch.Tensor) -> torch.Tensor:
         """Pass/fail for the allocator: above allocator.success_threshold, or above the mean of
@@ -528,7 +539,7 @@ class GRPOTrainer:
             "iteration": it,
             "reward_mean": total.mean().item(),
             "reward_std": total.std(unbiased=False).item(),
-            **{f"reward/{c}": batch.rewards[:, k].mean().item() for k, c in enumerate(self.reward_fn.channel_names)},
+            **self.reward_columns(batch.rewards, batch.prompt_ids),
             "adv_abs_mean": leaf_adv.abs().mean().item(),
             "degenerate_groups": (by_tree.amax(1) == by_tree.amin(1)).float().mean().item(),
             "samples": n * g,

@@ -137,7 +137,7 @@ class TwoStage:
             "iteration": it,
             "reward_mean": total.mean().item(),
             "reward_std": total.std(unbiased=False).item(),
-            **{f"reward/{c}": rewards[valid, k].mean().item() for k, c in enumerate(tr.reward_fn.channel_names)},
+            **tr.reward_columns(rewards[valid], prompt_ids[valid]),
             "dropped_samples": int((~valid).sum()),
             "adv_abs_mean": adv.advantages.abs().mean().item(),
             "degenerate_groups": adv.degenerate.float().mean().item(),
