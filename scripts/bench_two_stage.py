@@ -130,7 +130,7 @@ def fidelity(args) -> None:
           f"training sampler ({s.num_steps} steps), mean reward {ref.mean():.4f} ({len(seeds) / ref_s:.1f} images/s)")
     headline = None
     for precision in args.precisions:
-        copy = ExplorationCopy(policy, precision, args.backend)
+        copy = ExplorationCopy(policy, precision, args.backend, cfg.rollout.two_stage.high_precision_layers)
         for name, spec in specs.items():
             t0 = time.perf_counter()
             low_channels = sample_rewards(copy.policy, cfg, reward, pool_prompts, seeds, spec)

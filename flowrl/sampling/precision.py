@@ -19,9 +19,12 @@ Precisions and how they run:
          copy at all: the policy explores itself (and `resync` costs nothing).
 
 Only the linear layers inside the transformer blocks with both dimensions a multiple of 16
-are quantised (torchao's NVFP4/FP8 kernels need that); embeddings and the output layers
-(names containing embed, proj_out, norm_out) stay in the copy's compute dtype, the usual
-choice for quantised diffusion transformers.
+are quantised (torchao's NVFP4/FP8 kernels need that). Layers whose name contains one of
+`high_precision_layers` (default HIGH_PRECISION_LAYERS) stay in the copy's compute dtype:
+embeddings, the output layers, and the adaLN modulation linears of every block (diffusers
+puts them inside the norm modules: norm1.linear, norm1_context.linear, FLUX's norm.linear).
+A modulation linear runs once per sample, not once per token, so FP4 would save almost no
+compute there, while its error shifts and scales every token of the block.
 
 torchao is an optional dependency (`pip install flowrl[fp4]`), imported only by the real
 kernel backends.
@@ -47,7 +50,7 @@ E2M1_MAX = 6.0
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # 2**-6, the smallest normal
 NVFP4_BLOCK = 16
-HIGH_PRECISION_LAYERS = ("embed", "proj_out", "norm_out")
+HIGH_PRECISION_LAYERS = ("embed", "proj_out", "norm")
 CAST_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
 
 
@@ -133,9 +136,9 @@ def real_kernels_available(fmt: str, device: torch.device) -> bool:
     return cap >= (10, 0) if fmt == "nvfp4" else cap >= (8, 9)
 
 
-def quantizable(name: str, module: nn.Module) -> bool:
+def quantizable(name: str, module: nn.Module, high_precision_layers=HIGH_PRECISION_LAYERS) -> bool:
     return (isinstance(module, nn.Linear) and module.in_features % NVFP4_BLOCK == 0 and module.out_features % NVFP4_BLOCK == 0
-            and not any(k in name for k in HIGH_PRECISION_LAYERS))
+            and not any(k in name for k in high_precision_layers))
 
 
 @torch.no_grad()
@@ -188,9 +191,10 @@ class ExplorationCopy:
     backend: auto (torchao kernels where the GPU has them, fake quantisation elsewhere) |
     emulated (always fake quantisation) | torchao (real kernels or an error). Use `.policy` to
     sample (its `precision` label goes into every Trajectory it produces), and `resync()` after
-    each optimizer update; it returns the seconds it took."""
+    each optimizer update; it returns the seconds it took. Layers whose name contains one of
+    `high_precision_layers` are never quantised."""
 
-    def __init__(self, policy, precision: str, backend: str = "auto"):
+    def __init__(self, policy, precision: str, backend: str = "auto", high_precision_layers=HIGH_PRECISION_LAYERS):
         if precision not in EXPLORE_PRECISIONS:
             raise UserError(f"rollout.two_stage.explore_precision must be one of {', '.join(EXPLORE_PRECISIONS)}; got '{precision}'")
         if backend not in BACKENDS:
@@ -225,7 +229,7 @@ class ExplorationCopy:
         nn.Module.to(net, compute)  # diffusers' own .to() warns about fp32-pinned modules; there are none to keep
         net.requires_grad_(False).eval()
         if self.mode != "plain":
-            self.quantized = [n for n, m in net.named_modules() if quantizable(n, m)]
+            self.quantized = [n for n, m in net.named_modules() if quantizable(n, m, tuple(high_precision_layers))]
             if not self.quantized:
                 raise UserError(f"rollout.two_stage.explore_precision '{precision}': {type(src).__name__} has no linear layer "
                                 f"with both dimensions a multiple of {NVFP4_BLOCK} to quantise; choose bf16 or fp32")

@@ -66,7 +66,7 @@ class TwoStage:
     def __init__(self, trainer):
         self.trainer = trainer
         self.cfg = trainer.cfg.rollout.two_stage
-        self.explorer = ExplorationCopy(trainer.policy, self.cfg.explore_precision, self.cfg.backend)
+        self.explorer = ExplorationCopy(trainer.policy, self.cfg.explore_precision, self.cfg.backend, self.cfg.high_precision_layers)
 
     def explore_spec(self, spec: SamplerSpec) -> SamplerSpec:
         p = self.cfg.preview_steps
