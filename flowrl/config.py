@@ -111,8 +111,8 @@ class TwoStageConfig:
     # auto: torchao's kernels where the GPU has them (NVFP4: sm100+, FP8: sm89+), fake quantisation
     # elsewhere | emulated: always fake quantisation | torchao: the kernels or an error
     backend: str = "auto"
-    # linear layers whose name contains one of these stay unquantised: embeddings, output layers and
-    # the adaLN modulation linears inside the norm modules (per-sample, not per-token, compute)
+    # linear layers whose name contains one of these stay unquantised (default: embeddings and output
+    # layers; add "norm" for the adaLN modulation linears inside the norm modules)
     high_precision_layers: list[str] = field(default_factory=lambda: list(HIGH_PRECISION_LAYERS))
     preview_steps: int = 0  # 0: stage 1 runs the training sampler | P > 0: a P-step ODE preview
     # false: train on the selected candidates themselves; only allowed when they already are

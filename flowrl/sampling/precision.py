@@ -20,11 +20,12 @@ Precisions and how they run:
 
 Only the linear layers inside the transformer blocks with both dimensions a multiple of 16
 are quantised (torchao's NVFP4/FP8 kernels need that). Layers whose name contains one of
-`high_precision_layers` (default HIGH_PRECISION_LAYERS) stay in the copy's compute dtype:
-embeddings, the output layers, and the adaLN modulation linears of every block (diffusers
-puts them inside the norm modules: norm1.linear, norm1_context.linear, FLUX's norm.linear).
-A modulation linear runs once per sample, not once per token, so FP4 would save almost no
-compute there, while its error shifts and scales every token of the block.
+`high_precision_layers` (default HIGH_PRECISION_LAYERS: embeddings and the output layers)
+stay in the copy's compute dtype, the usual choice for quantised diffusion transformers.
+Adding "norm" keeps the adaLN modulation linears (inside the norm modules: norm1.linear,
+norm1_context.linear, FLUX's norm.linear) unquantised too; they run once per sample, not per
+token, so FP4 saves little there (on the shapes model it did not change the reward ranking,
+BENCHMARKS.md).
 
 torchao is an optional dependency (`pip install flowrl[fp4]`), imported only by the real
 kernel backends.
@@ -50,7 +51,7 @@ E2M1_MAX = 6.0
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # 2**-6, the smallest normal
 NVFP4_BLOCK = 16
-HIGH_PRECISION_LAYERS = ("embed", "proj_out", "norm")
+HIGH_PRECISION_LAYERS = ("embed", "proj_out", "norm_out")
 CAST_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
 
 
