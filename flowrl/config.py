@@ -20,7 +20,7 @@ from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.selection import SELECTION_KINDS
 from flowrl.errors import ConfigError
 from flowrl.sampling.precision import HIGH_PRECISION_LAYERS
-from flowrl.sampling.schedules import WINDOW_STRATEGIES
+from flowrl.sampling.schedules import WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import LOGPROB_REDUCTIONS, SAMPLERS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -55,6 +55,10 @@ class LoraConfig:
     rank: int = 32
     alpha: int = 64
     target_modules: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    # [low, high]: the adapter acts only where low < sigma <= high, the base network elsewhere. With an
+    # SDE window, updates driven by the window's steps then cannot change the untrained steps
+    # (BENCHMARKS.md, "collateral damage"); [0, 1]: everywhere
+    sigma_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
 
 
 @dataclass
@@ -408,6 +412,25 @@ def _validate_rollout(cfg: Config) -> None:
                           f"BranchGRPO's depth-wise advantages within each tree); got kind '{cfg.advantage.kind}', std '{cfg.advantage.std}'")
 
 
+def _validate_sigma_range(cfg: Config) -> None:
+    """A restricted adapter must act at every step that is trained, or those steps carry no gradient."""
+    r = cfg.lora.sigma_range
+    if len(r) != 2 or not 0.0 <= r[0] < r[1] <= 1.0:
+        raise ConfigError(f"lora.sigma_range must be [low, high] with 0 <= low < high <= 1; got {list(r)}")
+    if list(r) == [0.0, 1.0]:
+        return
+    if not cfg.lora.enabled:
+        raise ConfigError("lora.sigma_range restricts the adapter, so it needs lora.enabled=true")
+    s, w = cfg.sampling, cfg.sampling.window
+    if cfg.rollout.kind != "flat" or w.strategy != "fixed":
+        raise ConfigError(f"lora.sigma_range other than [0, 1] needs rollout.kind flat and sampling.window.strategy fixed "
+                          f"(a fixed set of trained steps); got rollout.kind '{cfg.rollout.kind}', window '{w.strategy}'")
+    sigmas = shifted_sigmas(s.num_steps, s.shift)[w.start : w.start + w.size].tolist()
+    if not all(r[0] < x <= r[1] for x in sigmas):
+        raise ConfigError(f"lora.sigma_range {list(r)} must hold the sigmas of every trained step "
+                          f"({', '.join(f'{x:.3g}' for x in sigmas)}: sampling.window steps {w.start}-{w.start + w.size - 1})")
+
+
 def _validate_two_stage(cfg: Config) -> None:
     from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS
 
@@ -471,6 +494,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
                 f"{s.num_steps} steps; got {w.start}"
             )
 
+    _validate_sigma_range(cfg)
     _validate_rollout(cfg)
     if d.group_size < 2:
         raise ConfigError(f"data.group_size must be >= 2 (GRPO compares samples within a group); got {d.group_size}")

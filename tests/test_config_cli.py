@@ -38,7 +38,17 @@ BAD = [
     (["selection.kind=top"], "selection.kind"),
     (["model.height=60"], "model.height"),
     (["trainer.kl_beta=0.1", "lora.enabled=false"], "trainer.kl_beta"),
+    (["lora.sigma_range=[0.9]"], "lora.sigma_range"),
+    (["lora.sigma_range=[0.9, 0.5]"], "lora.sigma_range"),
+    (["lora.sigma_range=[0.5, 1.0]"], "lora.sigma_range"),  # window 'all': every step is trained
+    (["lora.sigma_range=[0.5, 1.0]", "sampling.window.strategy=fixed", "sampling.window.size=2",
+      "sampling.window.start=2"], "lora.sigma_range"),  # trained steps at sigma <= 0.5
 ]
+
+
+def test_sigma_range_holding_the_window_is_accepted():
+    cfg = load_config("tiny_jpeg", ["lora.sigma_range=[0.5, 1.0]", "sampling.window.strategy=fixed", "sampling.window.size=2"])
+    assert cfg.lora.sigma_range == [0.5, 1.0]
 
 
 @pytest.mark.parametrize("overrides,key", BAD)

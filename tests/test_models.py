@@ -88,6 +88,27 @@ def test_reference_is_the_base_network(tiny_sd3_dir):
     assert not torch.allclose(v_base, v_lora)
 
 
+def test_adapter_sigma_range_leaves_other_sigmas_to_the_base_network(model_dir):
+    kind, path = model_dir
+    base = load_policy(ModelConfig(kind=kind, path=path, guidance_scale=4.5), device="cpu")
+    policy = load_policy(ModelConfig(kind=kind, path=path, guidance_scale=4.5), device="cpu")
+    policy.add_lora(LoraConfig(rank=4, alpha=8, sigma_range=[0.5, 1.0]))
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.05)
+    x = torch.randn(2, *policy.latent_shape())
+    cond, base_cond = policy.encode(PROMPTS[:2]), base.encode(PROMPTS[:2])
+    with torch.no_grad():
+        assert torch.equal(policy.velocity(x, 0.5, cond), base.velocity(x, 0.5, base_cond))  # low end excluded
+        assert torch.equal(policy.velocity(x, 0.2, cond), base.velocity(x, 0.2, base_cond))
+        assert not torch.allclose(policy.velocity(x, 0.8, cond), base.velocity(x, 0.8, base_cond))
+        assert not torch.allclose(policy.velocity(x, 1.0, cond), base.velocity(x, 1.0, base_cond))
+        with policy.reference():  # a velocity outside the range inside the reference leaves the adapter off
+            policy.velocity(x, 0.2, cond)
+            assert torch.equal(policy.velocity(x, 0.8, cond), base.velocity(x, 0.8, base_cond))
+        assert not torch.allclose(policy.velocity(x, 0.8, cond), base.velocity(x, 0.8, base_cond))
+
+
 def test_prompt_embeddings_are_cached(tiny_sd3_dir):
     policy = _policy("sd3", tiny_sd3_dir)
     a = policy.encode(["a red circle", "a cat"])

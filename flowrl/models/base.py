@@ -91,6 +91,8 @@ class FlowPolicy:
         self.net = self.transformer
         self._cache: dict[str, dict[str, torch.Tensor]] = {}
         self.has_lora = False
+        self.lora_sigma_range: tuple[float, float] | None = None  # None: the adapter acts at every sigma
+        self._reference_depth = 0
         if cfg.gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
 
@@ -132,7 +134,20 @@ class FlowPolicy:
         raise NotImplementedError
 
     def velocity(self, x: torch.Tensor, sigma: float, cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        """v(x, sigma | cond) in fp32 for latents x [B, *latent_shape]."""
+        """v(x, sigma | cond) in fp32 for latents x [B, *latent_shape]. Outside the adapter's
+        sigma range (lora.sigma_range) the base network answers: the reference policy there."""
+        if self.adapter_acts_at(sigma):
+            return self._velocity(x, sigma, cond)
+        with self.reference():
+            return self._velocity(x, sigma, cond)
+
+    def adapter_acts_at(self, sigma: float) -> bool:
+        if self.lora_sigma_range is None:
+            return True
+        low, high = self.lora_sigma_range
+        return low < float(sigma) <= high
+
+    def _velocity(self, x: torch.Tensor, sigma: float, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -164,6 +179,8 @@ class FlowPolicy:
         for p in self.trainable_parameters():
             p.data = p.data.float()  # trainable weights stay fp32 whatever the network dtype
         self.has_lora = True
+        low, high = lora.sigma_range
+        self.lora_sigma_range = None if (low, high) == (0.0, 1.0) else (float(low), float(high))
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.transformer.parameters() if p.requires_grad]
@@ -178,14 +195,19 @@ class FlowPolicy:
 
     @contextlib.contextmanager
     def reference(self):
-        """The reference policy: the same network with the LoRA adapter disabled."""
+        """The reference policy: the same network with the LoRA adapter disabled (re-entrant:
+        only the outermost exit enables it again)."""
         if not self.has_lora:
             raise UserError("the reference policy needs a LoRA adapter (lora.enabled=true)")
-        self.transformer.disable_adapters()
+        if self._reference_depth == 0:
+            self.transformer.disable_adapters()
+        self._reference_depth += 1
         try:
             yield self
         finally:
-            self.transformer.enable_adapters()
+            self._reference_depth -= 1
+            if self._reference_depth == 0:
+                self.transformer.enable_adapters()
 
     def lora_state_dict(self) -> dict[str, torch.Tensor]:
         from peft.utils import get_peft_model_state_dict

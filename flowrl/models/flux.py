@@ -29,7 +29,7 @@ class FluxPolicy(FlowPolicy):
         c = self.transformer.config.in_channels  # already 4x the VAE channels
         return ((h // 2) * (w // 2), c)
 
-    def velocity(self, x, sigma, cond):
+    def _velocity(self, x, sigma, cond):
         b = x.shape[0]
         h, w = self._latent_hw()
         img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)

@@ -29,7 +29,7 @@ class SD3Policy(FlowPolicy):
         c = self.transformer.config.in_channels
         return (c, self.cfg.height // self.vae_scale_factor, self.cfg.width // self.vae_scale_factor)
 
-    def velocity(self, x, sigma, cond):
+    def _velocity(self, x, sigma, cond):
         g = self.cfg.guidance_scale
         use_cfg = g != 1.0
         x_in = x.to(self.device, self.dtype)
