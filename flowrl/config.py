@@ -29,6 +29,7 @@ MODEL_KINDS = ("sd3", "flux")
 DTYPES = ("fp32", "bf16", "fp16")
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16")
+OBJECTIVES = ("grpo", "nft")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")
 ROLLOUT_KINDS = ("flat", "tree", "two_stage")
@@ -197,6 +198,11 @@ class SelectionConfig:
 
 @dataclass
 class TrainerConfig:
+    # grpo: the PPO-clipped surrogate over the SDE steps' log-probs (Flow-GRPO);
+    # nft: DiffusionNFT's negative-aware flow matching on the clean samples (any sampler, ode too)
+    objective: str = "grpo"
+    nft_timesteps: int = 2  # nft: forward-process sigmas drawn per sample and iteration
+    nft_beta: float = 1.0  # nft: the implicit policies' step, v_old +- beta (v - v_old)
     iterations: int = 40
     max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time
     lr: float = 3e-4
@@ -208,7 +214,7 @@ class TrainerConfig:
     gradient_accumulation_steps: int = 1  # sample batches per optimizer step
     clip_range: float = 1e-4  # PPO ratio clip (Flow-GRPO: 1e-4)
     clip_range_high: Optional[float] = None  # defaults to clip_range
-    kl_beta: float = 0.04
+    kl_beta: float = 0.04  # grpo: x the exact Gaussian KL per step; nft: x the mean squared velocity gap to the reference
     max_grad_norm: float = 1.0
     ema: bool = True
     ema_decay: float = 0.9
@@ -412,6 +418,17 @@ def _validate_rollout(cfg: Config) -> None:
                           f"BranchGRPO's depth-wise advantages within each tree); got kind '{cfg.advantage.kind}', std '{cfg.advantage.std}'")
 
 
+def _validate_nft(cfg: Config) -> None:
+    t = cfg.trainer
+    _positive("trainer.nft_timesteps", t.nft_timesteps)
+    _positive("trainer.nft_beta", t.nft_beta)
+    if cfg.rollout.kind != "flat":
+        raise ConfigError(f"trainer.objective nft trains on flat rollouts' clean samples; rollout.kind must be flat, got '{cfg.rollout.kind}'")
+    if t.inner_epochs != 1:
+        raise ConfigError(f"trainer.inner_epochs must be 1 with trainer.objective nft (its old policy is the weights "
+                          f"before each step); got {t.inner_epochs}")
+
+
 def _validate_sigma_range(cfg: Config) -> None:
     """A restricted adapter must act at every step that is trained, or those steps carry no gradient."""
     r = cfg.lora.sigma_range
@@ -421,6 +438,8 @@ def _validate_sigma_range(cfg: Config) -> None:
         return
     if not cfg.lora.enabled:
         raise ConfigError("lora.sigma_range restricts the adapter, so it needs lora.enabled=true")
+    if cfg.trainer.objective == "nft":
+        return  # nft draws its sigmas inside the range (flowrl/train/trainer.py, update_nft)
     s, w = cfg.sampling, cfg.sampling.window
     if cfg.rollout.kind != "flat" or w.strategy != "fixed":
         raise ConfigError(f"lora.sigma_range other than [0, 1] needs rollout.kind flat and sampling.window.strategy fixed "
@@ -473,9 +492,11 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     elif t.kl_beta > 0:
         raise ConfigError("trainer.kl_beta > 0 needs lora.enabled=true: the reference policy is the network with the adapter disabled")
 
+    _choice("trainer.objective", t.objective, OBJECTIVES)
     _choice("sampling.sampler", s.sampler, SAMPLERS)
-    if s.sampler == "ode":
-        raise ConfigError("sampling.sampler 'ode' has no log-probabilities to train on; choose flow_grpo, dance_grpo or cps")
+    if s.sampler == "ode" and t.objective == "grpo":
+        raise ConfigError("sampling.sampler 'ode' has no log-probabilities to train on; choose flow_grpo, dance_grpo or cps "
+                          "(or trainer.objective nft, which trains on the clean samples of any sampler)")
     _positive("sampling.noise_level", s.noise_level)
     if s.num_steps < 2:
         raise ConfigError(f"sampling.num_steps must be >= 2; got {s.num_steps}")
@@ -551,6 +572,8 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     if not 0 <= t.ema_decay < 1:
         raise ConfigError(f"trainer.ema_decay must be in [0, 1); got {t.ema_decay}")
     _choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
+    if t.objective == "nft":
+        _validate_nft(cfg)
 
     _choice("run.tracker", cfg.run.tracker, TRACKERS)
     _positive("run.sample_every", cfg.run.sample_every, strict=False)

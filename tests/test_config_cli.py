@@ -38,12 +38,24 @@ BAD = [
     (["selection.kind=top"], "selection.kind"),
     (["model.height=60"], "model.height"),
     (["trainer.kl_beta=0.1", "lora.enabled=false"], "trainer.kl_beta"),
+    (["trainer.objective=dpo"], "trainer.objective"),
+    (["sampling.sampler=ode"], "sampling.sampler"),  # grpo needs log-probs
+    (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.inner_epochs=2"], "trainer.inner_epochs"),
+    (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_timesteps=0"], "trainer.nft_timesteps"),
+    (["trainer.objective=nft", "trainer.kl_beta=0", "rollout.kind=tree", "rollout.tree.split_steps=[0, 1]",
+      "data.group_size=4", "advantage.kind=grpo"], "trainer.objective"),
     (["lora.sigma_range=[0.9]"], "lora.sigma_range"),
     (["lora.sigma_range=[0.9, 0.5]"], "lora.sigma_range"),
     (["lora.sigma_range=[0.5, 1.0]"], "lora.sigma_range"),  # window 'all': every step is trained
     (["lora.sigma_range=[0.5, 1.0]", "sampling.window.strategy=fixed", "sampling.window.size=2",
       "sampling.window.start=2"], "lora.sigma_range"),  # trained steps at sigma <= 0.5
 ]
+
+
+def test_nft_accepts_the_ode_sampler_and_any_sigma_range():
+    # nft trains on clean samples: no log-probs, and it draws its sigmas inside the adapter's range
+    cfg = load_config("tiny_jpeg", ["trainer.objective=nft", "trainer.kl_beta=0", "sampling.sampler=ode", "lora.sigma_range=[0.5, 1.0]"])
+    assert cfg.trainer.objective == "nft" and cfg.sampling.sampler == "ode"
 
 
 def test_sigma_range_holding_the_window_is_accepted():

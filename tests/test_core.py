@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowrl.core.advantages import combine_channels, grpo_advantages
-from flowrl.core.losses import clipped_policy_loss, gaussian_kl
+from flowrl.core.losses import clipped_policy_loss, gaussian_kl, nft_loss, optimality_probability
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -313,3 +313,39 @@ def test_gaussian_kl_gradient_flows_to_mean_only():
     kl = gaussian_kl(mean, ref, torch.tensor(0.5), reduction="sum")
     kl.sum().backward()
     torch.testing.assert_close(mean.grad, (mean - ref).detach() / 0.25)
+
+
+def test_optimality_probability_maps_advantages_into_zero_one():
+    r = optimality_probability(torch.tensor([-3.0, -0.5, 0.0, 0.4, 2.0]))
+    assert torch.allclose(r, torch.tensor([0.0, 0.25, 0.5, 0.7, 1.0]))
+    assert torch.allclose(optimality_probability(torch.tensor([1.0]), scale=2.0), torch.tensor([0.75]))
+
+
+@pytest.mark.parametrize("r,beta", [(1.0, 1.0), (0.0, 1.0), (0.8, 0.5), (0.3, 2.0), (0.5, 1.0)])
+def test_nft_loss_minimiser_moves_from_the_old_policy_toward_or_away_from_the_target(r, beta):
+    # DiffusionNFT: the loss is minimised at v_old + (2r - 1)(u - v_old) / beta
+    g = torch.Generator().manual_seed(0)
+    v_old, u = torch.randn(2, 3, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    rr = torch.full((2,), r)
+    best = v_old + (2 * r - 1) * (u - v_old) / beta
+    v = best.clone().requires_grad_(True)
+    nft_loss(v, v_old, u, rr, beta).sum().backward()
+    assert v.grad.abs().max() < 1e-5
+    off = (best + 0.1 * torch.randn(2, 3, 4, generator=g))
+    assert (nft_loss(off, v_old, u, rr, beta) > nft_loss(best, v_old, u, rr, beta)).all()
+
+
+def test_nft_gradient_at_the_old_policy_is_advantage_weighted_flow_matching():
+    # with v_old = v (detached), the gradient is (2r - 1) beta times the flow-matching gradient:
+    # better-than-group samples pull their velocity toward u, worse ones push it away
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(5, 5, generator=g, requires_grad=True)
+    x, u = torch.randn(4, 5, generator=g), torch.randn(4, 5, generator=g)
+    r, beta = torch.tensor([1.0, 0.0, 0.75, 0.5]), 0.7
+    v = x @ w
+    nft_loss(v, v.detach(), u, r, beta).sum().backward()
+    got = w.grad.clone()
+    w.grad = None
+    v = x @ w
+    ((2 * r - 1) * beta * ((v - u) ** 2).mean(1)).sum().backward()
+    assert torch.allclose(got, w.grad, atol=1e-6)

@@ -36,3 +36,23 @@ def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, r
     per_dim = (mean - ref_mean) ** 2 / (2 * std**2)
     dims = tuple(range(1, per_dim.ndim))
     return per_dim.sum(dims) if reduction == "sum" else per_dim.mean(dims)
+
+
+def optimality_probability(advantages: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """DiffusionNFT's r in [0, 1] from group-normalised advantages: 0.5 + 0.5 clip(A / scale, -1, 1)
+    (Zheng et al. 2025, arXiv 2509.16117); 0.5 means "neither better nor worse than the group"."""
+    return 0.5 + 0.5 * torch.clamp(advantages / scale, -1.0, 1.0)
+
+
+def nft_loss(v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, r: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+    """DiffusionNFT's negative-aware flow-matching loss, per sample [B] (Zheng et al. 2025, eq. for
+    L(theta)): r ||v+ - u||^2 + (1 - r) ||v- - u||^2 with the implicit positive and negative policies
+    v+ = (1 - beta) v_old + beta v and v- = (1 + beta) v_old - beta v. Its minimiser is
+    v_old + (2r - 1)(u - v_old) / beta: toward the sample's target velocity u for better-than-group
+    samples, away from it for worse ones, and no move at r = 0.5. Squared errors are means over
+    the non-batch dimensions (the model's prediction scale, independent of resolution)."""
+    v_pos = (1 - beta) * v_old + beta * v
+    v_neg = (1 + beta) * v_old - beta * v
+    dims = tuple(range(1, v.ndim))
+    r = r.to(v.dtype)
+    return r * ((v_pos - target) ** 2).mean(dims) + (1 - r) * ((v_neg - target) ** 2).mean(dims)

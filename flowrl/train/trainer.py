@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.config import Config
-from flowrl.core import clipped_policy_loss, gaussian_kl
+from flowrl.core import clipped_policy_loss, gaussian_kl, nft_loss, optimality_probability
 from flowrl.core.advantages import estimate_advantages
 from flowrl.core.allocation import make_allocator
 from flowrl.core.losses import PolicyLoss
@@ -28,6 +28,7 @@ from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, t
 from flowrl.errors import ConfigError, UserError
 from flowrl.models import load_policy
 from flowrl.sampling.precision import check_training_precision
+from flowrl.sampling.noise import seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, policy_precision, rollout, transition
 from flowrl.sampling.steps import StepOutput
 from flowrl.sampling.schedules import shifted_sigmas, window_mask
@@ -74,6 +75,9 @@ class TreeBatch(NamedTuple):
     real: torch.Tensor  # [n_local_trees] bool: False for padding copies
     num_trees: int  # real trees over all processes
     reward_time: float
+
+
+NFT_NOISE_KEY = -1_000  # below every sampling key (steps >= 0, INITIAL = -1): NFT's forward-process noise is its own
 
 
 def sample_seed(base: int, iteration: int, index: int) -> int:
@@ -328,6 +332,8 @@ class GRPOTrainer:
         Refuses any trajectory not sampled in the training precision (Sol-RL's guard)."""
         for traj, _ in batches:
             check_training_precision(traj.precision, policy_precision(self.policy))
+        if self.cfg.trainer.objective == "nft":
+            return self.update_nft(batches)
         bs = self.cfg.sampling.batch_size
         groups = []
         for traj, adv in batches:
@@ -339,6 +345,62 @@ class GRPOTrainer:
                     for step in spec.trained_steps()
                 ])
         return self.optimize(groups, spec.reduction)
+
+    def update_nft(self, batches: list[tuple[Trajectory, torch.Tensor]]) -> dict:
+        """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117): flow matching on the clean samples,
+        pulled toward the better-than-group ones and pushed from the worse (flowrl.core.nft_loss).
+        Each sample batch is noised afresh at `trainer.nft_timesteps` sigmas, stratified inside
+        lora.sigma_range (where the adapter acts), and makes one optimizer step. The old policy
+        v_old is the weights before that step (its detached prediction): with one pass that is
+        the sampling policy for the first batch, and the gradient is (2r - 1) beta times the
+        plain flow-matching gradient."""
+        cfg, acc, t = self.cfg, self.accelerator, self.cfg.trainer
+        bs, k_steps = cfg.sampling.batch_size, t.nft_timesteps
+        low, high = self.policy.lora_sigma_range or (0.0, 1.0)
+        gen = torch.Generator().manual_seed(sample_seed(t.seed, self.iteration, 999_979))
+        work = [(traj, slice(start, start + bs), optimality_probability(adv))
+                for traj, adv in batches for start in range(0, len(traj), bs)]
+        losses, grad_norms, kls = [], [], []
+        self.policy.transformer.train()
+        bar = tqdm(total=len(work) * k_steps, desc=f"iter {self.iteration} training", leave=False,
+                   disable=not (cfg.run.progress and acc.is_local_main_process), unit="step")
+        for wi in torch.randperm(len(work), generator=gen).tolist():
+            traj, c, r = work[wi]
+            x0 = traj.final[c].to(acc.device)
+            cond = self.policy.encode(traj.prompts[c])
+            seeds = traj.seeds[c].tolist()
+            for k in range(k_steps):
+                # stratified over (low, high]: one sigma per stratum, never low itself (the adapter's edge)
+                sigma = high - (high - low) * (k + float(torch.rand((), generator=gen))) / k_steps
+                sigma = min(max(sigma, low + 1e-6), high)
+                eps = seeded_noise(seeds, NFT_NOISE_KEY - k, x0.shape[1:], acc.device)
+                x_t = (1 - sigma) * x0 + sigma * eps
+                with contextlib.nullcontext() if k == k_steps - 1 else acc.no_sync(self.policy.net):
+                    v = self.policy.velocity(x_t, sigma, cond)
+                    loss = nft_loss(v, v.detach(), eps - x0, r[c].to(acc.device), t.nft_beta).mean()
+                    if t.kl_beta > 0:  # anchor to the reference: the velocity's squared distance to the base network's
+                        with torch.no_grad(), self.policy.reference():
+                            v_ref = self.policy.velocity(x_t, sigma, cond)
+                        kl = ((v - v_ref) ** 2).mean()
+                        kls.append(kl.item())
+                        loss = loss + t.kl_beta * kl
+                    acc.backward(loss / k_steps)
+                losses.append(loss.item())
+                bar.update(1)
+            grad_norms.append(self.optimizer_step())
+        bar.close()
+        self.policy.transformer.eval()
+        return {"loss": sum(losses) / max(len(losses), 1), "kl": sum(kls) / max(len(kls), 1), "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+                "optimizer_steps": len(grad_norms), "trained_transitions": len(losses), "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def optimizer_step(self) -> float:
+        """Clip, step, zero, update the EMA; returns the gradient norm before clipping."""
+        norm = float(self.accelerator.clip_grad_norm_(list(self.params.values()), self.cfg.trainer.max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.params)
+        return norm
 
     def micro_batch_loss(self, mb: MicroBatch, reduction: str) -> tuple[torch.Tensor, PolicyLoss | None, torch.Tensor]:
         """(loss, policy-loss terms, KL) of one micro-batch over its kept transitions: the PPO-clipped
@@ -413,11 +475,7 @@ class GRPOTrainer:
                     count += 1
                     bar.update(1)
                 if closes_step:
-                    grad_norms.append(float(acc.clip_grad_norm_(list(self.params.values()), t.max_grad_norm)))
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-                    if self.ema is not None:
-                        self.ema.update(self.params)
+                    grad_norms.append(self.optimizer_step())
         bar.close()
         self.policy.transformer.eval()
         out = {k: v / max(count, 1) for k, v in sums.items()}
@@ -577,7 +635,7 @@ class GRPOTrainer:
             if acc.is_main_process:
                 self.run.append_metrics(row)
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.4g}", kl=f"{row['kl']:.2e}")
+            bar.set_postfix(reward=f"{row['reward_mean']:.4g}", **({"kl": f"{row['kl']:.2e}"} if "kl" in row else {}))
             if budget_s:  # every process calls the broadcast, so all agree with rank 0's clock
                 from accelerate.utils import broadcast_object_list
 
