@@ -17,7 +17,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of rectified-flow text-to-image models")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="run GRPO training (no CONFIG: the default preset)")
+    t = sub.add_parser("train", help="run RL training, GRPO or DiffusionNFT (no CONFIG: the default preset)")
     t.add_argument("config", nargs="?", help="a YAML file or a preset name from configs/")
     t.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. trainer.lr=1e-5")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")

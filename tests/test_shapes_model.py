@@ -134,10 +134,10 @@ def test_shipped_model_loads_through_the_sd3_adapter_and_draws_its_world():
 
 
 def test_short_training_on_the_shipped_model_moves_its_samples_toward_the_reward(tmp_path):
-    # The GRPO machinery, end to end on the shipped model and the default recipe (LoRA, the
-    # CPS SDE on the first steps): a reward that those early, stochastic steps control,
-    # darkness (on a white canvas: how much is drawn), rises within a few iterations. The
-    # compositional reward of the default run moves far more slowly; see BENCHMARKS.md.
+    # The training machinery, end to end on the shipped model and the default recipe (LoRA,
+    # ODE rollouts, DiffusionNFT): a reward the samples' layout controls, darkness (on a white
+    # canvas: how much is drawn), rises within a few iterations. The compositional reward of the
+    # default run moves more slowly; see BENCHMARKS.md.
     from flowrl.config import load_config
     from flowrl.train.trainer import GRPOTrainer
 
