@@ -133,23 +133,33 @@ def test_shipped_model_loads_through_the_sd3_adapter_and_draws_its_world():
     assert partial.mean() > SHIPPED_MIN_PARTIAL
 
 
-def test_short_training_on_the_shipped_model_moves_its_samples_toward_the_reward(tmp_path):
-    # The training machinery, end to end on the shipped model and the default recipe (LoRA,
-    # ODE rollouts, DiffusionNFT): a reward the samples' layout controls, darkness (on a white
-    # canvas: how much is drawn), rises within a few iterations. The compositional reward of the
-    # default run moves more slowly; see BENCHMARKS.md.
+def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_prompts(tmp_path):
+    # The default recipe end to end on the shipped model (LoRA, ODE rollouts, DiffusionNFT, the
+    # strict + partial + quality reward): 12 iterations on two fixed prompts raise the partial
+    # reward of fresh ODE samples of those prompts, on seeds the training never draws
+    # (measured on the dev box: 0.578 -> 0.688, strict 0.344 -> 0.469).
     from flowrl.config import load_config
+    from flowrl.train.evaluate import ode_images
     from flowrl.train.trainer import GRPOTrainer
+    from rewards.shapes import score_batch
 
+    prompts = ["a red circle", "two blue squares"]
     cfg = load_config(None, ["trainer.iterations=12", "trainer.max_minutes=0", "trainer.ema=false", "trainer.lr=1e-3",
                              "data.prompts_per_iteration=2", "data.group_size=8", "sampling.batch_size=16",
-                             "reward.weights={brightness: -1.0}", "reward.channel_weights={}",
                              "run.progress=false", "run.tracker=none", "run.sample_every=0", "run.checkpoint_every=0"])
-    cfg.data.prompts, cfg.data.prompt_file = ["a red circle", "two blue squares"], None
-    history = GRPOTrainer(cfg, run_dir=tmp_path / "run").train()
-    brightness = [row["reward/brightness"] for row in history]
-    first, last = sum(brightness[:3]) / 3, sum(brightness[-3:]) / 3
-    assert last < first - 0.03, brightness
+    cfg.data.prompts, cfg.data.prompt_file = prompts, None
+    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    held = [p for p in prompts for _ in range(16)]
+    seeds = list(range(50_000, 50_000 + len(held)))  # training seeds come from sample_seed(), far from these
+
+    def partial() -> float:
+        images = ode_images(trainer.policy, held, seeds, cfg.sampling.num_steps, cfg.sampling.shift, len(held))
+        return score_batch(images, held)[:, 1].mean().item()
+
+    before = partial()
+    trainer.train()
+    after = partial()
+    assert after > before + 0.05, (before, after)
 
 
 def test_pretraining_fine_tunes_from_an_exported_pipeline(tmp_path, tiny_shapes_dir):
