@@ -16,16 +16,12 @@ from safetensors.torch import load_file
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.train.trainer import GRPOTrainer
+from run_checks import assert_resume_repeats, run_metrics, trainable
 
 FAST = [
     "sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
     "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8",
 ]
-
-
-def _metrics(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
 
 
 @pytest.mark.parametrize("allocator", ["uniform", "vade"])
@@ -35,16 +31,7 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, tiny_sd3_dir, allocator):
                      f"allocator.kind={allocator}"]
     straight = tmp_path / "straight"
     assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
-
-    stopped = tmp_path / "stopped"
-    assert main(["train", "tiny_jpeg", *common, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
-    assert len(_metrics(stopped)) == 2
-    assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
-
-    assert _metrics(stopped) == _metrics(straight)
-    a = load_file(str(straight / "checkpoints" / "iter_000004" / "trainable.safetensors"))
-    b = load_file(str(stopped / "checkpoints" / "iter_000004" / "trainable.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
 
 
 def test_nft_trains_on_ode_samples_and_resumes_exactly(tmp_path, tiny_sd3_dir):
@@ -54,15 +41,10 @@ def test_nft_trains_on_ode_samples_and_resumes_exactly(tmp_path, tiny_sd3_dir):
                      "trainer.kl_beta=0", "sampling.sampler=ode", "trainer.nft_timesteps=2", "lora.sigma_range=[0.5, 1.0]"]
     straight = tmp_path / "straight"
     assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
-    rows = _metrics(straight)
+    rows = run_metrics(straight)
     assert all(r["trained_steps"] == 0 and r["trained_transitions"] == 2 * 2 for r in rows)  # 2 batches x 2 sigmas
-    stopped = tmp_path / "stopped"
-    assert main(["train", "tiny_jpeg", *common, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
-    assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
-    assert _metrics(stopped) == rows
-    a = load_file(str(straight / "checkpoints" / "iter_000004" / "trainable.safetensors"))
-    b = load_file(str(stopped / "checkpoints" / "iter_000004" / "trainable.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
+    a = trainable(straight, 4)
     assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)  # the adapter moved off its zero init
 
 
@@ -72,7 +54,7 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir):
                    "run.tracker=tensorboard"]
     assert main(["train", "tiny_jpeg", *args, "--run-dir", str(run)]) == 0
     assert (run / "config.yaml").is_file() and load_config(run / "config.yaml").trainer.iterations == 2
-    assert len(_metrics(run)) == 2
+    assert len(run_metrics(run)) == 2
     assert (run / "reward_curve.png").stat().st_size > 0
     assert {p.name for p in (run / "samples").iterdir()} >= {"iter_000000_before.png", "iter_000001.png", "iter_000002.png"}
     assert any((run / "tracker").rglob("events.out.tfevents*"))
@@ -103,7 +85,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
     (run / "checkpoints" / "iter_000001" / "optimizer.safetensors").write_bytes(b"not a safetensors file")
     assert main(["train", "--resume", str(run), "trainer.iterations=2"]) == 2
     assert "corrupt" in capsys.readouterr().err
-    assert len(_metrics(run)) == 1  # nothing already written is lost
+    assert len(run_metrics(run)) == 1  # nothing already written is lost
 
 
 def test_grpo_raises_the_reward(tmp_path, tiny_sd3_dir):
@@ -160,7 +142,7 @@ def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_sd3_dir, capsy
     assert main(["train", "tiny_jpeg", *args]) == 0
     assert main(["train", "tiny_jpeg", *args]) == 2
     assert "--resume" in capsys.readouterr().err
-    assert len(_metrics(tmp_path / "r")) == 1
+    assert len(run_metrics(tmp_path / "r")) == 1
 
 
 def test_gradient_accumulation_takes_fewer_optimizer_steps(tmp_path, tiny_sd3_dir):

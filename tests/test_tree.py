@@ -26,6 +26,7 @@ from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.sampling.steps import gaussian_log_prob
 from flowrl.sampling.tree import path_seed, tree_rollout, tree_spec
 from flowrl.train.trainer import GRPOTrainer
+from run_checks import assert_resume_repeats, run_metrics, trainable
 
 EPS = 1e-4
 
@@ -263,16 +264,11 @@ def test_pruning_leaves_the_rollout_unchanged_and_pruned_edges_without_gradient(
     assert stats["grad_norm"] > 0 and any(not torch.equal(before[n], p) for n, p in pruned.params.items())
 
 
-def _metrics(run: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
-
-
 def test_tree_training_end_to_end_and_exact_resume(tmp_path, tiny_sd3_dir):
     common = [*TREE, f"model.path={tiny_sd3_dir}", "run.checkpoint_every=2", "trainer.kl_beta=0.01", "rollout.tree.fusion=prob"]
     straight = tmp_path / "straight"
     assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
-    rows = _metrics(straight)
+    rows = run_metrics(straight)
     assert len(rows) == 4
     splits = {0: 2, 2: 2}
     for row in rows:
@@ -287,14 +283,8 @@ def test_tree_training_end_to_end_and_exact_resume(tmp_path, tiny_sd3_dir):
     assert rows[0]["first_ratio_deviation"] < 1e-6
     assert rows[0]["reward_std"] > 0
 
-    stopped = tmp_path / "stopped"
-    assert main(["train", "tiny_jpeg", *common, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
-    assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
-    assert _metrics(stopped) == rows
-    a = load_file(str(straight / "checkpoints" / "iter_000004" / "trainable.safetensors"))
-    b = load_file(str(stopped / "checkpoints" / "iter_000004" / "trainable.safetensors"))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    first = load_file(str(straight / "checkpoints" / "iter_000002" / "trainable.safetensors"))
+    assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
+    a, first = trainable(straight, 4), trainable(straight, 2)
     assert any(not torch.equal(a[k], first[k]) for k in a if "lora_B" in k)
 
 

@@ -1,0 +1,32 @@
+"""Checks on run directories shared by the training tests (imported from the tests folder)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from flowrl.cli import main
+
+
+def run_metrics(run: Path) -> list[dict]:
+    """metrics.jsonl rows without the wall-clock timings (which no two runs share)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+
+
+def trainable(run: Path, iteration: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "checkpoints" / f"iter_{iteration:06d}" / "trainable.safetensors"))
+
+
+def assert_resume_repeats(args: list[str], straight: Path, stopped: Path) -> None:
+    """`straight` ran `args` for 4 iterations with a checkpoint every 2. Running them for 2 into
+    `stopped` and resuming to 4 must give the same metrics and bit-identical weights."""
+    assert main(["train", *args, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
+    assert len(run_metrics(stopped)) == 2
+    assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
+    assert run_metrics(stopped) == run_metrics(straight)
+    a, b = trainable(straight, 4), trainable(stopped, 4)
+    assert all(torch.equal(a[k], b[k]) for k in a)
