@@ -4,7 +4,6 @@ through the same SD3 adapter as real SD3, and its deterministic, resumable pretr
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest

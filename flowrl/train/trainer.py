@@ -10,7 +10,6 @@ repeats an uninterrupted one exactly.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from datetime import datetime
 from pathlib import Path
@@ -25,7 +24,7 @@ from flowrl.core.advantages import estimate_advantages
 from flowrl.core.allocation import make_allocator
 from flowrl.core.losses import PolicyLoss
 from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, trained_depths, width_prune
-from flowrl.errors import ConfigError, UserError
+from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.sampling.precision import check_training_precision
 from flowrl.sampling.noise import seeded_noise
@@ -232,7 +231,7 @@ class GRPOTrainer:
             return self.tree_iteration()
         if self.cfg.rollout.kind == "two_stage":
             return self.two_stage.iteration()
-        cfg, acc, it = self.cfg, self.accelerator, self.iteration
+        cfg, it = self.cfg, self.iteration
         t0 = time.perf_counter()
         spec = self.sampler_spec(it)
         weights = self.reward_fn.channel_weights
@@ -370,9 +369,10 @@ class GRPOTrainer:
             cond = self.policy.encode(traj.prompts[c])
             seeds = traj.seeds[c].tolist()
             for k in range(k_steps):
-                # stratified over (low, high]: one sigma per stratum, never low itself (the adapter's edge)
+                # stratified over (low, high]: one sigma per stratum; never low itself (the adapter's
+                # edge), which float rounding of (k + u) / k_steps could otherwise reach
                 sigma = high - (high - low) * (k + float(torch.rand((), generator=gen))) / k_steps
-                sigma = min(max(sigma, low + 1e-6), high)
+                sigma = max(sigma, low + 1e-6)
                 eps = seeded_noise(seeds, NFT_NOISE_KEY - k, x0.shape[1:], acc.device)
                 x_t = (1 - sigma) * x0 + sigma * eps
                 with contextlib.nullcontext() if k == k_steps - 1 else acc.no_sync(self.policy.net):
@@ -635,7 +635,7 @@ class GRPOTrainer:
             if acc.is_main_process:
                 self.run.append_metrics(row)
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.4g}", **({"kl": f"{row['kl']:.2e}"} if "kl" in row else {}))
+            bar.set_postfix(reward=f"{row['reward_mean']:.4g}", kl=f"{row['kl']:.2e}")
             if budget_s:  # every process calls the broadcast, so all agree with rank 0's clock
                 from accelerate.utils import broadcast_object_list
 
