@@ -30,6 +30,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 OBJECTIVES = ("grpo", "nft")
+NFT_OLD_POLICIES = ("current", "sampling")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")
 ROLLOUT_KINDS = ("flat", "tree", "two_stage")
@@ -203,6 +204,13 @@ class TrainerConfig:
     objective: str = "grpo"
     nft_timesteps: int = 2  # nft: forward-process sigmas drawn per sample and iteration
     nft_beta: float = 1.0  # nft: the implicit policies' step, v_old +- beta (v - v_old)
+    # nft: v_old is "current" (the weights before each optimizer step) or "sampling" (the weights
+    # that sampled the iteration, fixed through its steps, then soft-updated: old <- d old + (1 - d) new
+    # with d = min(nft_old_decay, nft_old_decay_rate x iteration), DiffusionNFT's schedule)
+    nft_old_policy: str = "current"
+    nft_old_decay: float = 0.5
+    nft_old_decay_rate: float = 0.001
+    nft_adaptive_weight: bool = False  # nft: the paper's per-sample normalisation of the x0-prediction error
     iterations: int = 40
     max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time
     lr: float = 3e-4
@@ -424,9 +432,14 @@ def _validate_nft(cfg: Config) -> None:
     _positive("trainer.nft_beta", t.nft_beta)
     if cfg.rollout.kind != "flat":
         raise ConfigError(f"trainer.objective nft trains on flat rollouts' clean samples; rollout.kind must be flat, got '{cfg.rollout.kind}'")
-    if t.inner_epochs != 1:
-        raise ConfigError(f"trainer.inner_epochs must be 1 with trainer.objective nft (its old policy is the weights "
-                          f"before each step); got {t.inner_epochs}")
+    if t.nft_old_policy not in NFT_OLD_POLICIES:
+        raise ConfigError(f"trainer.nft_old_policy must be one of {', '.join(NFT_OLD_POLICIES)}; got '{t.nft_old_policy}'")
+    if not 0.0 <= t.nft_old_decay < 1.0 or t.nft_old_decay_rate < 0:
+        raise ConfigError(f"trainer.nft_old_decay must be in [0, 1) and trainer.nft_old_decay_rate >= 0; "
+                          f"got {t.nft_old_decay} and {t.nft_old_decay_rate}")
+    if t.inner_epochs != 1 and t.nft_old_policy == "current":
+        raise ConfigError(f"trainer.inner_epochs must be 1 with trainer.objective nft and trainer.nft_old_policy current "
+                          f"(v_old is then the weights before each step, not the policy that sampled); got {t.inner_epochs}")
 
 
 def _validate_sigma_range(cfg: Config) -> None:

@@ -42,6 +42,8 @@ BAD = [
     (["sampling.sampler=ode"], "sampling.sampler"),  # grpo needs log-probs
     (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.inner_epochs=2"], "trainer.inner_epochs"),
     (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_timesteps=0"], "trainer.nft_timesteps"),
+    (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_old_policy=ema"], "trainer.nft_old_policy"),
+    (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_old_policy=sampling", "trainer.nft_old_decay=1.0"], "trainer.nft_old_decay"),
     (["trainer.objective=nft", "trainer.kl_beta=0", "rollout.kind=tree", "rollout.tree.split_steps=[0, 1]",
       "data.group_size=4", "advantage.kind=grpo"], "trainer.objective"),
     (["lora.sigma_range=[0.9]"], "lora.sigma_range"),
@@ -56,6 +58,10 @@ def test_nft_accepts_the_ode_sampler_and_any_sigma_range():
     # nft trains on clean samples: no log-probs, and it draws its sigmas inside the adapter's range
     cfg = load_config("tiny_jpeg", ["trainer.objective=nft", "trainer.kl_beta=0", "sampling.sampler=ode", "lora.sigma_range=[0.5, 1.0]"])
     assert cfg.trainer.objective == "nft" and cfg.sampling.sampler == "ode"
+    # with an old policy fixed through the iteration, several passes over its samples are sound
+    cfg = load_config("tiny_jpeg", ["trainer.objective=nft", "trainer.kl_beta=0", "sampling.sampler=ode",
+                                    "trainer.nft_old_policy=sampling", "trainer.inner_epochs=2"])
+    assert cfg.trainer.inner_epochs == 2
 
 
 def test_sigma_range_holding_the_window_is_accepted():

@@ -349,3 +349,20 @@ def test_nft_gradient_at_the_old_policy_is_advantage_weighted_flow_matching():
     v = x @ w
     ((2 * r - 1) * beta * ((v - u) ** 2).mean(1)).sum().backward()
     assert torch.allclose(got, w.grad, atol=1e-6)
+
+
+def test_nft_adaptive_weighting_equalises_the_step_per_sample():
+    # DiffusionNFT's weighting divides each sample's x0 error by its own mean size: a sample ten
+    # times further from its target gets the same gradient, where the plain loss gives it ten times more
+    g = torch.Generator().manual_seed(2)
+    u = torch.randn(2, 3, 4, generator=g)
+
+    def grads(scale_second: float, **kw) -> torch.Tensor:
+        v = torch.stack([u[0] + 0.3, u[1] + 0.3 * scale_second]).requires_grad_(True)
+        nft_loss(v, v.detach(), u, torch.ones(2), 1.0, **kw).sum().backward()
+        return v.grad
+
+    plain, plain10 = grads(1.0), grads(10.0)
+    assert torch.allclose(plain10[1], 10 * plain[1], atol=1e-6)
+    weighted, weighted10 = grads(1.0, sigma=0.8), grads(10.0, sigma=0.8)
+    assert torch.allclose(weighted10[1], weighted[1], atol=1e-6) and torch.allclose(weighted10[0], weighted[0])

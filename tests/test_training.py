@@ -48,6 +48,29 @@ def test_nft_trains_on_ode_samples_and_resumes_exactly(tmp_path, tiny_sd3_dir):
     assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)  # the adapter moved off its zero init
 
 
+def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, tiny_sd3_dir):
+    # nft_old_policy sampling: the weights that sample (and give v_old) are soft-updated after each
+    # iteration, old <- d old + (1 - d) new with d = min(0.6, 0.3 x iteration): equal to the trained
+    # weights after iteration 0 (d = 0), lagging them after; they travel in the checkpoint
+    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=1", "trainer.objective=nft",
+                     "trainer.kl_beta=0", "sampling.sampler=ode", "trainer.nft_timesteps=1", "trainer.nft_old_policy=sampling",
+                     "trainer.nft_old_decay=0.6", "trainer.nft_old_decay_rate=0.3", "trainer.nft_adaptive_weight=true",
+                     "trainer.inner_epochs=2", "trainer.lr=1e-2"]
+    straight = tmp_path / "straight"
+    assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
+    assert all(r["optimizer_steps"] == 2 * 2 for r in run_metrics(straight))  # 2 passes x 2 batches
+
+    def old(i: int) -> dict[str, torch.Tensor]:
+        return load_file(str(straight / "checkpoints" / f"iter_{i:06d}" / "nft_old.safetensors"))
+
+    assert all(torch.equal(old(1)[k], trainable(straight, 1)[k]) for k in old(1))
+    for i, d in ((2, 0.3), (3, 0.6)):
+        new, prev = trainable(straight, i), old(i - 1)
+        assert all(torch.allclose(old(i)[k], d * prev[k] + (1 - d) * new[k], atol=1e-6) for k in new)
+    assert any(not torch.allclose(old(3)[k], trainable(straight, 3)[k]) for k in old(3))
+    assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
+
+
 def test_run_directory_contents(tmp_path, tiny_sd3_dir):
     run = tmp_path / "run"
     args = FAST + [f"model.path={tiny_sd3_dir}", "trainer.iterations=2", "run.sample_every=1", "run.checkpoint_every=1",

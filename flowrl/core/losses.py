@@ -44,15 +44,31 @@ def optimality_probability(advantages: torch.Tensor, scale: float = 1.0) -> torc
     return 0.5 + 0.5 * torch.clamp(advantages / scale, -1.0, 1.0)
 
 
-def nft_loss(v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, r: torch.Tensor, beta: float = 1.0) -> torch.Tensor:
+def nft_loss(v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, r: torch.Tensor, beta: float = 1.0,
+             sigma: torch.Tensor | float | None = None) -> torch.Tensor:
     """DiffusionNFT's negative-aware flow-matching loss, per sample [B] (Zheng et al. 2025, eq. for
     L(theta)): r ||v+ - u||^2 + (1 - r) ||v- - u||^2 with the implicit positive and negative policies
     v+ = (1 - beta) v_old + beta v and v- = (1 + beta) v_old - beta v. Its minimiser is
     v_old + (2r - 1)(u - v_old) / beta: toward the sample's target velocity u for better-than-group
     samples, away from it for worse ones, and no move at r = 0.5. Squared errors are means over
-    the non-batch dimensions (the model's prediction scale, independent of resolution)."""
+    the non-batch dimensions (the model's prediction scale, independent of resolution).
+
+    With `sigma` (the noise level of x_t, a float or [B]) each term gets the paper's adaptive
+    weighting: the x0-prediction error, sigma^2 ||v -/+ u||^2, divided by its own detached mean
+    absolute value, sigma mean|v -/+ u|, so every sample's step has the same size whatever its
+    error. (The two terms' normalisers differ away from v_old, which moves the minimiser toward r's
+    side; at v = v_old they are equal and the gradient is (2r - 1) beta times a unit-size step.)"""
     v_pos = (1 - beta) * v_old + beta * v
     v_neg = (1 + beta) * v_old - beta * v
     dims = tuple(range(1, v.ndim))
     r = r.to(v.dtype)
-    return r * ((v_pos - target) ** 2).mean(dims) + (1 - r) * ((v_neg - target) ** 2).mean(dims)
+
+    def term(pred: torch.Tensor) -> torch.Tensor:
+        err = pred - target
+        if sigma is None:
+            return (err**2).mean(dims)
+        s = torch.as_tensor(sigma, dtype=v.dtype, device=v.device).reshape(-1)
+        scale = (s * err.detach().abs().mean(dims)).clamp(min=1e-5)
+        return s**2 * (err**2).mean(dims) / scale
+
+    return r * term(v_pos) + (1 - r) * term(v_neg)

@@ -39,7 +39,8 @@ def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 
 def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor], optimizer_state: dict,
                     ema_shadow: dict[str, torch.Tensor] | None, extra: dict, export=None,
-                    allocator_state: dict[str, torch.Tensor] | None = None) -> Path:
+                    allocator_state: dict[str, torch.Tensor] | None = None,
+                    nft_old: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoints/iter_NNNNNN atomically. `export(dir)` may add user-facing files
     (the diffusers-format LoRA) inside the temporary directory before it is renamed."""
     root = Path(root)
@@ -55,6 +56,8 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor],
         save_file({n: t.contiguous() for n, t in ema_shadow.items()}, str(tmp / "ema.safetensors"))
     if allocator_state is not None:
         save_file({k: v.contiguous() for k, v in allocator_state.items()}, str(tmp / "allocator.safetensors"))
+    if nft_old is not None:  # DiffusionNFT's old policy, when it lags the trained weights
+        save_file({n: t.contiguous() for n, t in nft_old.items()}, str(tmp / "nft_old.safetensors"))
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -93,6 +96,7 @@ def load_checkpoint(path: Path) -> dict:
             "ema": load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").is_file() else None,
             "rng": load_file(str(path / "rng.safetensors")),
             "allocator": load_file(str(path / "allocator.safetensors")) if (path / "allocator.safetensors").is_file() else None,
+            "nft_old": load_file(str(path / "nft_old.safetensors")) if (path / "nft_old.safetensors").is_file() else None,
         }
     except Exception as exc:  # safetensors, JSON and missing files all mean the same to the user
         raise UserError(f"checkpoint '{path}' is incomplete or corrupt ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None

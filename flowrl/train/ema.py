@@ -13,9 +13,11 @@ class EMA:
         self.shadow = {n: p.detach().clone().float() for n, p in params.items()}
 
     @torch.no_grad()
-    def update(self, params: dict[str, torch.nn.Parameter]) -> None:
+    def update(self, params: dict[str, torch.nn.Parameter], decay: float | None = None) -> None:
+        """shadow <- d shadow + (1 - d) params, with d = `decay` or the fixed one."""
+        d = self.decay if decay is None else decay
         for n, p in params.items():
-            self.shadow[n].lerp_(p.detach().float(), 1.0 - self.decay)
+            self.shadow[n].lerp_(p.detach().float(), 1.0 - d)
 
     @contextlib.contextmanager
     @torch.no_grad()

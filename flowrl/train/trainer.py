@@ -148,6 +148,8 @@ class GRPOTrainer:
         )
         self.policy.net, self.optimizer = acc.prepare(self.policy.transformer, optimizer)
         self.ema = EMA(self.params, t.ema_decay) if t.ema else None
+        # DiffusionNFT's old policy when it is not the current weights: it samples, and gives v_old
+        self.nft_old = EMA(self.params, t.nft_old_decay) if t.objective == "nft" and t.nft_old_policy == "sampling" else None
         self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards)
         self.reward_runner = AsyncRewardRunner(self.reward_fn)
         self.iteration = 0
@@ -226,6 +228,25 @@ class GRPOTrainer:
         return Stage(traj, rewards, torch.tensor(prompt_ids[:n]), positions,
                      self.reward_runner.reward_seconds - busy_before, wait, valid)
 
+    def sample_allocated(self, it: int, spec: SamplerSpec) -> list[Stage]:
+        """One iteration's rollouts in allocation stages: the allocator decides, we sample, it sees
+        the outcomes, repeat."""
+        stages: list[Stage] = []
+        n_prompts = len(self.prompts)
+        totals = torch.zeros(n_prompts, dtype=torch.long)
+        extra = self.allocator.first_stage(it)
+        while int(extra.sum()) > 0:
+            ids = torch.repeat_interleave(torch.arange(n_prompts), extra).tolist()
+            offset = int(totals.sum())
+            seeds = [sample_seed(self.cfg.trainer.seed, it, offset + j) for j in range(len(ids))]
+            stages.append(self.sample_stage(ids, seeds, spec, desc=f"iter {it} sampling" + (f" (stage {len(stages) + 1})" if stages else "")))
+            totals += extra
+            seen = torch.cat([st.prompt_ids for st in stages])
+            ok = self.successes(torch.cat([st.rewards for st in stages]) @ self.reward_fn.channel_weights)
+            successes = torch.bincount(seen, weights=ok.double(), minlength=n_prompts).long()
+            extra = self.allocator.next_stage(totals, successes, totals - successes)
+        return stages
+
     def train_iteration(self) -> dict:
         if self.cfg.rollout.kind == "tree":
             return self.tree_iteration()
@@ -237,21 +258,8 @@ class GRPOTrainer:
         weights = self.reward_fn.channel_weights
         self.policy.transformer.eval()
 
-        # allocation stages: the allocator decides, we sample, it sees the outcomes, repeat
-        stages: list[Stage] = []
-        n_prompts = len(self.prompts)
-        totals = torch.zeros(n_prompts, dtype=torch.long)
-        extra = self.allocator.first_stage(it)
-        while int(extra.sum()) > 0:
-            ids = torch.repeat_interleave(torch.arange(n_prompts), extra).tolist()
-            offset = int(totals.sum())
-            seeds = [sample_seed(cfg.trainer.seed, it, offset + j) for j in range(len(ids))]
-            stages.append(self.sample_stage(ids, seeds, spec, desc=f"iter {it} sampling" + (f" (stage {len(stages) + 1})" if stages else "")))
-            totals += extra
-            seen = torch.cat([st.prompt_ids for st in stages])
-            ok = self.successes(torch.cat([st.rewards for st in stages]) @ weights)
-            successes = torch.bincount(seen, weights=ok.double(), minlength=n_prompts).long()
-            extra = self.allocator.next_stage(totals, successes, totals - successes)
+        with self.nft_old.swapped_in(self.params) if self.nft_old is not None else contextlib.nullcontext():
+            stages = self.sample_allocated(it, spec)
         t_sample = time.perf_counter()
         t_reward = sum(st.reward_time for st in stages)
 
@@ -278,7 +286,7 @@ class GRPOTrainer:
         t_train = time.perf_counter()
 
         total = rewards[valid] @ weights
-        sizes = torch.bincount(prompt_ids, minlength=n_prompts)
+        sizes = torch.bincount(prompt_ids, minlength=len(self.prompts))
         sizes = sizes[sizes > 0]
         row = {
             "iteration": it,
@@ -349,10 +357,12 @@ class GRPOTrainer:
         """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117): flow matching on the clean samples,
         pulled toward the better-than-group ones and pushed from the worse (flowrl.core.nft_loss).
         Each sample batch is noised afresh at `trainer.nft_timesteps` sigmas, stratified inside
-        lora.sigma_range (where the adapter acts), and makes one optimizer step. The old policy
-        v_old is the weights before that step (its detached prediction): with one pass that is
-        the sampling policy for the first batch, and the gradient is (2r - 1) beta times the
-        plain flow-matching gradient."""
+        lora.sigma_range (where the adapter acts), and makes one optimizer step, for
+        `trainer.inner_epochs` passes. The old policy v_old is, with `nft_old_policy: current`, the
+        weights before each step (its detached prediction: the gradient is then (2r - 1) beta times
+        the plain flow-matching gradient); with `sampling`, the weights that sampled the iteration,
+        which stay fixed through its steps, so the loss's minimiser v_old + (2r - 1)(u - v_old) / beta
+        bounds how far an iteration can move, and are soft-updated after it."""
         cfg, acc, t = self.cfg, self.accelerator, self.cfg.trainer
         bs, k_steps = cfg.sampling.batch_size, t.nft_timesteps
         low, high = self.policy.lora_sigma_range or (0.0, 1.0)
@@ -361,35 +371,43 @@ class GRPOTrainer:
                 for traj, adv in batches for start in range(0, len(traj), bs)]
         losses, grad_norms, kls = [], [], []
         self.policy.transformer.train()
-        bar = tqdm(total=len(work) * k_steps, desc=f"iter {self.iteration} training", leave=False,
+        bar = tqdm(total=t.inner_epochs * len(work) * k_steps, desc=f"iter {self.iteration} training", leave=False,
                    disable=not (cfg.run.progress and acc.is_local_main_process), unit="step")
-        for wi in torch.randperm(len(work), generator=gen).tolist():
-            traj, c, r = work[wi]
-            x0 = traj.final[c].to(acc.device)
-            cond = self.policy.encode(traj.prompts[c])
-            seeds = traj.seeds[c].tolist()
-            for k in range(k_steps):
-                # stratified over (low, high]: one sigma per stratum; never low itself (the adapter's
-                # edge), which float rounding of (k + u) / k_steps could otherwise reach
-                sigma = high - (high - low) * (k + float(torch.rand((), generator=gen))) / k_steps
-                sigma = max(sigma, low + 1e-6)
-                eps = seeded_noise(seeds, NFT_NOISE_KEY - k, x0.shape[1:], acc.device)
-                x_t = (1 - sigma) * x0 + sigma * eps
-                with contextlib.nullcontext() if k == k_steps - 1 else acc.no_sync(self.policy.net):
-                    v = self.policy.velocity(x_t, sigma, cond)
-                    loss = nft_loss(v, v.detach(), eps - x0, r[c].to(acc.device), t.nft_beta).mean()
-                    if t.kl_beta > 0:  # anchor to the reference: the velocity's squared distance to the base network's
-                        with torch.no_grad(), self.policy.reference():
-                            v_ref = self.policy.velocity(x_t, sigma, cond)
-                        kl = ((v - v_ref) ** 2).mean()
-                        kls.append(kl.item())
-                        loss = loss + t.kl_beta * kl
-                    acc.backward(loss / k_steps)
-                losses.append(loss.item())
-                bar.update(1)
-            grad_norms.append(self.optimizer_step())
+        for epoch in range(t.inner_epochs):
+            for wi in torch.randperm(len(work), generator=gen).tolist():
+                traj, c, r = work[wi]
+                x0 = traj.final[c].to(acc.device)
+                cond = self.policy.encode(traj.prompts[c])
+                seeds = traj.seeds[c].tolist()
+                for k in range(k_steps):
+                    # stratified over (low, high]: one sigma per stratum; never low itself (the adapter's
+                    # edge), which float rounding of (k + u) / k_steps could otherwise reach
+                    sigma = high - (high - low) * (k + float(torch.rand((), generator=gen))) / k_steps
+                    sigma = max(sigma, low + 1e-6)
+                    eps = seeded_noise(seeds, NFT_NOISE_KEY - epoch * k_steps - k, x0.shape[1:], acc.device)
+                    x_t = (1 - sigma) * x0 + sigma * eps
+                    v_old = None
+                    if self.nft_old is not None:  # before the forward with grad: the swap writes the weights in place
+                        with torch.no_grad(), self.nft_old.swapped_in(self.params):
+                            v_old = self.policy.velocity(x_t, sigma, cond)
+                    with contextlib.nullcontext() if k == k_steps - 1 else acc.no_sync(self.policy.net):
+                        v = self.policy.velocity(x_t, sigma, cond)
+                        loss = nft_loss(v, v.detach() if v_old is None else v_old, eps - x0, r[c].to(acc.device), t.nft_beta,
+                                        sigma=sigma if t.nft_adaptive_weight else None).mean()
+                        if t.kl_beta > 0:  # anchor to the reference: the velocity's squared distance to the base network's
+                            with torch.no_grad(), self.policy.reference():
+                                v_ref = self.policy.velocity(x_t, sigma, cond)
+                            kl = ((v - v_ref) ** 2).mean()
+                            kls.append(kl.item())
+                            loss = loss + t.kl_beta * kl
+                        acc.backward(loss / k_steps)
+                    losses.append(loss.item())
+                    bar.update(1)
+                grad_norms.append(self.optimizer_step())
         bar.close()
         self.policy.transformer.eval()
+        if self.nft_old is not None:
+            self.nft_old.update(self.params, decay=min(t.nft_old_decay, t.nft_old_decay_rate * self.iteration))
         return {"loss": sum(losses) / max(len(losses), 1), "kl": sum(kls) / max(len(kls), 1), "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
                 "optimizer_steps": len(grad_norms), "trained_transitions": len(losses), "lr": self.optimizer.param_groups[0]["lr"]}
 
@@ -685,6 +703,7 @@ class GRPOTrainer:
                 {"policy_version": self.iteration, "num_processes": acc.num_processes},
                 export=export,
                 allocator_state=self.allocator.state_dict(),
+                nft_old=self.nft_old.shadow if self.nft_old is not None else None,
             )
             self.run.plot_reward_curve(self.run.read_metrics())
         acc.wait_for_everyone()
@@ -706,6 +725,10 @@ class GRPOTrainer:
             self.allocator.load_state_dict(data["allocator"])
         if self.ema is not None and data["ema"] is not None:
             self.ema.shadow = {n: t.clone() for n, t in data["ema"].items()}
+        if self.nft_old is not None:
+            if data["nft_old"] is None:
+                raise UserError(f"--resume: checkpoint '{ckpt}' has no nft_old.safetensors, which trainer.nft_old_policy sampling needs")
+            self.nft_old.shadow = {n: t.clone() for n, t in data["nft_old"].items()}
         restore_rng(data["rng"], data["state"]["python_random"])
         self.iteration = int(data["state"]["iteration"])
         if self.accelerator.is_main_process:
