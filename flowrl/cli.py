@@ -30,11 +30,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="output PNG (default: RUN/samples/sample.png)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=int, help="ODE steps (default: sampling.eval_num_steps)")
+    s.add_argument("--checkpoint", type=int, metavar="ITER", help="the checkpoint of this iteration (default: the latest)")
 
     e = sub.add_parser("eval", help="mean reward per channel on a prompt file")
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", metavar="DIR", help="a run directory (its latest checkpoint)")
     src.add_argument("--config", help="a config or preset: evaluate its base model")
+    e.add_argument("--checkpoint", type=int, metavar="ITER", help="with --run: the checkpoint of this iteration (default: the latest)")
     e.add_argument("--prompts", metavar="FILE", help="one prompt per line, or builtin:shapes-heldout "
                    "(the default when the reward is shapes: a GenEval-style per-category table)")
     e.add_argument("-n", type=int, default=1, help="images per prompt")
@@ -144,7 +146,7 @@ def _relaunch(processes: int, argv: list[str]) -> int:
         raise
 
 
-def _load_run_policy(run: Path, overrides=()):
+def _load_run_policy(run: Path, overrides=(), iteration: int | None = None):
     from flowrl.config import load_config
     from flowrl.models import load_policy
     from flowrl.train.checkpoint import latest_checkpoint
@@ -154,9 +156,17 @@ def _load_run_policy(run: Path, overrides=()):
         raise UserError(f"--run '{run}' is not a run directory (no {CONFIG_FILE})")
     cfg = load_config(run / CONFIG_FILE, list(overrides))
     policy = load_policy(cfg.model)
-    ckpt = latest_checkpoint(RunDir(run).checkpoints)
-    if ckpt is None:
-        raise UserError(f"--run '{run}' has no checkpoint yet")
+    root = RunDir(run).checkpoints
+    if iteration is None:
+        ckpt = latest_checkpoint(root)
+        if ckpt is None:
+            raise UserError(f"--run '{run}' has no checkpoint yet")
+    else:
+        ckpt = root / f"iter_{iteration:06d}"
+        if not ckpt.is_dir():
+            have = sorted(int(p.name.removeprefix("iter_")) for p in root.glob("iter_*") if p.is_dir()) if root.is_dir() else []
+            raise UserError(f"--checkpoint {iteration}: '{run}' has no checkpoint of that iteration; it has "
+                            f"{', '.join(map(str, have)) or 'none'}")
     if cfg.lora.enabled:
         policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
         policy.load_lora(ckpt / ("ema_lora" if (ckpt / "ema_lora").is_dir() else "lora"))
@@ -181,7 +191,7 @@ def cmd_sample(args) -> int:
     if args.n < 1:
         raise UserError(f"-n must be >= 1; got {args.n}")
     run = Path(args.run)
-    cfg, policy, ckpt = _load_run_policy(run)
+    cfg, policy, ckpt = _load_run_policy(run, iteration=args.checkpoint)
     prompts = [p for p in args.prompt for _ in range(args.n)]
     seeds = [args.seed + j % args.n for j in range(len(prompts))]
     images = _ode_images(cfg, policy, prompts, seeds, args.steps)
@@ -202,8 +212,10 @@ def cmd_eval(args) -> int:
         raise UserError(f"-n and --per-category must be >= 1; got {args.n} and {args.per_category}")
     source = args.prompts
     prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category) if source else None
+    if args.checkpoint is not None and not args.run:
+        raise UserError("--checkpoint picks a checkpoint of --run; with --config there is none")
     if args.run:
-        cfg, policy, ckpt = _load_run_policy(Path(args.run), args.overrides)
+        cfg, policy, ckpt = _load_run_policy(Path(args.run), args.overrides, args.checkpoint)
         what = f"{args.run} ({ckpt.name})"
     else:
         cfg = load_config(args.config, args.overrides)

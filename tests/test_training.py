@@ -71,7 +71,7 @@ def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, t
     assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
 
 
-def test_run_directory_contents(tmp_path, tiny_sd3_dir):
+def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
     run = tmp_path / "run"
     args = FAST + [f"model.path={tiny_sd3_dir}", "trainer.iterations=2", "run.sample_every=1", "run.checkpoint_every=1",
                    "run.tracker=tensorboard"]
@@ -99,6 +99,11 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir):
     assert main(["eval", "--run", str(run), "--prompts", str(prompts)]) == 0
     assert main(["eval", "--run", str(run), "--prompts", str(prompts), "model.guidance_scale=2.5"]) == 0
     assert main(["eval", "--run", str(run), "--prompts", str(prompts), "model.bogus=1"]) == 2
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--prompts", str(prompts), "--checkpoint", "1"]) == 0
+    assert "iter_000001" in capsys.readouterr().out  # an earlier checkpoint, not the latest
+    assert main(["eval", "--run", str(run), "--prompts", str(prompts), "--checkpoint", "7"]) == 2
+    assert "it has 1, 2" in capsys.readouterr().err
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
