@@ -164,7 +164,7 @@ def _load_run_policy(run: Path, overrides=(), iteration: int | None = None):
     else:
         ckpt = root / f"iter_{iteration:06d}"
         if not ckpt.is_dir():
-            have = sorted(int(p.name.removeprefix("iter_")) for p in root.glob("iter_*") if p.is_dir()) if root.is_dir() else []
+            have = sorted(int(p.name.removeprefix("iter_")) for p in root.glob("iter_*") if p.is_dir())
             raise UserError(f"--checkpoint {iteration}: '{run}' has no checkpoint of that iteration; it has "
                             f"{', '.join(map(str, have)) or 'none'}")
     if cfg.lora.enabled:

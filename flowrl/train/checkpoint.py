@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 from flowrl.errors import UserError
 
 LATEST = "latest"
+# tensor files a checkpoint may hold: the EMA weights, the allocator's state, DiffusionNFT's old policy
+OPTIONAL_TENSORS = ("ema", "allocator", "nft_old")
 
 
 def _optimizer_to_flat(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -39,10 +41,11 @@ def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 
 def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor], optimizer_state: dict,
                     ema_shadow: dict[str, torch.Tensor] | None, extra: dict, export=None,
-                    allocator_state: dict[str, torch.Tensor] | None = None,
-                    nft_old: dict[str, torch.Tensor] | None = None) -> Path:
+                    **state_tensors: dict[str, torch.Tensor] | None) -> Path:
     """Write checkpoints/iter_NNNNNN atomically. `export(dir)` may add user-facing files
-    (the diffusers-format LoRA) inside the temporary directory before it is renamed."""
+    (the diffusers-format LoRA) inside the temporary directory before it is renamed.
+    `state_tensors` (allocator=..., nft_old=...: names from OPTIONAL_TENSORS) go to NAME.safetensors
+    when not None."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     name = f"iter_{iteration:06d}"
@@ -52,12 +55,11 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor],
     save_file({n: p.detach().cpu().contiguous() for n, p in params.items()}, str(tmp / "trainable.safetensors"))
     opt_tensors, opt_meta = _optimizer_to_flat(optimizer_state)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    if ema_shadow is not None:
-        save_file({n: t.contiguous() for n, t in ema_shadow.items()}, str(tmp / "ema.safetensors"))
-    if allocator_state is not None:
-        save_file({k: v.contiguous() for k, v in allocator_state.items()}, str(tmp / "allocator.safetensors"))
-    if nft_old is not None:  # DiffusionNFT's old policy, when it lags the trained weights
-        save_file({n: t.contiguous() for n, t in nft_old.items()}, str(tmp / "nft_old.safetensors"))
+    for key, tensors in {"ema": ema_shadow, **state_tensors}.items():
+        if key not in OPTIONAL_TENSORS:
+            raise ValueError(f"unknown checkpoint tensor file '{key}'; known: {', '.join(OPTIONAL_TENSORS)}")
+        if tensors is not None:
+            save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / f"{key}.safetensors"))
     rng = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -93,10 +95,9 @@ def load_checkpoint(path: Path) -> dict:
             "state": state,
             "params": load_file(str(path / "trainable.safetensors")),
             "optimizer": _optimizer_from_flat(load_file(str(path / "optimizer.safetensors")), state["optimizer"]),
-            "ema": load_file(str(path / "ema.safetensors")) if (path / "ema.safetensors").is_file() else None,
             "rng": load_file(str(path / "rng.safetensors")),
-            "allocator": load_file(str(path / "allocator.safetensors")) if (path / "allocator.safetensors").is_file() else None,
-            "nft_old": load_file(str(path / "nft_old.safetensors")) if (path / "nft_old.safetensors").is_file() else None,
+            **{key: load_file(str(path / f"{key}.safetensors")) if (path / f"{key}.safetensors").is_file() else None
+               for key in OPTIONAL_TENSORS},
         }
     except Exception as exc:  # safetensors, JSON and missing files all mean the same to the user
         raise UserError(f"checkpoint '{path}' is incomplete or corrupt ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None

@@ -702,7 +702,7 @@ class GRPOTrainer:
                 self.ema.shadow if self.ema is not None else None,
                 {"policy_version": self.iteration, "num_processes": acc.num_processes},
                 export=export,
-                allocator_state=self.allocator.state_dict(),
+                allocator=self.allocator.state_dict(),
                 nft_old=self.nft_old.shadow if self.nft_old is not None else None,
             )
             self.run.plot_reward_curve(self.run.read_metrics())
