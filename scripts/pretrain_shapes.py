@@ -1,7 +1,7 @@
 """Pretrain the embedded default model on the shapes world by rectified-flow matching.
 
-    python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 5500 --threads 1   # the shipped model
-    python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 5500 --threads 1   # resumes
+    python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 9000 --threads 2   # the shipped model
+    python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 9000 --threads 2   # resumes
     python scripts/pretrain_shapes.py --work runs/pretrain-shapes --export flowrl/assets/shapes-sd3
     python scripts/pretrain_shapes.py --work runs/finetune --init builtin:shapes --sigmas uniform --steps 2000
 
@@ -85,7 +85,8 @@ def flow_loss(pipe, x0, prompts, sigmas, noise):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", required=True, help="checkpoint directory (resumed when it holds one)")
-    ap.add_argument("--steps", type=int, default=5500)
+    ap.add_argument("--steps", type=int, default=9000,
+                    help="optimizer steps of --batch images (9000 x 64: 56 minutes on the 2-core dev box, 2 threads)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=200)
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
                     help="mean of the logit-normal sigma draws (> 0 trains more at high noise, where the layout forms)")
     ap.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=True,
                     help="DiT's adaLN-Zero: every block starts as the identity and the output as zero (default; "
-                         "in 5500 steps it reached 0.188 held-out strict against 0.080 without, BENCHMARKS.md)")
+                         "in 5500 steps it reached 0.188 held-out strict against 0.080 without; BENCHMARKS.md)")
     ap.add_argument("--init", metavar="DIR", help="start from a pipeline directory or builtin:shapes (fine-tuning) instead of random weights")
     ap.add_argument("--checkpoint-every", type=int, default=250)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
