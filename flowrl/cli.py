@@ -149,7 +149,7 @@ def _relaunch(processes: int, argv: list[str]) -> int:
 def _load_run_policy(run: Path, overrides=(), iteration: int | None = None):
     from flowrl.config import load_config
     from flowrl.models import load_policy
-    from flowrl.train.checkpoint import latest_checkpoint
+    from flowrl.train.checkpoint import checkpoint_iterations, checkpoint_name, latest_checkpoint
     from flowrl.train.run_dir import CONFIG_FILE, RunDir
 
     if not (run / CONFIG_FILE).is_file():
@@ -162,11 +162,10 @@ def _load_run_policy(run: Path, overrides=(), iteration: int | None = None):
         if ckpt is None:
             raise UserError(f"--run '{run}' has no checkpoint yet")
     else:
-        ckpt = root / f"iter_{iteration:06d}"
+        ckpt = root / checkpoint_name(iteration)
         if not ckpt.is_dir():
-            have = sorted(int(p.name.removeprefix("iter_")) for p in root.glob("iter_*") if p.is_dir())
-            raise UserError(f"--checkpoint {iteration}: '{run}' has no checkpoint of that iteration; it has "
-                            f"{', '.join(map(str, have)) or 'none'}")
+            have = ", ".join(map(str, checkpoint_iterations(root))) or "none"
+            raise UserError(f"--checkpoint {iteration}: '{run}' has no checkpoint of that iteration; it has {have}")
     if cfg.lora.enabled:
         policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
         policy.load_lora(ckpt / ("ema_lora" if (ckpt / "ema_lora").is_dir() else "lora"))

@@ -39,6 +39,15 @@ def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:06d}"
+
+
+def checkpoint_iterations(root: Path) -> list[int]:
+    """The iterations that have a finished checkpoint under root, ascending."""
+    return sorted(int(p.name.removeprefix("iter_")) for p in Path(root).glob("iter_*") if p.is_dir())
+
+
 def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor], optimizer_state: dict,
                     ema_shadow: dict[str, torch.Tensor] | None, extra: dict, export=None,
                     **state_tensors: dict[str, torch.Tensor] | None) -> Path:
@@ -48,7 +57,7 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor],
     when not None."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"iter_{iteration:06d}"
+    name = checkpoint_name(iteration)
     tmp = root / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
