@@ -31,6 +31,7 @@ TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 OBJECTIVES = ("grpo", "nft")
 NFT_OLD_POLICIES = ("current", "sampling")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")
 ROLLOUT_KINDS = ("flat", "tree", "two_stage")
@@ -214,6 +215,8 @@ class TrainerConfig:
     iterations: int = 40
     max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time
     lr: float = 3e-4
+    # constant, or decayed to 0 over trainer.iterations (cosine or linear), set at each iteration's start
+    lr_schedule: str = "constant"
     weight_decay: float = 1e-4
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -573,6 +576,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
 
     _positive("trainer.iterations", t.iterations)
     _positive("trainer.lr", t.lr)
+    _choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     _positive("trainer.max_minutes", t.max_minutes, strict=False)
     _positive("trainer.weight_decay", t.weight_decay, strict=False)
     _positive("trainer.inner_epochs", t.inner_epochs)

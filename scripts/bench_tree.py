@@ -64,6 +64,7 @@ def common_overrides(args) -> list[str]:
     leaves = 2 ** len(args.split_steps)
     return [
         f"model.path={args.model}", f"reward.weights={{{args.reward}: 1.0}}", f"sampling.num_steps={args.steps}",
+        "trainer.objective=grpo",  # trees train edges by the PPO surrogate (the default preset trains NFT)
         "sampling.sampler=dance_grpo", f"sampling.noise_level={args.noise}", f"data.group_size={leaves}",
         f"data.prompts_per_iteration={args.prompts_per_iteration}", "run.tracker=none", "run.progress=false",
         "run.sample_every=0", "run.checkpoint_every=0", f"trainer.seed={args.seed}", *args.overrides,

@@ -366,3 +366,13 @@ def test_nft_adaptive_weighting_equalises_the_step_per_sample():
     assert torch.allclose(plain10[1], 10 * plain[1], atol=1e-6)
     weighted, weighted10 = grads(1.0, sigma=0.8), grads(10.0, sigma=0.8)
     assert torch.allclose(weighted10[1], weighted[1], atol=1e-6) and torch.allclose(weighted10[0], weighted[0])
+
+
+def test_lr_schedules_start_at_the_base_rate_and_decay_to_zero():
+    from flowrl.core.lr_schedule import lr_factor
+
+    assert [lr_factor("constant", i, 4) for i in range(4)] == [1.0] * 4
+    assert [lr_factor("linear", i, 4) for i in range(5)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert [lr_factor("cosine", i, 4) for i in range(5)] == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466, 0.0])
+    with pytest.raises(ValueError, match="cosine"):
+        lr_factor("step", 0, 4)

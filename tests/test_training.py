@@ -71,6 +71,14 @@ def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, t
     assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
 
 
+def test_lr_schedule_decays_the_rate_over_the_run(tmp_path, tiny_sd3_dir):
+    # linear: iteration i of 4 trains at lr (1 - i / 4); what the optimizer used is in each row
+    run = tmp_path / "run"
+    assert main(["train", "tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0",
+                 "trainer.iterations=4", "trainer.lr=1e-3", "trainer.lr_schedule=linear", "--run-dir", str(run)]) == 0
+    assert [r["lr"] for r in run_metrics(run)] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
+
+
 def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
     run = tmp_path / "run"
     args = FAST + [f"model.path={tiny_sd3_dir}", "trainer.iterations=2", "run.sample_every=1", "run.checkpoint_every=1",

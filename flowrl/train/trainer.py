@@ -23,6 +23,7 @@ from flowrl.core import clipped_policy_loss, gaussian_kl, nft_loss, optimality_p
 from flowrl.core.advantages import estimate_advantages
 from flowrl.core.allocation import make_allocator
 from flowrl.core.losses import PolicyLoss
+from flowrl.core.lr_schedule import lr_factor
 from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, trained_depths, width_prune
 from flowrl.errors import UserError
 from flowrl.models import load_policy
@@ -647,6 +648,8 @@ class GRPOTrainer:
         budget_s = cfg.trainer.max_minutes * 60
         out_of_time = False
         while self.iteration < cfg.trainer.iterations and not out_of_time:
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.trainer.lr * lr_factor(cfg.trainer.lr_schedule, self.iteration, cfg.trainer.iterations)
             row = self.train_iteration()
             self.history.append(row)
             acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
