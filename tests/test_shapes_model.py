@@ -144,6 +144,7 @@ def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_pr
 
     prompts = ["two blue squares", "a blue circle above a red square"]
     cfg = load_config(None, ["trainer.iterations=12", "trainer.max_minutes=0", "trainer.ema=false", "trainer.lr=1e-3",
+                             "trainer.lr_schedule=constant",
                              "data.prompts_per_iteration=2", "data.group_size=8", "sampling.batch_size=16",
                              "run.progress=false", "run.tracker=none", "run.sample_every=0", "run.checkpoint_every=0"])
     cfg.data.prompts, cfg.data.prompt_file = prompts, None
