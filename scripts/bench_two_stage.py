@@ -114,7 +114,8 @@ def fidelity(args) -> None:
         else:
             w = s.window
             mask = window_mask(w.strategy, s.num_steps, w.size, w.start, 0, cfg.trainer.seed, w.shift_every)
-            specs[f"{s.num_steps}-step {s.sampler} SDE (training sampler)"] = SamplerSpec(
+            kind = "ODE" if s.sampler == "ode" else f"{s.sampler} SDE"
+            specs[f"{s.num_steps}-step {kind} (training sampler)"] = SamplerSpec(
                 shifted_sigmas(s.num_steps, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction)
     full_spec = next(iter(specs.values())) if 0 in args.preview_steps else None
     t0 = time.perf_counter()
