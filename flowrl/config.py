@@ -215,7 +215,8 @@ class TrainerConfig:
     iterations: int = 40
     max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time
     lr: float = 3e-4
-    # constant, or decayed to 0 over trainer.iterations (cosine or linear), set at each iteration's start
+    # constant, or decayed to 0 over trainer.iterations (cosine or linear), set at each iteration's start;
+    # resuming with more iterations stretches the rest of the curve, and a max_minutes stop cuts it short
     lr_schedule: str = "constant"
     weight_decay: float = 1e-4
     adam_beta1: float = 0.9
