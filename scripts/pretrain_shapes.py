@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from flowrl.core.lr_schedule import lr_factor
 from flowrl.models.shapes import build_shapes_pipeline, save_shapes_pipeline
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowrl.train.ema import EMA
@@ -60,8 +60,7 @@ def batch(seed: int, step: int, size: int, image_size: int, drop: float, sigma_s
 def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.05) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    return peak * (floor + (1 - floor) * lr_factor("cosine", step - warmup, total - warmup))
 
 
 def trainable(pipe) -> dict[str, torch.nn.Parameter]:
