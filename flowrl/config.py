@@ -205,6 +205,9 @@ class TrainerConfig:
     objective: str = "grpo"
     nft_timesteps: int = 2  # nft: forward-process sigmas drawn per sample and iteration
     nft_beta: float = 1.0  # nft: the implicit policies' step, v_old +- beta (v - v_old)
+    # nft: time shift of those sigmas (1: uniform strata over lora.sigma_range; 3: two of three
+    # strata above 0.6, where a sample's layout is decided)
+    nft_sigma_shift: float = 1.0
     # nft: v_old is "current" (the weights before each optimizer step) or "sampling" (the weights
     # that sampled the iteration, fixed through its steps, then soft-updated: old <- d old + (1 - d) new
     # with d = min(nft_old_decay, nft_old_decay_rate x iteration), DiffusionNFT's schedule)
@@ -434,6 +437,7 @@ def _validate_nft(cfg: Config) -> None:
     t = cfg.trainer
     _positive("trainer.nft_timesteps", t.nft_timesteps)
     _positive("trainer.nft_beta", t.nft_beta)
+    _positive("trainer.nft_sigma_shift", t.nft_sigma_shift)
     if cfg.rollout.kind != "flat":
         raise ConfigError(f"trainer.objective nft trains on flat rollouts' clean samples; rollout.kind must be flat, got '{cfg.rollout.kind}'")
     if t.nft_old_policy not in NFT_OLD_POLICIES:

@@ -42,6 +42,7 @@ BAD = [
     (["sampling.sampler=ode"], "sampling.sampler"),  # grpo needs log-probs
     (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.inner_epochs=2"], "trainer.inner_epochs"),
     (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_timesteps=0"], "trainer.nft_timesteps"),
+    (["trainer.objective=nft", "trainer.nft_sigma_shift=0"], "trainer.nft_sigma_shift"),
     (["trainer.lr_schedule=step"], "trainer.lr_schedule"),
     (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_old_policy=ema"], "trainer.nft_old_policy"),
     (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_old_policy=sampling", "trainer.nft_old_decay=1.0"], "trainer.nft_old_decay"),

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowrl.sampling.noise import INITIAL, seeded_noise
-from flowrl.sampling.schedules import shifted_sigmas, window_mask, window_start
+from flowrl.sampling.schedules import shifted_sigmas, stratified_sigma, time_shift, window_mask, window_start
 from flowrl.sampling.steps import (
     STEP_FUNCTIONS,
     cps_step,
@@ -260,6 +260,34 @@ def test_shifted_sigmas_endpoints_and_monotone(num_steps, shift):
 def test_shifted_sigmas_shift_one_is_linear_and_shift_raises_sigmas():
     torch.testing.assert_close(shifted_sigmas(8, shift=1.0), torch.linspace(1, 0, 9))
     assert (shifted_sigmas(8, shift=3.0)[1:-1] > shifted_sigmas(8, shift=1.0)[1:-1]).all()
+
+
+@FAST
+@given(num=st.integers(1, 6), low=st.floats(0.0, 0.5), seed=st.integers(0, 2**31))
+def test_stratified_sigmas_fall_in_their_shifted_strata(num, low, seed):
+    # NFT's training sigmas: the k-th lies in the k-th of num equal strata of (low, 1], counted
+    # from the noisy end, after the time shift moves the strata's edges toward 1
+    high = 1.0
+    for shift in (1.0, 3.0):
+        gen = torch.Generator().manual_seed(seed)
+        for k in range(num):
+            sigma = stratified_sigma(k, num, low, high, shift, gen)
+            top = low + (high - low) * time_shift(1.0 - k / num, shift)
+            bottom = low + (high - low) * time_shift(1.0 - (k + 1) / num, shift)
+            assert bottom - 1e-9 <= sigma <= top + 1e-9
+            assert sigma > low
+
+
+def test_sigma_shift_moves_training_sigmas_to_the_noisy_end():
+    def draws(shift: float) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        return torch.tensor([stratified_sigma(k % 3, 3, 0.0, 1.0, shift, gen) for k in range(300)])
+
+    uniform, shifted = draws(1.0), draws(3.0)
+    assert abs(uniform.mean().item() - 0.5) < 0.05
+    # shift 3 maps the strata (2/3, 1], (1/3, 2/3], (0, 1/3] to (6/7, 1], (3/5, 6/7], (0, 3/5]
+    assert (shifted > 0.6).float().mean().item() == pytest.approx(2 / 3, abs=1e-6)
+    assert (uniform > 0.6).float().mean().item() < 0.5
 
 
 def _window(mask: torch.Tensor) -> tuple[int, int]:

@@ -9,12 +9,30 @@ import torch
 WINDOW_STRATEGIES = ("all", "fixed", "random", "progressive")
 
 
+def time_shift(t, shift: float):
+    """SD3's time shift sigma' = s t / (1 + (s - 1) t) (Esser et al., "Scaling Rectified Flow
+    Transformers", eq. 23): s > 1 moves every t in (0, 1) toward 1, the noisier end."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
 def shifted_sigmas(num_steps: int, shift: float = 3.0) -> torch.Tensor:
-    """num_steps + 1 sigmas from 1 to 0, with SD3's time shift sigma' = s t / (1 + (s - 1) t)
-    (Esser et al., "Scaling Rectified Flow Transformers", eq. 23). fp32, on CPU."""
+    """num_steps + 1 sigmas from 1 to 0, time-shifted (`time_shift`). fp32, on CPU."""
     t = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
-    sigmas = shift * t / (1 + (shift - 1) * t)
-    return sigmas.float()
+    return time_shift(t, shift).float()
+
+
+def stratified_sigma(k: int, num: int, low: float, high: float, shift: float, generator: torch.Generator) -> float:
+    """The k-th of `num` training sigmas: one uniform draw in the k-th of `num` equal strata of
+    (low, high], counted from the noisy end, then time-shifted inside the range. With shift > 1 the
+    strata crowd toward `high`: DiffusionNFT-style training on clean samples then spends more of
+    its steps at the noise levels where a sample's layout is decided. Never `low` itself (the
+    adapter's edge), which float rounding could otherwise reach."""
+    u = (k + float(torch.rand((), generator=generator))) / num
+    if shift == 1.0:  # kept as it was written before the shift existed: runs repeat bit for bit
+        sigma = high - (high - low) * u
+    else:
+        sigma = low + (high - low) * time_shift(1.0 - u, shift)
+    return max(sigma, low + 1e-6)
 
 
 def window_start(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10) -> int:

@@ -31,7 +31,7 @@ from flowrl.sampling.precision import check_training_precision
 from flowrl.sampling.noise import seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, policy_precision, rollout, transition
 from flowrl.sampling.steps import StepOutput
-from flowrl.sampling.schedules import shifted_sigmas, window_mask
+from flowrl.sampling.schedules import shifted_sigmas, stratified_sigma, window_mask
 from flowrl.sampling.tree import TreeTrajectory, edge_children, parent_batches, tree_edges, tree_rollout, tree_spec
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from flowrl.train.ema import EMA
@@ -370,7 +370,7 @@ class GRPOTrainer:
         gen = torch.Generator().manual_seed(sample_seed(t.seed, self.iteration, 999_979))
         work = [(traj, slice(start, start + bs), optimality_probability(adv))
                 for traj, adv in batches for start in range(0, len(traj), bs)]
-        losses, grad_norms, kls = [], [], []
+        losses, grad_norms, kls, sigmas = [], [], [], []
         self.policy.transformer.train()
         bar = tqdm(total=t.inner_epochs * len(work) * k_steps, desc=f"iter {self.iteration} training", leave=False,
                    disable=not (cfg.run.progress and acc.is_local_main_process), unit="step")
@@ -381,10 +381,8 @@ class GRPOTrainer:
                 cond = self.policy.encode(traj.prompts[c])
                 seeds = traj.seeds[c].tolist()
                 for k in range(k_steps):
-                    # stratified over (low, high]: one sigma per stratum; never low itself (the adapter's
-                    # edge), which float rounding of (k + u) / k_steps could otherwise reach
-                    sigma = high - (high - low) * (k + float(torch.rand((), generator=gen))) / k_steps
-                    sigma = max(sigma, low + 1e-6)
+                    sigma = stratified_sigma(k, k_steps, low, high, t.nft_sigma_shift, gen)
+                    sigmas.append(sigma)
                     eps = seeded_noise(seeds, NFT_NOISE_KEY - epoch * k_steps - k, x0.shape[1:], acc.device)
                     x_t = (1 - sigma) * x0 + sigma * eps
                     v_old = None
@@ -410,7 +408,8 @@ class GRPOTrainer:
         if self.nft_old is not None:
             self.nft_old.update(self.params, decay=min(t.nft_old_decay, t.nft_old_decay_rate * self.iteration))
         return {"loss": sum(losses) / max(len(losses), 1), "kl": sum(kls) / max(len(kls), 1), "grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-                "optimizer_steps": len(grad_norms), "trained_transitions": len(losses), "lr": self.optimizer.param_groups[0]["lr"]}
+                "optimizer_steps": len(grad_norms), "trained_transitions": len(losses), "lr": self.optimizer.param_groups[0]["lr"],
+                "nft_sigma_mean": sum(sigmas) / max(len(sigmas), 1)}
 
     def optimizer_step(self) -> float:
         """Clip, step, zero, update the EMA; returns the gradient norm before clipping."""
