@@ -205,8 +205,8 @@ class TrainerConfig:
     objective: str = "grpo"
     nft_timesteps: int = 2  # nft: forward-process sigmas drawn per sample and iteration
     nft_beta: float = 1.0  # nft: the implicit policies' step, v_old +- beta (v - v_old)
-    # nft: time shift of those sigmas (1: uniform strata over lora.sigma_range; 3: two of three
-    # strata above 0.6, where a sample's layout is decided)
+    # nft: time shift of those sigmas (1: uniform strata over lora.sigma_range; 3 with 3 sigmas
+    # over (0, 1]: two of them above 0.6, where a sample's layout is decided)
     nft_sigma_shift: float = 1.0
     # nft: v_old is "current" (the weights before each optimizer step) or "sampling" (the weights
     # that sampled the iteration, fixed through its steps, then soft-updated: old <- d old + (1 - d) new
