@@ -28,11 +28,10 @@ def stratified_sigma(k: int, num: int, low: float, high: float, shift: float, ge
     its steps at the noise levels where a sample's layout is decided. Never `low` itself (the
     adapter's edge), which float rounding could otherwise reach."""
     u = (k + float(torch.rand((), generator=generator))) / num
-    if shift == 1.0:  # kept as it was written before the shift existed: runs repeat bit for bit
-        sigma = high - (high - low) * u
-    else:
-        sigma = low + (high - low) * time_shift(1.0 - u, shift)
-    return max(sigma, low + 1e-6)
+    # distance from the noisy end after the shift: 1 - time_shift(1 - u, shift), written so that it
+    # is exactly u at shift 1 (runs from before the shift existed repeat bit for bit)
+    w = u / (1 + (shift - 1) * (1 - u))
+    return max(high - (high - low) * w, low + 1e-6)
 
 
 def window_start(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10) -> int:
