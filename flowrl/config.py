@@ -123,7 +123,8 @@ class TwoStageConfig:
     high_precision_layers: list[str] = field(default_factory=lambda: list(HIGH_PRECISION_LAYERS))
     preview_steps: int = 0  # 0: stage 1 runs the training sampler | P > 0: a P-step ODE preview
     # false: train on the selected candidates themselves; only allowed when they already are
-    # training-precision samples of the training sampler (explore_precision = model.dtype, no preview)
+    # training-precision samples of the training sampler (explore_precision = model.dtype, no preview),
+    # or with trainer.objective nft, which flow-matches clean samples and takes no log-prob of them
     regenerate: bool = True
     fidelity_every: int = 10  # iterations between regenerating the whole pool to log reward rank correlations (0: never)
 
@@ -438,8 +439,9 @@ def _validate_nft(cfg: Config) -> None:
     _positive("trainer.nft_timesteps", t.nft_timesteps)
     _positive("trainer.nft_beta", t.nft_beta)
     _positive("trainer.nft_sigma_shift", t.nft_sigma_shift)
-    if cfg.rollout.kind != "flat":
-        raise ConfigError(f"trainer.objective nft trains on flat rollouts' clean samples; rollout.kind must be flat, got '{cfg.rollout.kind}'")
+    if cfg.rollout.kind not in ("flat", "two_stage"):
+        raise ConfigError(f"trainer.objective nft trains on flat rollouts' clean samples; rollout.kind must be flat or two_stage, "
+                          f"got '{cfg.rollout.kind}'")
     if t.nft_old_policy not in NFT_OLD_POLICIES:
         raise ConfigError(f"trainer.nft_old_policy must be one of {', '.join(NFT_OLD_POLICIES)}; got '{t.nft_old_policy}'")
     if not 0.0 <= t.nft_old_decay < 1.0 or t.nft_old_decay_rate < 0:
@@ -484,11 +486,14 @@ def _validate_two_stage(cfg: Config) -> None:
     _choice("rollout.two_stage.backend", ts.backend, BACKENDS)
     _positive("rollout.two_stage.preview_steps", ts.preview_steps, strict=False)
     _positive("rollout.two_stage.fidelity_every", ts.fidelity_every, strict=False)
-    if not ts.regenerate and (ts.explore_precision != cfg.model.dtype or ts.preview_steps):
-        # the guard: low-precision (or preview) samples never enter the loss
+    if not ts.regenerate and cfg.trainer.objective != "nft" and (ts.explore_precision != cfg.model.dtype or ts.preview_steps):
+        # the guard: low-precision (or preview) samples never enter a log-prob ratio; nft needs none, it flow-matches
+        # the clean samples of any sampler
         raise ConfigError(f"rollout.two_stage.regenerate must be true when explore_precision is '{ts.explore_precision}' and "
                           f"preview_steps {ts.preview_steps} (training on the candidates themselves needs explore_precision = "
-                          f"model.dtype '{cfg.model.dtype}' and preview_steps 0)")
+                          f"model.dtype '{cfg.model.dtype}' and preview_steps 0, or trainer.objective nft)")
+    if list(cfg.lora.sigma_range) != [0.0, 1.0]:  # the exploration copy merges the adapter in at every sigma
+        raise ConfigError(f"lora.sigma_range must be [0, 1] when rollout.kind is two_stage; got {list(cfg.lora.sigma_range)}")
     if cfg.allocator.kind != "uniform":
         raise ConfigError(f"allocator.kind must be uniform when rollout.kind is two_stage (selection, not allocation, picks "
                           f"the trained samples); got '{cfg.allocator.kind}'")

@@ -329,3 +329,47 @@ def test_two_stage_without_regeneration_trains_on_the_selected_candidates(tmp_pa
     (traj, adv), = trained
     assert len(traj) == 8 and set(traj.seeds.tolist()) <= set(stages[0].traj.seeds.tolist())
     assert row["first_ratio_deviation"] < 1e-5 and (adv != 0).any()
+
+
+# ---- DiffusionNFT on a low-precision explorer's candidates ------------------------------
+NFT = ["trainer.objective=nft", "sampling.sampler=ode", "trainer.kl_beta=0", "trainer.nft_timesteps=1",
+       "rollout.two_stage.explore_precision=bf16", "rollout.two_stage.regenerate=false"]
+
+
+def test_nft_may_train_on_low_precision_candidates_but_not_with_a_sigma_range(tiny_sd3_dir):
+    cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT))
+    assert cfg.trainer.objective == "nft" and not cfg.rollout.two_stage.regenerate
+    # the exploration copy has the adapter merged in at every sigma
+    with pytest.raises(ConfigError, match=r"^lora\.sigma_range must be \[0, 1\] when rollout\.kind is two_stage"):
+        load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT, "lora.sigma_range=[0.5, 1.0]"))
+
+
+def test_nft_trains_on_the_selected_bf16_candidates_without_regenerating(tmp_path, tiny_sd3_dir):
+    cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT, "trainer.iterations=1"))
+    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    stages, trained = _capture(trainer)
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    row = trainer.train()[0]
+    (pool,), ((traj, adv),) = stages, trained
+    assert pool.traj.precision == "bfloat16" and traj.precision == "bfloat16"
+    assert row["nfe_regenerate"] == 0 and row["samples"] == 8 and row["candidates"] == 16
+    assert traj.seeds.tolist() == _selected_seeds(trainer, pool, 4)
+    assert (adv != 0).any() and row["trained_transitions"] > 0 and math.isfinite(row["loss"])
+    assert any(not torch.equal(before[n], p) for n, p in trainer.params.items())
+
+
+def test_nft_old_weights_are_what_the_exploration_copy_is_merged_from(tmp_path, tiny_sd3_dir):
+    # decay 0.9 from the second iteration on: the old weights lag the trained ones
+    cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT, "trainer.iterations=3", "trainer.nft_old_policy=sampling",
+                                             "trainer.nft_old_decay=0.9", "trainer.nft_old_decay_rate=1.0", "trainer.lr=0.1"))
+    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    for _ in range(2):
+        trainer.train_iteration()
+    current = merged_state(trainer.policy.transformer)
+    with trainer.nft_old.swapped_in(trainer.params):
+        old = {n: t.clone() for n, t in merged_state(trainer.policy.transformer).items()}
+    changed = [n for n in old if not torch.equal(old[n].bfloat16(), current[n].bfloat16())]
+    assert changed  # else the check below could not tell the two apart
+    trainer.train_iteration()  # resyncs the copy at its start, then trains
+    copy_state = trainer.two_stage.explorer.net.state_dict()
+    assert all(torch.equal(copy_state[n], old[n].to(copy_state[n].dtype)) for n in changed)

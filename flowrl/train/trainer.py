@@ -337,11 +337,13 @@ class GRPOTrainer:
         """Flat rollouts: one micro-batch per (sample batch, trained step); a sample batch is
         the unit of gradient accumulation. Micro-batches are exactly the sampling batches, so
         the first forward reproduces the behaviour log-probs bit for bit and the ratio starts at 1.
-        Refuses any trajectory not sampled in the training precision (Sol-RL's guard)."""
-        for traj, _ in batches:
-            check_training_precision(traj.precision, policy_precision(self.policy))
+        Refuses any trajectory not sampled in the training precision (Sol-RL's guard: a log-prob
+        ratio between precisions is not the policy's). NFT takes no log-probs; it trains on the
+        clean samples of any sampler and precision."""
         if self.cfg.trainer.objective == "nft":
             return self.update_nft(batches)
+        for traj, _ in batches:
+            check_training_precision(traj.precision, policy_precision(self.policy))
         bs = self.cfg.sampling.batch_size
         groups = []
         for traj, adv in batches:
@@ -377,7 +379,7 @@ class GRPOTrainer:
         for epoch in range(t.inner_epochs):
             for wi in torch.randperm(len(work), generator=gen).tolist():
                 traj, c, r = work[wi]
-                x0 = traj.final[c].to(acc.device)
+                x0 = traj.final[c].to(acc.device, torch.float32)  # a low-precision explorer's samples too
                 cond = self.policy.encode(traj.prompts[c])
                 seeds = traj.seeds[c].tolist()
                 for k in range(k_steps):

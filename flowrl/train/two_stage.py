@@ -10,13 +10,17 @@ One iteration:
      resampled), score them, and train on them alone, with advantages from their own rewards.
 Every `fidelity_every` iterations the whole pool is regenerated instead, and the rank
 correlations of low- and full-precision rewards of the same seeds are logged; the selected
-samples are then taken from that regeneration. Nothing sampled by the copy reaches the loss:
-the config refuses it, and the trainer's update refuses any trajectory not in the training
-precision.
+samples are then taken from that regeneration. Nothing sampled by the copy reaches a log-prob
+ratio: the config refuses it, and the trainer's GRPO update refuses any trajectory not in the
+training precision. DiffusionNFT (trainer.objective nft) may skip stage 2
+(`regenerate: false`): it flow-matches the clean samples of any sampler, so a cheap copy's
+candidates are training data as they are. With `nft_old_policy: sampling` the copy is merged
+from the old weights, which sample in the flat path too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -78,39 +82,41 @@ class TwoStage:
         tr, ts = self.trainer, self.cfg
         cfg, acc, it = tr.cfg, tr.accelerator, tr.iteration
         t0 = time.perf_counter()
-        resync_s = self.explorer.resync()
-        tr.policy.transformer.eval()
-        spec, weights = tr.sampler_spec(it), tr.reward_fn.channel_weights
-        k_group = cfg.data.group_size
-        counts = tr.allocator.first_stage(it)  # uniform (validated): K per chosen prompt
-        pool_ids = torch.repeat_interleave(torch.arange(len(tr.prompts)), counts // k_group * ts.candidates).tolist()
-        seeds = [sample_seed(cfg.trainer.seed, it, j) for j in range(len(pool_ids))]
-        explore_spec = self.explore_spec(spec)
+        # nft_old_policy sampling: the soft-updated old weights sample (the copy is merged from them too)
+        with tr.nft_old.swapped_in(tr.params) if tr.nft_old is not None else contextlib.nullcontext():
+            resync_s = self.explorer.resync()
+            tr.policy.transformer.eval()
+            spec, weights = tr.sampler_spec(it), tr.reward_fn.channel_weights
+            k_group = cfg.data.group_size
+            counts = tr.allocator.first_stage(it)  # uniform (validated): K per chosen prompt
+            pool_ids = torch.repeat_interleave(torch.arange(len(tr.prompts)), counts // k_group * ts.candidates).tolist()
+            seeds = [sample_seed(cfg.trainer.seed, it, j) for j in range(len(pool_ids))]
+            explore_spec = self.explore_spec(spec)
 
-        # stage 1: explore
-        t1 = time.perf_counter()
-        pool = tr.sample_stage(pool_ids, seeds, explore_spec, desc=f"iter {it} exploring ({self.explorer.label or 'policy'})",
-                               policy=self.explorer.policy)
-        explore_s = time.perf_counter() - t1 - pool.reward_wait
-        explore_total = pool.rewards.float() @ weights
-        gen = torch.Generator().manual_seed(sample_seed(cfg.trainer.seed, it, 777_767))
-        selected = select_per_group(tr.cfg.selection.kind, explore_total, pool.prompt_ids,
-                                    {int(p): int(counts[p]) for p in pool.prompt_ids.unique()}, pool.valid, gen)
+            # stage 1: explore
+            t1 = time.perf_counter()
+            pool = tr.sample_stage(pool_ids, seeds, explore_spec, desc=f"iter {it} exploring ({self.explorer.label or 'policy'})",
+                                   policy=self.explorer.policy)
+            explore_s = time.perf_counter() - t1 - pool.reward_wait
+            explore_total = pool.rewards.float() @ weights
+            gen = torch.Generator().manual_seed(sample_seed(cfg.trainer.seed, it, 777_767))
+            selected = select_per_group(tr.cfg.selection.kind, explore_total, pool.prompt_ids,
+                                        {int(p): int(counts[p]) for p in pool.prompt_ids.unique()}, pool.valid, gen)
 
-        # stage 2: regenerate the selected seeds in the training precision (or the whole pool, to measure fidelity)
-        t2 = time.perf_counter()
-        fidelity = {}
-        if not ts.regenerate:  # the candidates are training-precision samples of the training sampler (validated)
-            train_stage, regenerated = subset_stage(pool, selected, acc.num_processes, acc.process_index), 0
-        elif ts.fidelity_every and it % ts.fidelity_every == 0:
-            full = tr.sample_stage(pool_ids, seeds, spec, desc=f"iter {it} regenerating the pool")
-            fidelity = self.fidelity(explore_total, full.rewards.float() @ weights, pool.valid & full.valid, pool.prompt_ids)
-            train_stage, regenerated = subset_stage(full, selected, acc.num_processes, acc.process_index), len(pool_ids)
-        else:
-            train_stage = tr.sample_stage([pool_ids[i] for i in selected.tolist()], [seeds[i] for i in selected.tolist()], spec,
-                                          desc=f"iter {it} regenerating")
-            regenerated = len(selected)
-        regen_s = time.perf_counter() - t2 - (train_stage.reward_wait if regenerated else 0.0)
+            # stage 2: regenerate the selected seeds in the training precision (or the whole pool, to measure fidelity)
+            t2 = time.perf_counter()
+            fidelity = {}
+            if not ts.regenerate:  # training-precision samples of the training sampler, or nft's clean samples (validated)
+                train_stage, regenerated = subset_stage(pool, selected, acc.num_processes, acc.process_index), 0
+            elif ts.fidelity_every and it % ts.fidelity_every == 0:
+                full = tr.sample_stage(pool_ids, seeds, spec, desc=f"iter {it} regenerating the pool")
+                fidelity = self.fidelity(explore_total, full.rewards.float() @ weights, pool.valid & full.valid, pool.prompt_ids)
+                train_stage, regenerated = subset_stage(full, selected, acc.num_processes, acc.process_index), len(pool_ids)
+            else:
+                train_stage = tr.sample_stage([pool_ids[i] for i in selected.tolist()], [seeds[i] for i in selected.tolist()], spec,
+                                              desc=f"iter {it} regenerating")
+                regenerated = len(selected)
+            regen_s = time.perf_counter() - t2 - (train_stage.reward_wait if regenerated else 0.0)
         t_sample = time.perf_counter()
 
         # train on the regenerated samples, with advantages from their own rewards
