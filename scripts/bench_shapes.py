@@ -63,17 +63,17 @@ def main(argv=None) -> int:
     t_train = time.perf_counter() - t0
     history = RunDir(run_dir).read_metrics()
     rollouts = sum(row["samples"] for row in history)  # trained on
-    sampled = sum(row.get("candidates", row["samples"]) for row in history)  # two-stage: the explored pool
+    explored = sum(row.get("candidates", row["samples"]) for row in history)  # two-stage: the candidate pool
     _, policy, ckpt = _load_run_policy(run_dir)
     trained = evaluate(cfg, policy, reward, prompts, seed=args.seed)
 
     tables = {"base": base.category_table(), f"trained ({ckpt.name})": trained.category_table()}
     print(format_category_table(tables))
     gain = tables[list(tables)[1]]["overall"]["strict"] - tables["base"]["overall"]["strict"]
-    summary = {"iterations": len(history), "rollouts": rollouts, "sampled": sampled, "train_minutes": t_train / 60, "run_dir": str(run_dir),
+    summary = {"iterations": len(history), "rollouts": rollouts, "explored": explored, "train_minutes": t_train / 60, "run_dir": str(run_dir),
                "base": tables["base"], "trained": tables[list(tables)[1]]}
     (run_dir / "bench_shapes.json").write_text(json.dumps(summary, indent=1))
-    pool = f" ({sampled} sampled)" if sampled != rollouts else ""
+    pool = f" ({explored} candidates explored)" if explored != rollouts else ""
     print(f"{len(history)} iterations, {rollouts} rollouts trained on{pool}, {t_train / 60:.1f} min of training (run {run_dir})")
     print(f"held-out strict gain {gain:+.3f}")
     return 0

@@ -82,17 +82,17 @@ class TwoStage:
         tr, ts = self.trainer, self.cfg
         cfg, acc, it = tr.cfg, tr.accelerator, tr.iteration
         t0 = time.perf_counter()
+        tr.policy.transformer.eval()
+        spec, weights = tr.sampler_spec(it), tr.reward_fn.channel_weights
+        k_group = cfg.data.group_size
+        counts = tr.allocator.first_stage(it)  # uniform (validated): K per chosen prompt
+        pool_ids = torch.repeat_interleave(torch.arange(len(tr.prompts)), counts // k_group * ts.candidates).tolist()
+        seeds = [sample_seed(cfg.trainer.seed, it, j) for j in range(len(pool_ids))]
+        explore_spec = self.explore_spec(spec)
+
         # nft_old_policy sampling: the soft-updated old weights sample (the copy is merged from them too)
         with tr.nft_old.swapped_in(tr.params) if tr.nft_old is not None else contextlib.nullcontext():
             resync_s = self.explorer.resync()
-            tr.policy.transformer.eval()
-            spec, weights = tr.sampler_spec(it), tr.reward_fn.channel_weights
-            k_group = cfg.data.group_size
-            counts = tr.allocator.first_stage(it)  # uniform (validated): K per chosen prompt
-            pool_ids = torch.repeat_interleave(torch.arange(len(tr.prompts)), counts // k_group * ts.candidates).tolist()
-            seeds = [sample_seed(cfg.trainer.seed, it, j) for j in range(len(pool_ids))]
-            explore_spec = self.explore_spec(spec)
-
             # stage 1: explore
             t1 = time.perf_counter()
             pool = tr.sample_stage(pool_ids, seeds, explore_spec, desc=f"iter {it} exploring ({self.explorer.label or 'policy'})",
