@@ -598,6 +598,8 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     _positive("trainer.max_grad_norm", t.max_grad_norm)
     if not 0 <= t.ema_decay < 1:
         raise ConfigError(f"trainer.ema_decay must be in [0, 1); got {t.ema_decay}")
+    if t.mixed_precision == "False":  # YAML reads a bare `no` (accelerate's word) as false
+        t.mixed_precision = "no"
     _choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
     if t.objective == "nft":
         _validate_nft(cfg)

@@ -66,6 +66,16 @@ def test_nft_accepts_the_ode_sampler_and_any_sigma_range():
     assert cfg.trainer.inner_epochs == 2
 
 
+def test_mixed_precision_no_survives_yaml_reading_it_as_false(tmp_path):
+    # accelerate's word for off is `no`, which YAML 1.1 reads as the boolean false
+    assert load_config("tiny_jpeg", ["trainer.mixed_precision=no"]).trainer.mixed_precision == "no"
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("data:\n  prompts: [a cat]\ntrainer:\n  mixed_precision: no\n")
+    assert load_config(cfg_file, validate_paths=False).trainer.mixed_precision == "no"
+    with pytest.raises(ConfigError, match="trainer.mixed_precision must be one of no, bf16, fp16; got 'fp8'"):
+        load_config("tiny_jpeg", ["trainer.mixed_precision=fp8"])
+
+
 def test_sigma_range_holding_the_window_is_accepted():
     cfg = load_config("tiny_jpeg", ["lora.sigma_range=[0.5, 1.0]", "sampling.window.strategy=fixed", "sampling.window.size=2"])
     assert cfg.lora.sigma_range == [0.5, 1.0]

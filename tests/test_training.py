@@ -71,6 +71,28 @@ def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, t
     assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
 
 
+def test_nft_under_bf16_autocast_keeps_fp32_weights(tmp_path, tiny_sd3_dir):
+    # trainer.mixed_precision=bf16 on CPU: accelerate's autocast runs the transformer's matmuls in
+    # bf16 (sampling and training alike) while the adapter, its optimizer and checkpoints stay fp32
+    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=1", "trainer.objective=nft",
+                     "trainer.kl_beta=0.1", "sampling.sampler=ode", "trainer.nft_timesteps=1",
+                     "trainer.nft_old_policy=sampling", "trainer.iterations=2", "trainer.lr=1e-2"]
+    runs = {mp: tmp_path / mp for mp in ("no", "bf16")}
+    assert main(["train", "tiny_jpeg", *common, "--run-dir", str(runs["no"])]) == 0
+    # accelerate keeps one precision per process: the bf16 run gets its own
+    proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "train", "tiny_jpeg", *common, "trainer.mixed_precision=bf16",
+                           "--run-dir", str(runs["bf16"])], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fp32, bf16 = run_metrics(runs["no"]), run_metrics(runs["bf16"])
+    # the same seeds sample nearly, not exactly, the same images: autocast was on, and nothing broke
+    assert fp32[0]["reward_mean"] != bf16[0]["reward_mean"]
+    assert bf16[0]["reward_mean"] == pytest.approx(fp32[0]["reward_mean"], rel=0.05)
+    assert all(math.isfinite(r["loss"]) and r["kl"] > 0 for r in bf16[1:])
+    weights = trainable(runs["bf16"], 2)
+    assert all(w.dtype == torch.float32 for w in weights.values())
+    assert any(weights[k].abs().sum() > 0 for k in weights if "lora_B" in k)
+
+
 def test_lr_schedule_decays_the_rate_over_the_run(tmp_path, tiny_sd3_dir):
     # linear: iteration i of 4 trains at lr (1 - i / 4); what the optimizer used is in each row
     run = tmp_path / "run"
