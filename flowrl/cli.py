@@ -86,6 +86,8 @@ def cmd_train(args) -> int:
         trainer = GRPOTrainer(cfg, run_dir=args.run_dir)
     if trainer.accelerator.is_main_process:
         print(f"run directory: {trainer.run.path}", file=sys.stderr)
+        if cfg.trainer.mixed_precision == "auto":
+            print(f"trainer.mixed_precision auto: {trainer.mixed_precision} on this device", file=sys.stderr)
     history = trainer.train()
     if history and trainer.accelerator.is_main_process:
         first, last = history[0]["reward_mean"], history[-1]["reward_mean"]

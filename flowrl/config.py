@@ -28,7 +28,7 @@ DEFAULT_PRESET = "default"
 MODEL_KINDS = ("sd3", "flux")
 DTYPES = ("fp32", "bf16", "fp16")
 TRACKERS = ("tensorboard", "wandb", "none")
-MIXED_PRECISION = ("no", "bf16", "fp16")
+MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 OBJECTIVES = ("grpo", "nft")
 NFT_OLD_POLICIES = ("current", "sampling")
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -235,7 +235,7 @@ class TrainerConfig:
     ema: bool = True
     ema_decay: float = 0.9
     seed: int = 0
-    mixed_precision: str = "no"  # accelerate autocast: no | bf16 | fp16
+    mixed_precision: str = "no"  # accelerate autocast: no | bf16 | fp16 | auto (bf16 where the device computes it natively)
 
 
 @dataclass

@@ -93,6 +93,20 @@ def test_nft_under_bf16_autocast_keeps_fp32_weights(tmp_path, tiny_sd3_dir):
     assert any(weights[k].abs().sum() > 0 for k in weights if "lora_B" in k)
 
 
+def test_auto_mixed_precision_is_bf16_only_where_the_device_computes_it_natively(tmp_path, tiny_sd3_dir, monkeypatch):
+    import flowrl.sampling.precision as precision
+
+    for native, expected in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(precision, "native_bf16", lambda cpu, native=native: native)
+        assert precision.autocast_precision("auto", cpu=True) == expected
+        assert precision.autocast_precision("no", cpu=True) == "no"
+        assert precision.autocast_precision("fp16", cpu=True) == "fp16"
+    # the trainer hands accelerate the resolved precision (no native bf16 patched in: fp32)
+    cfg = load_config("tiny_jpeg", [*FAST, f"model.path={tiny_sd3_dir}", "trainer.mixed_precision=auto"])
+    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    assert trainer.mixed_precision == "no" and trainer.accelerator.mixed_precision == "no"
+
+
 def test_lr_schedule_decays_the_rate_over_the_run(tmp_path, tiny_sd3_dir):
     # linear: iteration i of 4 trains at lr (1 - i / 4); what the optimizer used is in each row
     run = tmp_path / "run"

@@ -27,7 +27,7 @@ from flowrl.core.lr_schedule import lr_factor
 from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, trained_depths, width_prune
 from flowrl.errors import UserError
 from flowrl.models import load_policy
-from flowrl.sampling.precision import check_training_precision
+from flowrl.sampling.precision import autocast_precision, check_training_precision
 from flowrl.sampling.noise import seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, policy_precision, rollout, transition
 from flowrl.sampling.steps import StepOutput
@@ -116,8 +116,9 @@ class GRPOTrainer:
             run_dir = Path(cfg.run.output_dir) / name
         run_dir = broadcast_object_list([str(run_dir)])[0]
         self.run = RunDir(run_dir)
+        self.mixed_precision = autocast_precision(t.mixed_precision, cpu)
         self.accelerator = Accelerator(
-            mixed_precision=t.mixed_precision,
+            mixed_precision=self.mixed_precision,
             cpu=cpu,
             log_with=None if cfg.run.tracker == "none" else cfg.run.tracker,
             project_dir=str(self.run.path),
