@@ -72,7 +72,7 @@ def test_mixed_precision_no_survives_yaml_reading_it_as_false(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("data:\n  prompts: [a cat]\ntrainer:\n  mixed_precision: no\n")
     assert load_config(cfg_file, validate_paths=False).trainer.mixed_precision == "no"
-    with pytest.raises(ConfigError, match="trainer.mixed_precision must be one of no, bf16, fp16; got 'fp8'"):
+    with pytest.raises(ConfigError, match="trainer.mixed_precision must be one of no, bf16, fp16, auto; got 'fp8'"):
         load_config("tiny_jpeg", ["trainer.mixed_precision=fp8"])
 
 
