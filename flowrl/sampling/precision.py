@@ -148,7 +148,7 @@ def native_bf16(cpu: bool) -> bool:
 def autocast_precision(requested: str, cpu: bool) -> str:
     """`trainer.mixed_precision` as accelerate takes it: `auto` is bf16 where it is native, else no.
     On the 2-core AVX512-BF16 dev box bf16 autocast made the shapes preset's iterations 1.47x
-    faster with the same training curve (BENCHMARKS.md); emulated bf16 would make them slower."""
+    faster, for a lower held-out gain (BENCHMARKS.md); emulated bf16 would make them slower."""
     if requested != "auto":
         return requested
     return "bf16" if native_bf16(cpu) else "no"
