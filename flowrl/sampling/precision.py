@@ -141,7 +141,7 @@ def native_bf16(cpu: bool) -> bool:
     """Whether the device computes bf16 matmuls natively (a CUDA GPU from Ampere on; a CPU with
     AVX512-BF16 or AMX, or Arm's BF16 extension), not by emulation slower than fp32."""
     if not cpu:
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
