@@ -237,6 +237,10 @@ class TrainerConfig:
     seed: int = 0
     mixed_precision: str = "no"  # accelerate autocast: no | bf16 | fp16 | auto (bf16 where the device computes it natively)
 
+    def __post_init__(self):
+        if self.mixed_precision == "False":  # YAML reads a bare `no` (accelerate's word) as false
+            self.mixed_precision = "no"
+
 
 @dataclass
 class RunConfig:
@@ -598,8 +602,6 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     _positive("trainer.max_grad_norm", t.max_grad_norm)
     if not 0 <= t.ema_decay < 1:
         raise ConfigError(f"trainer.ema_decay must be in [0, 1); got {t.ema_decay}")
-    if t.mixed_precision == "False":  # YAML reads a bare `no` (accelerate's word) as false
-        t.mixed_precision = "no"
     _choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
     if t.objective == "nft":
         _validate_nft(cfg)
