@@ -12,9 +12,9 @@ end: the held-out strict gain of every run on every eval set, and each recipe's 
 
 One run's gain moves by several hundredths with the rounding alone (a GPU run and a CPU run of the
 same seed differed by up to 0.065; BENCHMARKS.md), so screen with two or more training seeds and
-two eval sets, and confirm on the target machine. On the H200 the 2026-11-26 screen ran 13 runs
-at once under CUDA MPS (`nvidia-cuda-mps-control -d`, started by hand): 5 minutes for 270
-iterations each.
+two eval sets, and confirm on the target machine. The 2026-11-26 screen on an H200 (a shell loop
+that ran these same commands, before this script) ran 13 runs at once, one CPU thread each, under
+CUDA MPS (`nvidia-cuda-mps-control -d`, started by hand): about 5 minutes for 270 iterations each.
 """
 
 from __future__ import annotations
