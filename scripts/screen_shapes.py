@@ -48,6 +48,8 @@ def parse_recipes(text: str, source: str = "recipes") -> list[tuple[str, list[st
         bad = [o for o in overrides if "=" not in o]
         if bad:
             raise ValueError(f"{source} line {number}: overrides are key=value; got '{bad[0]}'")
+        if any(o.startswith("trainer.seed=") for o in overrides):
+            raise ValueError(f"{source} line {number}: trainer.seed comes from --seeds; remove it from the recipe")
         if name in {n for n, _ in recipes}:
             raise ValueError(f"{source} line {number}: recipe '{name}' is named twice")
         recipes.append((name, overrides))

@@ -8,7 +8,6 @@ import importlib.util
 import string
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +17,8 @@ from flowrl.errors import ConfigError, UserError
 from rewards import AsyncRewardRunner, MultiReward, get_reward
 from rewards.aesthetic import AestheticHead
 from rewards.hps import resize_longest_and_pad
+from script_loader import load_script
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["a red cube", "two blue balls", "a cat", "a green tree", "sunset", "a dog"]
 
 
@@ -113,18 +112,11 @@ def test_aesthetic_head_must_fit_the_clip_width(tiny_clip_dir, tmp_path):
         get_reward("aesthetic").factory(path=tiny_clip_dir, head=str(tmp_path / "vitl.safetensors"), device="cpu")
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_aesthetic_converter_turns_the_original_pth_into_safetensors(tmp_path):
     torch.manual_seed(2)
     original = AestheticHead(16)
     torch.save(original.state_dict(), tmp_path / "head.pth")  # the original file's format: a state dict
-    out = _load_script("convert_aesthetic_head").convert(tmp_path / "head.pth", tmp_path / "head.safetensors")
+    out = load_script("convert_aesthetic_head").convert(tmp_path / "head.pth", tmp_path / "head.safetensors")
     loaded = AestheticHead.from_safetensors(out)
     x = torch.randn(3, 16)
     assert torch.equal(loaded(x), original.eval()(x))
@@ -135,7 +127,7 @@ def test_hps_converter_keeps_the_state_dict(tmp_path):
 
     state = {"visual.proj": torch.randn(4, 2), "logit_scale": torch.tensor(4.6)}
     torch.save({"state_dict": state, "epoch": 3}, tmp_path / "HPS.pt")
-    out = _load_script("convert_hps_checkpoint").convert(tmp_path / "HPS.pt", tmp_path / "hps.safetensors")
+    out = load_script("convert_hps_checkpoint").convert(tmp_path / "HPS.pt", tmp_path / "hps.safetensors")
     loaded = load_file(str(out))
     assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
 

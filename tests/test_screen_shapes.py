@@ -1,21 +1,15 @@
 """scripts/screen_shapes.py: the recipe file, the run pool (with stand-in commands), the summary."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
+from script_loader import load_script
 
 
 @pytest.fixture(scope="module")
 def screen():
-    spec = importlib.util.spec_from_file_location("screen_shapes", REPO / "scripts" / "screen_shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("screen_shapes")
 
 
 def test_recipes_file_lines_become_names_and_overrides(screen):
@@ -30,6 +24,7 @@ def test_recipes_file_lines_become_names_and_overrides(screen):
     ("preset:\nbad: trainer.lr", "line 2: overrides are key=value; got 'trainer.lr'"),
     ("a: x=1\na: x=2", "line 2: recipe 'a' is named twice"),
     ("# nothing\n\n", "holds no recipes"),
+    ("a: trainer.seed=4", "line 1: trainer.seed comes from --seeds"),
 ])
 def test_bad_recipes_file_lines_are_named(screen, text, message):
     with pytest.raises(ValueError, match=message):
@@ -60,7 +55,7 @@ def test_pool_reports_done_failed_stopped_and_not_started(screen, tmp_path):
 def test_pool_never_runs_more_than_parallel_at_once(screen, tmp_path):
     # each run appends its start and end to one file; at most two may overlap
     trace = tmp_path / "trace"
-    code = f"import time, sys; open({str(trace)!r}, 'a').write('+'); time.sleep(0.3); open({str(trace)!r}, 'a').write('-')"
+    code = f"import time, sys; open({str(trace)!r}, 'a').write('+'); time.sleep(1); open({str(trace)!r}, 'a').write('-')"
     status = screen.run_all({f"j{i}": _py(code) for i in range(5)}, tmp_path, parallel=2, minutes=1, threads=1, poll_s=0.05)
     assert set(status.values()) == {"done"}
     depth, deepest = 0, 0

@@ -3,9 +3,6 @@ through the same SD3 adapter as real SD3, and its deterministic, resumable pretr
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,16 +10,9 @@ from flowrl.config import LoraConfig, ModelConfig
 from flowrl.models import load_policy
 from flowrl.models.shapes import build_shapes_pipeline, save_shapes_pipeline, word_tokenizer
 from rewards.shapes_world import all_prompts
+from script_loader import load_script
 
-ROOT = Path(__file__).resolve().parent.parent
 WORDS = sorted({w for p in all_prompts() for w in p.split()})
-
-
-def _pretrain_module():
-    spec = importlib.util.spec_from_file_location("pretrain_shapes", ROOT / "scripts" / "pretrain_shapes.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_word_tokenizer_knows_every_word_of_the_grammar():
@@ -89,7 +79,7 @@ def test_trailing_mean_skips_iterations_without_the_category():
 def test_pretraining_is_deterministic_and_resumes_exactly(tmp_path):
     from safetensors.torch import load_file
 
-    pretrain = _pretrain_module()
+    pretrain = load_script("pretrain_shapes")
     common = ["--layers", "1", "--heads", "2", "--head-dim", "8", "--batch", "4", "--warmup", "2",
               "--checkpoint-every", "2", "--quiet"]
     assert pretrain.main(["--work", str(tmp_path / "straight"), "--steps", "4", *common]) == 0
@@ -165,7 +155,7 @@ def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_pr
 def test_pretraining_fine_tunes_from_an_exported_pipeline(tmp_path, tiny_shapes_dir):
     from safetensors.torch import load_file
 
-    pretrain = _pretrain_module()
+    pretrain = load_script("pretrain_shapes")
     common = ["--batch", "4", "--warmup", "2", "--checkpoint-every", "2", "--quiet", "--init", str(tiny_shapes_dir)]
     # the architecture comes from --init, not from --layers/--heads (left at their defaults here)
     assert pretrain.main(["--work", str(tmp_path / "ft"), "--steps", "2", "--sigmas", "uniform", "--lr", "0", *common]) == 0
@@ -203,7 +193,7 @@ def test_zero_init_starts_every_block_as_the_identity_and_predicts_zero():
 
 
 def test_sigma_location_moves_the_logit_normal_draws_toward_noise():
-    pretrain = _pretrain_module()
+    pretrain = load_script("pretrain_shapes")
     centred = torch.cat([pretrain.batch(0, s, 64, 32, 0.1)[2] for s in range(4)])
     shifted = torch.cat([pretrain.batch(0, s, 64, 32, 0.1, "logit_normal", 0.5)[2] for s in range(4)])
     # the same normal draws, moved by 0.5 in logit space
