@@ -216,6 +216,12 @@ class TrainerConfig:
     nft_old_decay: float = 0.5
     nft_old_decay_rate: float = 0.001
     nft_adaptive_weight: bool = False  # nft: the paper's per-sample normalisation of the x0-prediction error
+    # nft: false keeps the positive half of the loss only (reward-weighted flow matching on the
+    # better-than-group samples, no push away from the worse ones)
+    nft_negatives: bool = True
+    # nft: the guidance of the velocity the loss trains (and of v_old and the KL reference); None:
+    # model.guidance_scale, the sampler's. 1: the conditional velocity alone, as DiffusionNFT trains
+    nft_guidance_scale: Optional[float] = None
     iterations: int = 40
     max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time
     lr: float = 3e-4
@@ -443,6 +449,9 @@ def _validate_nft(cfg: Config) -> None:
     _positive("trainer.nft_timesteps", t.nft_timesteps)
     _positive("trainer.nft_beta", t.nft_beta)
     _positive("trainer.nft_sigma_shift", t.nft_sigma_shift)
+    if t.nft_guidance_scale is not None and not t.nft_guidance_scale >= 1.0:
+        raise ConfigError(f"trainer.nft_guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
+                          f"(model.guidance_scale); got {t.nft_guidance_scale}")
     if cfg.rollout.kind not in ("flat", "two_stage"):
         raise ConfigError(f"trainer.objective nft trains on flat rollouts' clean samples; rollout.kind must be flat or two_stage, "
                           f"got '{cfg.rollout.kind}'")

@@ -376,3 +376,21 @@ def test_lr_schedules_start_at_the_base_rate_and_decay_to_zero():
     assert [lr_factor("cosine", i, 4) for i in range(5)] == pytest.approx([1.0, 0.8535534, 0.5, 0.1464466, 0.0])
     with pytest.raises(ValueError, match="cosine"):
         lr_factor("step", 0, 4)
+
+
+def test_nft_loss_without_negatives_pulls_only_the_better_samples():
+    # the positive half alone: max(2r - 1, 0) ||v+ - u||^2; below-average samples carry no gradient
+    g = torch.Generator().manual_seed(1)
+    v_old, u = torch.randn(4, 3, 4, generator=g), torch.randn(4, 3, 4, generator=g)
+    v = v_old.clone().requires_grad_(True)
+    r = torch.tensor([1.0, 0.75, 0.5, 0.1])
+    nft_loss(v, v_old, u, r, negatives=False).sum().backward()
+    assert v.grad[2:].abs().max() == 0  # r <= 0.5: no move, and no push away
+    # r = 1 and 0.75 both pull toward u, with weight 1 and 0.5: grad = w * 2 (v - u) / numel
+    per = 2 * (v_old - u) / v_old[0].numel()
+    torch.testing.assert_close(v.grad[0], per[0])
+    torch.testing.assert_close(v.grad[1], 0.5 * per[1])
+    # with negatives the r = 0.1 sample is pushed away: its gradient points from u, not zero
+    v2 = v_old.clone().requires_grad_(True)
+    nft_loss(v2, v_old, u, r).sum().backward()
+    assert (v2.grad[3] * (v_old[3] - u[3])).sum() < 0

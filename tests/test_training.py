@@ -71,6 +71,43 @@ def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, t
     assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
 
 
+def test_nft_positive_half_trains_without_the_old_policy_forward(tmp_path, tiny_sd3_dir):
+    # trainer.nft_negatives=false at nft_beta 1: the loss is max(2r - 1, 0) ||v - u||^2, in which
+    # v_old cancels, so the old policy is never swapped in for a forward; at nft_beta 0.5 it is needed again
+    overrides = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.objective=nft",
+                        "trainer.kl_beta=0", "sampling.sampler=ode", "trainer.nft_timesteps=1", "trainer.nft_old_policy=sampling",
+                        "trainer.nft_negatives=false", "trainer.iterations=2", "trainer.lr=1e-2"]
+    swaps = {}
+    for beta in (1.0, 0.5):
+        trainer = GRPOTrainer(load_config("tiny_jpeg", [*overrides, f"trainer.nft_beta={beta}"]), run_dir=tmp_path / f"b{beta}")
+        calls = []
+        swapped_in = trainer.nft_old.swapped_in
+        trainer.nft_old.swapped_in = lambda params: calls.append(1) or swapped_in(params)
+        rows = trainer.train()
+        swaps[beta] = len(calls)
+        assert all(math.isfinite(r["loss"]) for r in rows)
+        assert any(p.abs().sum() > 0 for n, p in trainer.params.items() if "lora_B" in n)  # it trained
+    # sampling swaps the old policy in once per iteration either way; the training forwards only at beta 0.5
+    assert swaps[0.5] > swaps[1.0]
+
+
+def test_nft_guidance_scale_sets_the_trained_velocity_and_leaves_sampling_alone(tmp_path, tiny_sd3_dir):
+    # trainer.nft_guidance_scale=1: the loss, v_old and the KL reference use the conditional velocity,
+    # while rollouts keep model.guidance_scale
+    overrides = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.objective=nft",
+                        "trainer.kl_beta=0.1", "sampling.sampler=ode", "trainer.nft_timesteps=1", "trainer.nft_old_policy=sampling",
+                        "trainer.iterations=1", "model.guidance_scale=3.0", "trainer.nft_guidance_scale=1"]
+    trainer = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
+    seen = []
+    velocity = trainer.policy._velocity
+    trainer.policy._velocity = lambda x, sigma, cond: seen.append((torch.is_grad_enabled(), trainer.policy.cfg.guidance_scale)) or velocity(x, sigma, cond)
+    trainer.train()
+    with_grad = {g for grad, g in seen if grad}
+    assert with_grad == {1.0}  # the trained forwards
+    assert 3.0 in {g for grad, g in seen if not grad}  # the rollouts
+    assert trainer.policy.cfg.guidance_scale == 3.0  # restored
+
+
 def test_nft_under_bf16_autocast_keeps_fp32_weights(tmp_path, tiny_sd3_dir):
     # trainer.mixed_precision=bf16 on CPU: accelerate's autocast runs the transformer's matmuls in
     # bf16 (sampling and training alike) while the adapter, its optimizer and checkpoints stay fp32

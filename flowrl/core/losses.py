@@ -45,7 +45,7 @@ def optimality_probability(advantages: torch.Tensor, scale: float = 1.0) -> torc
 
 
 def nft_loss(v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, r: torch.Tensor, beta: float = 1.0,
-             sigma: torch.Tensor | float | None = None) -> torch.Tensor:
+             sigma: torch.Tensor | float | None = None, negatives: bool = True) -> torch.Tensor:
     """DiffusionNFT's negative-aware flow-matching loss, per sample [B] (Zheng et al. 2025, eq. for
     L(theta)): r ||v+ - u||^2 + (1 - r) ||v- - u||^2 with the implicit positive and negative policies
     v+ = (1 - beta) v_old + beta v and v- = (1 + beta) v_old - beta v. Its minimiser is
@@ -57,18 +57,27 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, r: torc
     weighting: the x0-prediction error, sigma^2 ||v -/+ u||^2, divided by its own detached mean
     absolute value, sigma mean|v -/+ u|, so every sample's step has the same size whatever its
     error. (The two terms' normalisers differ away from v_old, which moves the minimiser toward r's
-    side; at v = v_old they are equal and the gradient is (2r - 1) beta times a unit-size step.)"""
+    side; at v = v_old they are equal and the gradient is (2r - 1) beta times a unit-size step.)
+
+    `negatives=False` keeps the positive half only: max(2r - 1, 0) ||v+ - u||^2, reward-weighted
+    flow matching on the better-than-group samples (in the spirit of online rejection-sampling
+    fine-tuning). Its per-sample minimiser is the same v+ = u for every
+    r > 0.5, nothing moves at r <= 0.5, and with no push away from samples it has no runaway
+    direction; at beta = 1, v+ = v and v_old drops out."""
+    if not negatives:
+        return torch.clamp(2 * r.to(v.dtype) - 1, min=0) * _nft_term((1 - beta) * v_old + beta * v, target, sigma)
     v_pos = (1 - beta) * v_old + beta * v
     v_neg = (1 + beta) * v_old - beta * v
-    dims = tuple(range(1, v.ndim))
     r = r.to(v.dtype)
+    return r * _nft_term(v_pos, target, sigma) + (1 - r) * _nft_term(v_neg, target, sigma)
 
-    def term(pred: torch.Tensor) -> torch.Tensor:
-        err = pred - target
-        if sigma is None:
-            return (err**2).mean(dims)
-        s = torch.as_tensor(sigma, dtype=v.dtype, device=v.device).reshape(-1)
-        scale = (s * err.detach().abs().mean(dims)).clamp(min=1e-5)
-        return s**2 * (err**2).mean(dims) / scale
 
-    return r * term(v_pos) + (1 - r) * term(v_neg)
+def _nft_term(pred: torch.Tensor, target: torch.Tensor, sigma: torch.Tensor | float | None) -> torch.Tensor:
+    """Per-sample squared error [B] of one implicit policy, with the adaptive weighting when sigma is given."""
+    dims = tuple(range(1, pred.ndim))
+    err = pred - target
+    if sigma is None:
+        return (err**2).mean(dims)
+    s = torch.as_tensor(sigma, dtype=pred.dtype, device=pred.device).reshape(-1)
+    scale = (s * err.detach().abs().mean(dims)).clamp(min=1e-5)
+    return s**2 * (err**2).mean(dims) / scale

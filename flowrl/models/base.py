@@ -194,6 +194,18 @@ class FlowPolicy:
             p.data = p.data.float()
 
     @contextlib.contextmanager
+    def guidance(self, scale: float | None):
+        """Velocities inside use guidance `scale` (None: model.guidance_scale, unchanged)."""
+        if scale is None:
+            yield self
+            return
+        saved, self.cfg.guidance_scale = self.cfg.guidance_scale, float(scale)
+        try:
+            yield self
+        finally:
+            self.cfg.guidance_scale = saved
+
+    @contextlib.contextmanager
     def reference(self):
         """The reference policy: the same network with the LoRA adapter disabled (re-entrant:
         only the outermost exit enables it again)."""

@@ -374,38 +374,40 @@ class GRPOTrainer:
         work = [(traj, slice(start, start + bs), optimality_probability(adv))
                 for traj, adv in batches for start in range(0, len(traj), bs)]
         losses, grad_norms, kls, sigmas = [], [], [], []
+        needs_old = t.nft_negatives or t.nft_beta != 1.0  # the positive half alone at beta 1 trains v+ = v: no v_old
         self.policy.transformer.train()
         bar = tqdm(total=t.inner_epochs * len(work) * k_steps, desc=f"iter {self.iteration} training", leave=False,
                    disable=not (cfg.run.progress and acc.is_local_main_process), unit="step")
-        for epoch in range(t.inner_epochs):
-            for wi in torch.randperm(len(work), generator=gen).tolist():
-                traj, c, r = work[wi]
-                x0 = traj.final[c].to(acc.device, torch.float32)  # a low-precision explorer's samples too
-                cond = self.policy.encode(traj.prompts[c])
-                seeds = traj.seeds[c].tolist()
-                for k in range(k_steps):
-                    sigma = stratified_sigma(k, k_steps, low, high, t.nft_sigma_shift, gen)
-                    sigmas.append(sigma)
-                    eps = seeded_noise(seeds, NFT_NOISE_KEY - epoch * k_steps - k, x0.shape[1:], acc.device)
-                    x_t = (1 - sigma) * x0 + sigma * eps
-                    v_old = None
-                    if self.nft_old is not None:  # before the forward with grad: the swap writes the weights in place
-                        with torch.no_grad(), self.nft_old.swapped_in(self.params):
-                            v_old = self.policy.velocity(x_t, sigma, cond)
-                    with contextlib.nullcontext() if k == k_steps - 1 else acc.no_sync(self.policy.net):
-                        v = self.policy.velocity(x_t, sigma, cond)
-                        loss = nft_loss(v, v.detach() if v_old is None else v_old, eps - x0, r[c].to(acc.device), t.nft_beta,
-                                        sigma=sigma if t.nft_adaptive_weight else None).mean()
-                        if t.kl_beta > 0:  # anchor to the reference: the velocity's squared distance to the base network's
-                            with torch.no_grad(), self.policy.reference():
-                                v_ref = self.policy.velocity(x_t, sigma, cond)
-                            kl = ((v - v_ref) ** 2).mean()
-                            kls.append(kl.item())
-                            loss = loss + t.kl_beta * kl
-                        acc.backward(loss / k_steps)
-                    losses.append(loss.item())
-                    bar.update(1)
-                grad_norms.append(self.optimizer_step())
+        with self.policy.guidance(t.nft_guidance_scale):  # the velocity the loss trains
+            for epoch in range(t.inner_epochs):
+                for wi in torch.randperm(len(work), generator=gen).tolist():
+                    traj, c, r = work[wi]
+                    x0 = traj.final[c].to(acc.device, torch.float32)  # a low-precision explorer's samples too
+                    cond = self.policy.encode(traj.prompts[c])
+                    seeds = traj.seeds[c].tolist()
+                    for k in range(k_steps):
+                        sigma = stratified_sigma(k, k_steps, low, high, t.nft_sigma_shift, gen)
+                        sigmas.append(sigma)
+                        eps = seeded_noise(seeds, NFT_NOISE_KEY - epoch * k_steps - k, x0.shape[1:], acc.device)
+                        x_t = (1 - sigma) * x0 + sigma * eps
+                        v_old = None
+                        if self.nft_old is not None and needs_old:  # before the forward with grad: the swap writes the weights in place
+                            with torch.no_grad(), self.nft_old.swapped_in(self.params):
+                                v_old = self.policy.velocity(x_t, sigma, cond)
+                        with contextlib.nullcontext() if k == k_steps - 1 else acc.no_sync(self.policy.net):
+                            v = self.policy.velocity(x_t, sigma, cond)
+                            loss = nft_loss(v, v.detach() if v_old is None else v_old, eps - x0, r[c].to(acc.device), t.nft_beta,
+                                            sigma=sigma if t.nft_adaptive_weight else None, negatives=t.nft_negatives).mean()
+                            if t.kl_beta > 0:  # anchor to the reference: the velocity's squared distance to the base network's
+                                with torch.no_grad(), self.policy.reference():
+                                    v_ref = self.policy.velocity(x_t, sigma, cond)
+                                kl = ((v - v_ref) ** 2).mean()
+                                kls.append(kl.item())
+                                loss = loss + t.kl_beta * kl
+                            acc.backward(loss / k_steps)
+                        losses.append(loss.item())
+                        bar.update(1)
+                    grad_norms.append(self.optimizer_step())
         bar.close()
         self.policy.transformer.eval()
         if self.nft_old is not None:
