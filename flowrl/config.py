@@ -31,6 +31,7 @@ TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 OBJECTIVES = ("grpo", "nft")
 NFT_OLD_POLICIES = ("current", "sampling")
+NFT_R_SCALES = ("clip", "group_max")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")
@@ -219,6 +220,9 @@ class TrainerConfig:
     # nft: false keeps the positive half of the loss only (reward-weighted flow matching on the
     # better-than-group samples, no push away from the worse ones)
     nft_negatives: bool = True
+    # nft: r = 0.5 + 0.5 A' with A' = clip(A, -1, 1) ("clip", the paper's) or A scaled per group by
+    # max(1, max |A|) ("group_max": each group's pulls and pushes still cancel, sum (2r - 1) = 0)
+    nft_r_scale: str = "clip"
     # nft: the guidance of the velocity the loss trains (and of v_old and the KL reference); None:
     # model.guidance_scale, the sampler's. 1: the conditional velocity alone, as DiffusionNFT trains
     nft_guidance_scale: Optional[float] = None
@@ -449,6 +453,10 @@ def _validate_nft(cfg: Config) -> None:
     _positive("trainer.nft_timesteps", t.nft_timesteps)
     _positive("trainer.nft_beta", t.nft_beta)
     _positive("trainer.nft_sigma_shift", t.nft_sigma_shift)
+    if t.nft_r_scale not in NFT_R_SCALES:
+        raise ConfigError(f"trainer.nft_r_scale must be one of {', '.join(NFT_R_SCALES)}; got '{t.nft_r_scale}'")
+    if t.nft_r_scale != "clip" and cfg.rollout.kind != "flat":
+        raise ConfigError(f"trainer.nft_r_scale {t.nft_r_scale} needs rollout.kind flat (whole groups in one batch); got '{cfg.rollout.kind}'")
     if t.nft_guidance_scale is not None and not t.nft_guidance_scale >= 1.0:
         raise ConfigError(f"trainer.nft_guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
                           f"(model.guidance_scale); got {t.nft_guidance_scale}")

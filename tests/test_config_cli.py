@@ -44,6 +44,7 @@ BAD = [
     (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_timesteps=0"], "trainer.nft_timesteps"),
     (["trainer.objective=nft", "trainer.nft_sigma_shift=0"], "trainer.nft_sigma_shift"),
     (["trainer.objective=nft", "trainer.nft_guidance_scale=0.5"], "trainer.nft_guidance_scale"),
+    (["trainer.objective=nft", "trainer.nft_r_scale=minmax"], "trainer.nft_r_scale"),
     (["trainer.lr_schedule=step"], "trainer.lr_schedule"),
     (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_old_policy=ema"], "trainer.nft_old_policy"),
     (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_old_policy=sampling", "trainer.nft_old_decay=1.0"], "trainer.nft_old_decay"),

@@ -394,3 +394,22 @@ def test_nft_loss_without_negatives_pulls_only_the_better_samples():
     v2 = v_old.clone().requires_grad_(True)
     nft_loss(v2, v_old, u, r).sum().backward()
     assert (v2.grad[3] * (v_old[3] - u[3])).sum() < 0
+
+
+def test_unit_scale_per_group_keeps_each_groups_sum_where_clipping_breaks_it():
+    from flowrl.core.advantages import unit_scale_per_group
+
+    # group 0: one success among seven failures (A = +2.65 and -0.38 x 7); group 1: all |A| <= 1
+    rewards = torch.tensor([1.0] + [0.0] * 7 + [0.2, 0.4, 0.6, 0.8])
+    ids = torch.tensor([0] * 8 + [1] * 4)
+    a = grpo_advantages(rewards, ids).advantages
+    assert a[:8].abs().max() > 2 and a[8:].abs().max() <= 1.35
+    scaled = unit_scale_per_group(a, ids)
+    for g in (0, 1):
+        torch.testing.assert_close(scaled[ids == g].sum(), torch.tensor(0.0), atol=1e-5, rtol=0)
+        torch.testing.assert_close(scaled[ids == g].abs().max(), torch.tensor(1.0))
+    torch.testing.assert_close(scaled[:8], a[:8] / a[:8].abs().max())  # one factor per group: the ordering stays
+    # clipping instead leaves group 0 a net push away from its own samples
+    assert a[:8].clamp(-1, 1).sum() < -1.0
+    small = torch.tensor([0.5, -0.5, 0.25, -0.25])
+    torch.testing.assert_close(unit_scale_per_group(small, torch.tensor([0, 0, 1, 1])), small)  # within +-1: unchanged

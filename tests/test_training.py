@@ -108,6 +108,26 @@ def test_nft_guidance_scale_sets_the_trained_velocity_and_leaves_sampling_alone(
     assert trainer.policy.cfg.guidance_scale == 3.0  # restored
 
 
+def test_nft_group_max_scaling_reaches_the_update_with_zero_sum_groups(tmp_path, tiny_sd3_dir):
+    overrides = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.objective=nft",
+                        "trainer.kl_beta=0", "sampling.sampler=ode", "trainer.nft_timesteps=1", "trainer.iterations=1",
+                        "data.group_size=6", "sampling.batch_size=12"]
+    seen = {}
+    for scale in ("clip", "group_max"):
+        trainer = GRPOTrainer(load_config("tiny_jpeg", [*overrides, f"trainer.nft_r_scale={scale}"]), run_dir=tmp_path / scale)
+        update = trainer.update
+        trainer.update = lambda batches, spec: seen.setdefault(scale, batches) and update(batches, spec)
+        trainer.train()
+    (traj, adv), = seen["group_max"]
+    (_, raw), = seen["clip"]  # "clip" clips inside the loss: the update gets the raw advantages
+    assert raw.abs().max() > 1.01
+    for p in set(traj.prompts):
+        group = torch.tensor([q == p for q in traj.prompts])
+        assert abs(float(adv[group].sum())) < 1e-5 and float(adv[group].abs().max()) <= 1.0 + 1e-6
+    # the same samples and rewards, each group divided by one factor >= 1: same signs, no larger
+    assert torch.equal(adv.sign(), raw.sign()) and (adv.abs() <= raw.abs() + 1e-6).all()
+
+
 def test_nft_under_bf16_autocast_keeps_fp32_weights(tmp_path, tiny_sd3_dir):
     # trainer.mixed_precision=bf16 on CPU: accelerate's autocast runs the transformer's matmuls in
     # bf16 (sampling and training alike) while the adapter, its optimizer and checkpoints stay fp32

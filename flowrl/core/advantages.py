@@ -86,6 +86,16 @@ def _scale(values: torch.Tensor, g: Groups, group_std: torch.Tensor, std: str) -
     return group_std[g.inverse] if std == "group" else values.std(unbiased=False).expand_as(values)
 
 
+def unit_scale_per_group(advantages: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Each group's advantages divided by max(1, the group's largest |A|): all within [-1, 1], and a
+    group whose advantages sum to zero still does. Clipping at +-1 instead (DiffusionNFT's r) breaks
+    the sum in skewed groups: one success among seven failures keeps its pull at 1 while the seven
+    pushes add up to more, a net push away from the group's own samples."""
+    g = groups_of(group_ids)
+    largest = _scatter(advantages.abs(), g, "amax").clamp(min=1.0)
+    return advantages / largest[g.inverse]
+
+
 def _finish(adv, degenerate, g: Groups, clip, extra_mask=None) -> AdvantageOutput:
     dead = degenerate[g.inverse]
     adv = torch.where(dead, torch.zeros_like(adv), adv)

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from flowrl.config import Config
 from flowrl.core import clipped_policy_loss, gaussian_kl, nft_loss, optimality_probability
-from flowrl.core.advantages import estimate_advantages
+from flowrl.core.advantages import estimate_advantages, unit_scale_per_group
 from flowrl.core.allocation import make_allocator
 from flowrl.core.losses import PolicyLoss
 from flowrl.core.lr_schedule import lr_factor
@@ -275,6 +275,8 @@ class GRPOTrainer:
         adv = estimate_advantages(a.kind, rewards[valid], prompt_ids[valid], weights, a.std, a.eps, a.clip)
         advantages = torch.zeros(len(valid))
         advantages[valid] = adv.advantages.float()
+        if cfg.trainer.objective == "nft" and cfg.trainer.nft_r_scale == "group_max":
+            advantages[valid] = unit_scale_per_group(advantages[valid], prompt_ids[valid])
         self.allocator.observe(prompt_ids[valid], self.successes(rewards[valid] @ weights))
         batches, offset = [], 0
         for st in stages:  # each process's slice of every stage, padding copies at zero advantage
