@@ -61,9 +61,10 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, r: torc
 
     `negatives=False` keeps the positive half only: max(2r - 1, 0) ||v+ - u||^2, reward-weighted
     flow matching on the better-than-group samples (in the spirit of online rejection-sampling
-    fine-tuning). Its per-sample minimiser is the same v+ = u for every
-    r > 0.5, nothing moves at r <= 0.5, and with no push away from samples it has no runaway
-    direction; at beta = 1, v+ = v and v_old drops out."""
+    fine-tuning). Its per-sample minimiser is v+ = u for every r > 0.5, nothing moves at r <= 0.5,
+    and at beta = 1, v+ = v and v_old drops out. It pushes nothing away, yet on the shapes model it
+    collapsed faster than the full loss (BENCHMARKS.md): the pulls share plain flow matching on
+    the model's own samples, which the full loss's pushes cancel."""
     if not negatives:
         return torch.clamp(2 * r.to(v.dtype) - 1, min=0) * _nft_term((1 - beta) * v_old + beta * v, target, sigma)
     v_pos = (1 - beta) * v_old + beta * v
