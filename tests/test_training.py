@@ -100,12 +100,12 @@ def test_nft_guidance_scale_sets_the_trained_velocity_and_leaves_sampling_alone(
     trainer = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
     seen = []
     velocity = trainer.policy._velocity
-    trainer.policy._velocity = lambda x, sigma, cond: seen.append((torch.is_grad_enabled(), trainer.policy.cfg.guidance_scale)) or velocity(x, sigma, cond)
+    trainer.policy._velocity = lambda x, sigma, cond: seen.append((torch.is_grad_enabled(), trainer.policy.guidance_scale)) or velocity(x, sigma, cond)
     trainer.train()
     with_grad = {g for grad, g in seen if grad}
     assert with_grad == {1.0}  # the trained forwards
     assert 3.0 in {g for grad, g in seen if not grad}  # the rollouts
-    assert trainer.policy.cfg.guidance_scale == 3.0  # restored
+    assert trainer.policy.guidance_scale == 3.0 and trainer.cfg.model.guidance_scale == 3.0  # restored, config untouched
 
 
 def test_nft_group_max_scaling_reaches_the_update_with_zero_sum_groups(tmp_path, tiny_sd3_dir):

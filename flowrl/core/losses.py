@@ -65,9 +65,9 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, r: torc
     and at beta = 1, v+ = v and v_old drops out. It pushes nothing away, yet on the shapes model it
     collapsed faster than the full loss (BENCHMARKS.md): the pulls share plain flow matching on
     the model's own samples, which the full loss's pushes cancel."""
-    if not negatives:
-        return torch.clamp(2 * r.to(v.dtype) - 1, min=0) * _nft_term((1 - beta) * v_old + beta * v, target, sigma)
     v_pos = (1 - beta) * v_old + beta * v
+    if not negatives:
+        return torch.clamp(2 * r.to(v.dtype) - 1, min=0) * _nft_term(v_pos, target, sigma)
     v_neg = (1 + beta) * v_old - beta * v
     r = r.to(v.dtype)
     return r * _nft_term(v_pos, target, sigma) + (1 - r) * _nft_term(v_neg, target, sigma)

@@ -79,6 +79,7 @@ class FlowPolicy:
     def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
         self.pipe = pipe
         self.cfg = cfg
+        self._guidance_override: float | None = None  # set by `guidance()`; cfg stays as configured
         self.device = torch.device(device)
         self.dtype = DTYPES[cfg.dtype]
         self.transformer = pipe.transformer
@@ -193,17 +194,19 @@ class FlowPolicy:
         for p in self.trainable_parameters():
             p.data = p.data.float()
 
+    @property
+    def guidance_scale(self) -> float:
+        """The guidance velocities use: model.guidance_scale unless `guidance()` overrides it."""
+        return self.cfg.guidance_scale if self._guidance_override is None else self._guidance_override
+
     @contextlib.contextmanager
     def guidance(self, scale: float | None):
         """Velocities inside use guidance `scale` (None: model.guidance_scale, unchanged)."""
-        if scale is None:
-            yield self
-            return
-        saved, self.cfg.guidance_scale = self.cfg.guidance_scale, float(scale)
+        saved, self._guidance_override = self._guidance_override, (None if scale is None else float(scale))
         try:
             yield self
         finally:
-            self.cfg.guidance_scale = saved
+            self._guidance_override = saved
 
     @contextlib.contextmanager
     def reference(self):

@@ -36,7 +36,7 @@ class FluxPolicy(FlowPolicy):
         txt_ids = torch.zeros(cond["embeds"].shape[1], 3, device=self.device, dtype=self.dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full((b,), self.cfg.guidance_scale, device=self.device, dtype=torch.float32)
+            guidance = torch.full((b,), self.guidance_scale, device=self.device, dtype=torch.float32)
         t = torch.full((b,), float(sigma), device=self.device, dtype=torch.float32)  # FLUX takes sigma itself
         v = self.net(
             hidden_states=x.to(self.device, self.dtype),

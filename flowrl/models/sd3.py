@@ -30,7 +30,7 @@ class SD3Policy(FlowPolicy):
         return (c, self.cfg.height // self.vae_scale_factor, self.cfg.width // self.vae_scale_factor)
 
     def _velocity(self, x, sigma, cond):
-        g = self.cfg.guidance_scale
+        g = self.guidance_scale
         use_cfg = g != 1.0
         x_in = x.to(self.device, self.dtype)
         emb, pooled = cond["embeds"], cond["pooled"]
