@@ -13,6 +13,7 @@ import hashlib
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Sequence
 
 import numpy as np
 
@@ -146,10 +147,19 @@ def prompt_split(split: str, category: str | None = None) -> list[str]:
     return [p for p in all_prompts(category) if _held_out(p) == (split == "heldout")]
 
 
-def sample_prompts(n: int, rng: np.random.Generator, split: str = "train") -> list[str]:
-    """n prompts: a category uniformly, then a prompt of the split uniformly within it."""
+def sample_prompts(n: int, rng: np.random.Generator, split: str = "train",
+                   category_weights: Sequence[float] | None = None) -> list[str]:
+    """n prompts: a category (uniformly, or in proportion to `category_weights`, one weight per
+    entry of CATEGORIES), then a prompt of the split uniformly within it."""
     pools = [prompt_split(split, c) for c in CATEGORIES]
-    cats = rng.integers(0, len(pools), size=n)
+    if category_weights is None:
+        cats = rng.integers(0, len(pools), size=n)
+    else:
+        w = np.asarray(category_weights, dtype=float)
+        if w.shape != (len(CATEGORIES),) or (w < 0).any() or w.sum() <= 0:
+            raise ValueError(f"category_weights must be {len(CATEGORIES)} non-negative numbers (for "
+                             f"{', '.join(CATEGORIES)}) with a positive sum; got {list(category_weights)}")
+        cats = rng.choice(len(pools), size=n, p=w / w.sum())
     return [pools[c][int(rng.integers(0, len(pools[c])))] for c in cats]
 
 

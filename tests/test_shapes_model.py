@@ -3,6 +3,7 @@ through the same SD3 adapter as real SD3, and its deterministic, resumable pretr
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,7 +82,7 @@ def test_pretraining_is_deterministic_and_resumes_exactly(tmp_path):
 
     pretrain = load_script("pretrain_shapes")
     common = ["--layers", "1", "--heads", "2", "--head-dim", "8", "--batch", "4", "--warmup", "2",
-              "--checkpoint-every", "2", "--quiet"]
+              "--checkpoint-every", "2", "--quiet", "--category-weights", "1", "1", "1", "3", "--device", "cpu"]
     assert pretrain.main(["--work", str(tmp_path / "straight"), "--steps", "4", *common]) == 0
     assert pretrain.main(["--work", str(tmp_path / "resumed"), "--steps", "2", *common]) == 0
     assert pretrain.main(["--work", str(tmp_path / "resumed"), "--steps", "4", *common]) == 0
@@ -199,3 +200,22 @@ def test_sigma_location_moves_the_logit_normal_draws_toward_noise():
     # the same normal draws, moved by 0.5 in logit space
     assert torch.allclose(torch.logit(shifted), torch.logit(centred) + 0.5, atol=1e-4)
     assert (shifted > 0.7).float().mean() > (centred > 0.7).float().mean() + 0.1
+
+
+def test_category_weights_set_how_often_each_category_is_drawn():
+    from rewards.shapes_world import CATEGORIES, category_of, sample_prompts
+
+    pretrain = load_script("pretrain_shapes")
+    # the default draws stay exactly what they were (a shipped model's batches must not change)
+    assert pretrain.batch(0, 3, 64, 32, 0.1)[1] == pretrain.batch(0, 3, 64, 32, 0.1, category_weights=None)[1]
+    prompts = sample_prompts(3000, np.random.default_rng(0), category_weights=[1, 1, 1, 3])
+    share = {c: sum(category_of(p) == c for p in prompts) / len(prompts) for c in CATEGORIES}
+    assert abs(share["position"] - 0.5) < 0.04 and all(abs(share[c] - 1 / 6) < 0.03 for c in CATEGORIES[:3])
+    only_counting = sample_prompts(50, np.random.default_rng(0), category_weights=[0, 0, 1, 0])
+    assert {category_of(p) for p in only_counting} == {"counting"}
+    with pytest.raises(ValueError, match="category_weights must be 4 non-negative numbers"):
+        sample_prompts(4, np.random.default_rng(0), category_weights=[1, 1, 1])
+    with pytest.raises(ValueError, match="category_weights"):
+        sample_prompts(4, np.random.default_rng(0), category_weights=[1, -1, 1, 1])
+    weighted = pretrain.batch(0, 3, 256, 32, 0.0, category_weights=[0, 0, 0, 1])[1]
+    assert all(category_of(p) == "position" for p in weighted)
