@@ -219,3 +219,21 @@ def test_category_weights_set_how_often_each_category_is_drawn():
         sample_prompts(4, np.random.default_rng(0), category_weights=[1, -1, 1, 1])
     weighted = pretrain.batch(0, 3, 256, 32, 0.0, category_weights=[0, 0, 0, 1])[1]
     assert all(category_of(p) == "position" for p in weighted)
+
+
+def test_relation_probe_tells_a_right_relation_from_a_mirrored_one():
+    from rewards.shapes_world import render
+
+    probe = load_script("probe_relations")
+    assert probe.swap_relation("a red circle to the left of a blue square") == "a red circle to the right of a blue square"
+    assert probe.swap_relation(probe.swap_relation("a red circle above a blue square")) == "a red circle above a blue square"
+    with pytest.raises(ValueError, match="not a position prompt"):
+        probe.swap_relation("two red circles")
+    prompts = [p for p in all_prompts("position") if " left of " in p or " right of " in p][::40]
+    rng = np.random.default_rng(0)
+    drawn = np.stack([render(p, rng, 32) for p in prompts])
+    right = probe.relation_stats(prompts, drawn)
+    assert right["objects_right"] > 0.95 and right["relation_given_objects"] == 1.0
+    # mirrored left-right: every object is still drawn (the shapes are symmetric), every relation is wrong
+    mirrored = probe.relation_stats(prompts, drawn[:, :, ::-1].copy())
+    assert mirrored["objects_right"] > 0.95 and mirrored["relation_given_objects"] == 0.0
