@@ -4,6 +4,9 @@
     python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 9000 --threads 2   # resumes
     python scripts/pretrain_shapes.py --work runs/pretrain-shapes --export flowrl/assets/shapes-sd3
     python scripts/pretrain_shapes.py --work runs/finetune --init builtin:shapes --sigmas uniform --steps 2000
+    python scripts/pretrain_shapes.py --work runs/relations --category-weights 1 1 1 3 --sigma-location 1.0
+        # position prompts half of the draws, and more draws at high noise: a model that conditions
+        # on the relation word (the shipped one does not; scripts/probe_relations.py, BENCHMARKS.md)
 
 Loss (Esser et al. 2024, SD3): x_sigma = (1 - sigma) x0 + sigma eps, the network predicts
 v = eps - x0, sigma ~ logit-normal(0, 1) or uniform(0, 1) (`--sigmas`); x0 is the rendered image
