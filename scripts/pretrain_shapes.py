@@ -115,6 +115,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--export", metavar="DIR", help="write the EMA weights as a pipeline directory and exit")
     args = ap.parse_args(argv)
+    w = args.category_weights
+    if w is not None and (min(w) < 0 or sum(w) <= 0):
+        ap.error(f"--category-weights must be {len(CATEGORIES)} non-negative numbers with a positive sum; got {w}")
     if args.threads:
         torch.set_num_threads(args.threads)
 

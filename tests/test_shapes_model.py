@@ -217,6 +217,9 @@ def test_category_weights_set_how_often_each_category_is_drawn():
         sample_prompts(4, np.random.default_rng(0), category_weights=[1, 1, 1])
     with pytest.raises(ValueError, match="category_weights"):
         sample_prompts(4, np.random.default_rng(0), category_weights=[1, -1, 1, 1])
+    with pytest.raises(SystemExit) as exit_info:  # the script's own check: one line, exit 2
+        pretrain.main(["--work", "unused", "--category-weights", "1", "-1", "1", "1"])
+    assert exit_info.value.code == 2
     weighted = pretrain.batch(0, 3, 256, 32, 0.0, category_weights=[0, 0, 0, 1])[1]
     assert all(category_of(p) == "position" for p in weighted)
 
