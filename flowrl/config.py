@@ -392,7 +392,8 @@ def check_model_path(path: str) -> None:
             raise ConfigError(f"model.path '{path}' is a directory without model_index.json; give a diffusers pipeline directory")
         return
     if path.startswith((".", "/", "~")) or not _HUB_ID.match(path):
-        raise ConfigError(f"model.path '{path}' does not exist; give an existing pipeline directory, a hub id (org/name), or builtin:tiny-sd3")
+        raise ConfigError(f"model.path '{path}' does not exist; give an existing pipeline directory, a hub id (org/name), or a built-in "
+                          f"({', '.join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)})")
 
 
 def _validate_rollout(cfg: Config) -> None:

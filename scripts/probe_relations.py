@@ -59,11 +59,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from flowrl.config import load_config
+    from flowrl.errors import UserError
     from flowrl.models import load_policy
     from flowrl.train.evaluate import ode_images
 
-    cfg = load_config("default", [f"model.path={args.model}", *args.overrides])
-    policy = load_policy(cfg.model)
+    try:
+        cfg = load_config("default", [f"model.path={args.model}", *args.overrides])
+        policy = load_policy(cfg.model)
+    except UserError as e:
+        print(f"probe_relations: {e}", file=sys.stderr)
+        return 2
     prompts = eval_set(args.prompts)[-args.prompts:] * args.seeds  # eval_set ends with the position category
     seeds = [args.seed + j for j in range(len(prompts))]
     s = cfg.sampling
