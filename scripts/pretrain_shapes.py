@@ -115,9 +115,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--export", metavar="DIR", help="write the EMA weights as a pipeline directory and exit")
     args = ap.parse_args(argv)
-    w = args.category_weights
-    if w is not None and (min(w) < 0 or sum(w) <= 0):
-        ap.error(f"--category-weights must be {len(CATEGORIES)} non-negative numbers with a positive sum; got {w}")
+    try:  # sample_prompts owns the check of the weights; here it is a usage error (one line, exit 2)
+        sample_prompts(1, np.random.default_rng(0), category_weights=args.category_weights)
+    except ValueError as e:
+        ap.error(f"--category-weights: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -22,6 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rewards.shapes import verify  # noqa: E402
+from rewards.simple import to_uint8  # noqa: E402
 from rewards.shapes_world import RELATIONS, eval_set  # noqa: E402
 
 SWAPS = {"above": "below", "below": "above", "to the left of": "to the right of", "to the right of": "to the left of"}
@@ -74,8 +75,7 @@ def main(argv=None) -> int:
     s = cfg.sampling
 
     def draw(ps):
-        images = ode_images(policy, ps, seeds, s.eval_num_steps, s.shift, s.batch_size)
-        return (images.clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+        return to_uint8(ode_images(policy, ps, seeds, s.eval_num_steps, s.shift, s.batch_size))
 
     asked, swapped = draw(prompts), draw([swap_relation(p) for p in prompts])
     stats = relation_stats(prompts, asked)

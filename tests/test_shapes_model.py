@@ -206,8 +206,13 @@ def test_category_weights_set_how_often_each_category_is_drawn():
     from rewards.shapes_world import CATEGORIES, category_of, sample_prompts
 
     pretrain = load_script("pretrain_shapes")
-    # the default draws stay exactly what they were (a shipped model's batches must not change)
-    assert pretrain.batch(0, 3, 64, 32, 0.1)[1] == pretrain.batch(0, 3, 64, 32, 0.1, category_weights=None)[1]
+    # without weights the draws stay exactly what they were (a shipped model's batches must not change):
+    # a category uniformly, then a prompt within it, from the same generator
+    from rewards.shapes_world import prompt_split
+
+    rng, pools = np.random.default_rng(5), [prompt_split("train", c) for c in CATEGORIES]
+    before = [pools[c][int(rng.integers(0, len(pools[c])))] for c in rng.integers(0, len(pools), size=64)]
+    assert sample_prompts(64, np.random.default_rng(5)) == before
     prompts = sample_prompts(3000, np.random.default_rng(0), category_weights=[1, 1, 1, 3])
     share = {c: sum(category_of(p) == c for p in prompts) / len(prompts) for c in CATEGORIES}
     assert abs(share["position"] - 0.5) < 0.04 and all(abs(share[c] - 1 / 6) < 0.03 for c in CATEGORIES[:3])
