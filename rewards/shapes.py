@@ -33,6 +33,7 @@ from scipy import ndimage
 
 from rewards.registry import register
 from rewards.shapes_world import BACKGROUND, CATEGORIES, COLORS, SHAPES, Scene, parse_prompt, shape_mask
+from rewards.simple import to_uint8
 
 _NAMES = list(COLORS)
 _PALETTE = np.array([BACKGROUND, *COLORS.values()], dtype=np.int32)  # index 0: background
@@ -224,7 +225,7 @@ def _scenes_and_pixels(images: torch.Tensor, prompts: Sequence[str], reward: str
     if len(prompts) != images.shape[0]:
         raise ValueError(f"{reward} reward: {images.shape[0]} images but {len(prompts)} prompts")
     scenes = [_scene(p) for p in prompts]
-    return scenes, (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    return scenes, to_uint8(images)
 
 
 def score_batch(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:

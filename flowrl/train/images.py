@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from rewards.simple import to_uint8
+
 
 def image_grid(images: torch.Tensor, columns: int | None = None, pad: int = 2) -> Image.Image:
     """[N, 3, H, W] in [0, 1] -> one PIL image, row-major, `columns` per row."""
@@ -16,7 +18,7 @@ def image_grid(images: torch.Tensor, columns: int | None = None, pad: int = 2) -
     columns = columns or math.ceil(math.sqrt(n))
     rows = math.ceil(n / columns)
     canvas = np.full((rows * (h + pad) + pad, columns * (w + pad) + pad, 3), 255, dtype=np.uint8)
-    arr = (images.detach().float().clamp(0, 1).permute(0, 2, 3, 1).cpu().numpy() * 255).round().astype(np.uint8)
+    arr = to_uint8(images)
     for i in range(n):
         r, c = divmod(i, columns)
         y, x = pad + r * (h + pad), pad + c * (w + pad)
