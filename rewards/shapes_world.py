@@ -147,6 +147,16 @@ def prompt_split(split: str, category: str | None = None) -> list[str]:
     return [p for p in all_prompts(category) if _held_out(p) == (split == "heldout")]
 
 
+def category_probabilities(category_weights: Sequence[float]) -> np.ndarray:
+    """One weight per entry of CATEGORIES -> the probability of drawing each; ValueError if the
+    weights are not that many non-negative numbers with a positive sum."""
+    w = np.asarray(category_weights, dtype=float)
+    if w.shape != (len(CATEGORIES),) or (w < 0).any() or w.sum() <= 0:
+        raise ValueError(f"category_weights must be {len(CATEGORIES)} non-negative numbers (for "
+                         f"{', '.join(CATEGORIES)}) with a positive sum; got {list(category_weights)}")
+    return w / w.sum()
+
+
 def sample_prompts(n: int, rng: np.random.Generator, split: str = "train",
                    category_weights: Sequence[float] | None = None) -> list[str]:
     """n prompts: a category (uniformly, or in proportion to `category_weights`, one weight per
@@ -155,11 +165,7 @@ def sample_prompts(n: int, rng: np.random.Generator, split: str = "train",
     if category_weights is None:
         cats = rng.integers(0, len(pools), size=n)
     else:
-        w = np.asarray(category_weights, dtype=float)
-        if w.shape != (len(CATEGORIES),) or (w < 0).any() or w.sum() <= 0:
-            raise ValueError(f"category_weights must be {len(CATEGORIES)} non-negative numbers (for "
-                             f"{', '.join(CATEGORIES)}) with a positive sum; got {list(category_weights)}")
-        cats = rng.choice(len(pools), size=n, p=w / w.sum())
+        cats = rng.choice(len(pools), size=n, p=category_probabilities(category_weights))
     return [pools[c][int(rng.integers(0, len(pools[c])))] for c in cats]
 
 

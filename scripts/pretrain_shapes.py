@@ -33,7 +33,7 @@ from flowrl.core.lr_schedule import lr_factor
 from flowrl.models.shapes import build_shapes_pipeline, save_shapes_pipeline
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowrl.train.ema import EMA
-from rewards.shapes_world import CATEGORIES, all_prompts, render, sample_prompts
+from rewards.shapes_world import CATEGORIES, all_prompts, category_probabilities, render, sample_prompts
 
 
 def vocabulary() -> list[str]:
@@ -115,10 +115,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--export", metavar="DIR", help="write the EMA weights as a pipeline directory and exit")
     args = ap.parse_args(argv)
-    try:  # sample_prompts owns the check of the weights; here it is a usage error (one line, exit 2)
-        sample_prompts(1, np.random.default_rng(0), category_weights=args.category_weights)
-    except ValueError as e:
-        ap.error(f"--category-weights: {e}")
+    if args.category_weights is not None:
+        try:  # the world owns the check; here it is a usage error (one line, exit 2)
+            category_probabilities(args.category_weights)
+        except ValueError as e:
+            ap.error(f"--category-weights: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
 

@@ -22,8 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rewards.shapes import verify  # noqa: E402
-from rewards.simple import to_uint8  # noqa: E402
 from rewards.shapes_world import RELATIONS, eval_set  # noqa: E402
+from rewards.simple import to_uint8  # noqa: E402
 
 SWAPS = {"above": "below", "below": "above", "to the left of": "to the right of", "to the right of": "to the left of"}
 
