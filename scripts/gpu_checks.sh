@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The project's pending GPU measurements, run as one command on a CUDA machine.
+#
+# Each line below is a benchmark whose GPU number BENCHMARKS.md still lacks; delete a line once
+# its result is recorded there. Logs go to $OUT (or ./gpu_checks_out) so they come back even when
+# a later check runs out of time.
+#
+# The GPU machine has torch, transformers, accelerate and peft, but not diffusers, torchao or
+# omegaconf: put their wheels in .whl/ first (python 3.12, manylinux x86_64), e.g.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform any -d .whl diffusers==0.42.1 torchao==0.18.0 omegaconf==2.4.0
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_checks_out}"
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:$PWD"
+else
+  export PYTHONPATH="$PWD"
+fi
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
+python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/machine.txt"
+
+run() {  # run NAME SECONDS CMD...: one check, its log in $OUT/NAME.log, stopped after SECONDS
+  local name=$1 secs=$2; shift 2
+  echo "=== $name: $*"
+  timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "=== $name: exit ${PIPESTATUS[0]}"
+}
+
+# One SD3.5-Medium-sized GRPO iteration (sampling + LoRA training) at 512x512, group 8, CFG 4.5.
+run gpu_iteration 150 python3 scripts/bench_rollout.py --gpu-iteration
+# FP8 vs BF16 exploration throughput with torch.compile (the eager run gave 0.72x; goal 1.6x).
+run two_stage_compile 380 python3 scripts/bench_two_stage.py --gpu --fidelity-prompts 0 --compile
