@@ -30,7 +30,6 @@ run() {  # run NAME SECONDS CMD...: one check, its log in $OUT/NAME.log, stopped
   echo "=== $name: exit ${PIPESTATUS[0]}"
 }
 
-# One SD3.5-Medium-sized GRPO iteration (sampling + LoRA training) at 512x512, group 8, CFG 4.5.
-run gpu_iteration 150 python3 scripts/bench_rollout.py --gpu-iteration
-# FP8 vs BF16 exploration throughput with torch.compile (the eager run gave 0.72x; goal 1.6x).
-run two_stage_compile 380 python3 scripts/bench_two_stage.py --gpu --fidelity-prompts 0 --compile
+# FP8 vs BF16 exploration throughput with torch.compile (eager 0.72x; goal 1.6x).
+# Compiling the BF16 and FP8 copies takes several minutes: give this check most of a lease.
+run two_stage_compile 560 python3 scripts/bench_two_stage.py --gpu --fidelity-prompts 0 --compile
