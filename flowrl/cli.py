@@ -66,7 +66,7 @@ def _split_config_and_overrides(config, overrides):
 def cmd_train(args) -> int:
     from flowrl.config import load_config
     from flowrl.train.run_dir import CONFIG_FILE
-    from flowrl.train.trainer import GRPOTrainer
+    from flowrl.train.loop import Trainer
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)
     if args.resume:
@@ -81,9 +81,9 @@ def cmd_train(args) -> int:
     if _launches_cpu_processes(cfg):
         return _relaunch(cfg.run.cpu_processes, args.argv)
     if args.resume:
-        trainer = GRPOTrainer(cfg, run_dir=run, resume=True)
+        trainer = Trainer(cfg, run_dir=run, resume=True)
     else:
-        trainer = GRPOTrainer(cfg, run_dir=args.run_dir)
+        trainer = Trainer(cfg, run_dir=args.run_dir)
     if trainer.accelerator.is_main_process:
         print(f"run directory: {trainer.run.path}", file=sys.stderr)
         if cfg.trainer.mixed_precision == "auto":

@@ -18,7 +18,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.selection import SELECTION_KINDS
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, check_choice, check_positive
 from flowrl.sampling.precision import HIGH_PRECISION_LAYERS
 from flowrl.sampling.schedules import WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import LOGPROB_REDUCTIONS, SAMPLERS
@@ -29,14 +29,16 @@ MODEL_KINDS = ("sd3", "flux")
 DTYPES = ("fp32", "bf16", "fp16")
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
-OBJECTIVES = ("grpo", "nft")
-NFT_OLD_POLICIES = ("current", "sampling")
-NFT_R_SCALES = ("clip", "group_max")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")
-ROLLOUT_KINDS = ("flat", "tree", "two_stage")
 REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")
+# keys that moved: the old name is refused with a sentence naming the new one
+MOVED_KEYS = {"trainer.objective": "objective.kind", "trainer.clip_range": "objective.grpo.clip_range",
+              "trainer.clip_range_high": "objective.grpo.clip_range_high",
+              **{f"trainer.nft_{k}": f"objective.nft.{k}" for k in ("timesteps", "beta", "sigma_shift", "old_policy", "old_decay",
+                                                                   "old_decay_rate", "adaptive_weight", "negatives", "r_scale",
+                                                                   "guidance_scale")}}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -125,7 +127,7 @@ class TwoStageConfig:
     preview_steps: int = 0  # 0: stage 1 runs the training sampler | P > 0: a P-step ODE preview
     # false: train on the selected candidates themselves; only allowed when they already are
     # training-precision samples of the training sampler (explore_precision = model.dtype, no preview),
-    # or with trainer.objective nft, which flow-matches clean samples and takes no log-prob of them
+    # or with objective.kind nft, which flow-matches clean samples and takes no log-prob of them
     regenerate: bool = True
     fidelity_every: int = 10  # iterations between regenerating the whole pool to log reward rank correlations (0: never)
 
@@ -201,31 +203,53 @@ class SelectionConfig:
 
 
 @dataclass
-class TrainerConfig:
-    # grpo: the PPO-clipped surrogate over the SDE steps' log-probs (Flow-GRPO);
-    # nft: DiffusionNFT's negative-aware flow matching on the clean samples (any sampler, ode too)
-    objective: str = "grpo"
-    nft_timesteps: int = 2  # nft: forward-process sigmas drawn per sample and iteration
-    nft_beta: float = 1.0  # nft: the implicit policies' step, v_old +- beta (v - v_old)
-    # nft: time shift of those sigmas (1: uniform strata over lora.sigma_range; 3 with 3 sigmas
-    # over (0, 1]: two of them above 0.6, where a sample's layout is decided)
-    nft_sigma_shift: float = 1.0
-    # nft: v_old is "current" (the weights before each optimizer step) or "sampling" (the weights
-    # that sampled the iteration, fixed through its steps, then soft-updated: old <- d old + (1 - d) new
-    # with d = min(nft_old_decay, nft_old_decay_rate x iteration), DiffusionNFT's schedule)
-    nft_old_policy: str = "current"
-    nft_old_decay: float = 0.5
-    nft_old_decay_rate: float = 0.001
-    nft_adaptive_weight: bool = False  # nft: the paper's per-sample normalisation of the x0-prediction error
-    # nft: false keeps the positive half of the loss only (reward-weighted flow matching on the
-    # better-than-group samples, no push away from the worse ones)
-    nft_negatives: bool = True
-    # nft: r = 0.5 + 0.5 A' with A' = clip(A, -1, 1) ("clip", the paper's) or A scaled per group by
+class GRPOConfig:
+    """objective.kind grpo: the PPO-clipped surrogate over the SDE steps' log-probs (Flow-GRPO)."""
+
+    clip_range: float = 1e-4  # PPO ratio clip (Flow-GRPO: 1e-4)
+    clip_range_high: Optional[float] = None  # defaults to clip_range
+
+
+@dataclass
+class NFTConfig:
+    """objective.kind nft: DiffusionNFT's negative-aware flow matching on the clean samples (any
+    sampler, ode too; docs/algorithms.md section 4)."""
+
+    timesteps: int = 2  # forward-process sigmas drawn per sample and iteration
+    beta: float = 1.0  # the implicit policies' step, v_old +- beta (v - v_old)
+    # time shift of those sigmas (1: uniform strata over lora.sigma_range; 3 with 3 sigmas over (0, 1]:
+    # two of them above 0.6, where a sample's layout is decided)
+    sigma_shift: float = 1.0
+    # v_old is "current" (the weights before each optimizer step) or "sampling" (the weights that sampled
+    # the iteration, fixed through its steps, then soft-updated: old <- d old + (1 - d) new with
+    # d = min(old_decay, old_decay_rate x iteration), DiffusionNFT's schedule)
+    old_policy: str = "current"
+    old_decay: float = 0.5
+    old_decay_rate: float = 0.001
+    adaptive_weight: bool = False  # the paper's per-sample normalisation of the x0-prediction error
+    # false keeps the positive half of the loss only (reward-weighted flow matching on the better-than-group
+    # samples, no push away from the worse ones)
+    negatives: bool = True
+    # r = 0.5 + 0.5 A' with A' = clip(A, -1, 1) ("clip", the paper's) or A scaled per group by
     # max(1, max |A|) ("group_max": each group's pulls and pushes still cancel, sum (2r - 1) = 0)
-    nft_r_scale: str = "clip"
-    # nft: the guidance of the velocity the loss trains (and of v_old and the KL reference); None:
+    r_scale: str = "clip"
+    # the guidance of the velocity the loss trains (and of v_old and the KL reference); None:
     # model.guidance_scale, the sampler's. 1: the conditional velocity alone, as DiffusionNFT trains
-    nft_guidance_scale: Optional[float] = None
+    guidance_scale: Optional[float] = None
+
+
+@dataclass
+class ObjectiveConfig:
+    """What the loop optimises (flowrl/train/objectives): kind picks a registered objective; each
+    built-in one has its options under its own name."""
+
+    kind: str = "grpo"  # grpo | nft, or any registered objective
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
+
+
+@dataclass
+class TrainerConfig:
     iterations: int = 40
     max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time
     lr: float = 3e-4
@@ -238,8 +262,6 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     inner_epochs: int = 1
     gradient_accumulation_steps: int = 1  # sample batches per optimizer step
-    clip_range: float = 1e-4  # PPO ratio clip (Flow-GRPO: 1e-4)
-    clip_range_high: Optional[float] = None  # defaults to clip_range
     kl_beta: float = 0.04  # grpo: x the exact Gaussian KL per step; nft: x the mean squared velocity gap to the reference
     max_grad_norm: float = 1.0
     ema: bool = True
@@ -276,6 +298,7 @@ class Config:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -333,6 +356,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         loaded = OmegaConf.load(src)
     except Exception as exc:  # YAML syntax errors
         raise ConfigError(f"config file '{src}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+    _refuse_moved_keys([k for k in MOVED_KEYS if OmegaConf.select(loaded, k, default=None) is not None], str(src))
     try:
         merged = OmegaConf.merge(schema, loaded)
         # a mapping given in the file replaces the default instead of adding to it
@@ -346,6 +370,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         if "=" not in item:
             raise ConfigError(f"override '{item}' must have the form key=value, for example trainer.lr=1e-5")
         key, _, raw = item.partition("=")
+        _refuse_moved_keys([key] if key in MOVED_KEYS else [], "the command line")
         try:
             value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
             # an override replaces the value, mappings included (reward.weights={brightness: 1.0})
@@ -357,7 +382,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     return cfg
 
 
+def _refuse_moved_keys(keys: list[str], source: str) -> None:
+    if keys:
+        raise ConfigError(f"config key '{keys[0]}' in {source} has moved to '{MOVED_KEYS[keys[0]]}'; rename it")
+
+
 def config_from_dict(data: dict, validate_paths: bool = True) -> Config:
+    _refuse_moved_keys([k for k in MOVED_KEYS if OmegaConf.select(OmegaConf.create(data), k, default=None) is not None], "the given config")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
     except OmegaConfBaseException as exc:
@@ -365,16 +396,6 @@ def config_from_dict(data: dict, validate_paths: bool = True) -> Config:
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg, validate_paths=validate_paths)
     return cfg
-
-
-def _choice(key: str, value: str, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got '{value}'")
-
-
-def _positive(key: str, value, strict: bool = True) -> None:
-    if (value <= 0) if strict else (value < 0):
-        raise ConfigError(f"{key} must be {'> 0' if strict else '>= 0'}; got {value}")
 
 
 def check_model_path(path: str) -> None:
@@ -396,84 +417,6 @@ def check_model_path(path: str) -> None:
                           f"({', '.join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)})")
 
 
-def _validate_rollout(cfg: Config) -> None:
-    r, s = cfg.rollout, cfg.sampling
-    _choice("rollout.kind", r.kind, ROLLOUT_KINDS)
-    if r.kind == "two_stage":
-        _validate_two_stage(cfg)
-    if r.kind != "tree":
-        return
-    tr = r.tree
-    steps = list(tr.split_steps)
-    if not steps or sorted(set(steps)) != steps or steps[0] < 0 or steps[-1] >= s.num_steps:
-        raise ConfigError(f"rollout.tree.split_steps must be strictly increasing steps in [0, {s.num_steps - 1}] "
-                          f"(sampling.num_steps is {s.num_steps}); got {steps}")
-    if len(tr.branching) not in (1, len(steps)) or min(tr.branching) < 2:
-        raise ConfigError(f"rollout.tree.branching must be one factor >= 2 or one per split step ({len(steps)}); got {list(tr.branching)}")
-    leaves = 1
-    for b in r.splits().values():
-        leaves *= b
-    if cfg.data.group_size != leaves:
-        raise ConfigError(f"data.group_size must equal the tree's leaves per prompt ({leaves}, the product of "
-                          f"rollout.tree.branching over the splits) when rollout.kind is tree; got {cfg.data.group_size}")
-    from flowrl.sampling.schedules import shifted_sigmas
-    from flowrl.sampling.steps import transition_std
-
-    sigmas = shifted_sigmas(s.num_steps, s.shift).tolist()
-    flat_steps = [t for t in steps if transition_std(s.sampler, sigmas[t], sigmas[t + 1], s.noise_level, sigmas[1]) <= 0]
-    if flat_steps:
-        raise ConfigError(f"rollout.tree.split_steps {flat_steps} have no noise under sampling.sampler '{s.sampler}' "
-                          "(a split needs a stochastic step to branch); choose earlier steps")
-    _choice("rollout.tree.between", tr.between, ("sde", "ode", "window"))
-    if tr.between == "window" and s.window.strategy == "all":
-        raise ConfigError("rollout.tree.between 'window' (BranchGRPO-Mix) needs sampling.window.strategy fixed, random "
-                          "or progressive; with 'all' use between=sde")
-    if tr.between != "window" and s.window.strategy != "all":
-        raise ConfigError(f"sampling.window.strategy must be all when rollout.tree.between is '{tr.between}'; "
-                          "set rollout.tree.between=window to use an SDE window with trees")
-    _choice("rollout.tree.fusion", tr.fusion, ("mean", "prob"))
-    if not 0 < tr.width_keep <= 1:
-        raise ConfigError(f"rollout.tree.width_keep must be in (0, 1]; got {tr.width_keep}")
-    depths = len(steps)
-    if any(not 1 <= d <= depths for d in tr.prune_depths):
-        raise ConfigError(f"rollout.tree.prune_depths must name depths between 1 and {depths} (one per split); got {list(tr.prune_depths)}")
-    if len(set(tr.prune_depths)) == depths:
-        raise ConfigError(f"rollout.tree.prune_depths prunes all {depths} depths, so nothing would be trained; leave at least one out")
-    if not 0 <= tr.depth_window <= depths:
-        raise ConfigError(f"rollout.tree.depth_window must be between 0 (off) and {depths} (the number of splits); got {tr.depth_window}")
-    _positive("rollout.tree.depth_window_shift_every", tr.depth_window_shift_every)
-    if cfg.allocator.kind != "uniform":
-        raise ConfigError(f"allocator.kind must be uniform when rollout.kind is tree (a tree fixes each prompt's rollouts); got '{cfg.allocator.kind}'")
-    if cfg.advantage.kind != "grpo" or cfg.advantage.std != "group":
-        raise ConfigError(f"advantage.kind must be grpo and advantage.std group when rollout.kind is tree (trees use "
-                          f"BranchGRPO's depth-wise advantages within each tree); got kind '{cfg.advantage.kind}', std '{cfg.advantage.std}'")
-
-
-def _validate_nft(cfg: Config) -> None:
-    t = cfg.trainer
-    _positive("trainer.nft_timesteps", t.nft_timesteps)
-    _positive("trainer.nft_beta", t.nft_beta)
-    _positive("trainer.nft_sigma_shift", t.nft_sigma_shift)
-    if t.nft_r_scale not in NFT_R_SCALES:
-        raise ConfigError(f"trainer.nft_r_scale must be one of {', '.join(NFT_R_SCALES)}; got '{t.nft_r_scale}'")
-    if t.nft_r_scale != "clip" and cfg.rollout.kind != "flat":
-        raise ConfigError(f"trainer.nft_r_scale {t.nft_r_scale} needs rollout.kind flat (whole groups in one batch); got '{cfg.rollout.kind}'")
-    if t.nft_guidance_scale is not None and not t.nft_guidance_scale >= 1.0:
-        raise ConfigError(f"trainer.nft_guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
-                          f"(model.guidance_scale); got {t.nft_guidance_scale}")
-    if cfg.rollout.kind not in ("flat", "two_stage"):
-        raise ConfigError(f"trainer.objective nft trains on flat rollouts' clean samples; rollout.kind must be flat or two_stage, "
-                          f"got '{cfg.rollout.kind}'")
-    if t.nft_old_policy not in NFT_OLD_POLICIES:
-        raise ConfigError(f"trainer.nft_old_policy must be one of {', '.join(NFT_OLD_POLICIES)}; got '{t.nft_old_policy}'")
-    if not 0.0 <= t.nft_old_decay < 1.0 or t.nft_old_decay_rate < 0:
-        raise ConfigError(f"trainer.nft_old_decay must be in [0, 1) and trainer.nft_old_decay_rate >= 0; "
-                          f"got {t.nft_old_decay} and {t.nft_old_decay_rate}")
-    if t.inner_epochs != 1 and t.nft_old_policy == "current":
-        raise ConfigError(f"trainer.inner_epochs must be 1 with trainer.objective nft and trainer.nft_old_policy current "
-                          f"(v_old is then the weights before each step, not the policy that sampled); got {t.inner_epochs}")
-
-
 def _validate_sigma_range(cfg: Config) -> None:
     """A restricted adapter must act at every step that is trained, or those steps carry no gradient."""
     r = cfg.lora.sigma_range
@@ -483,8 +426,11 @@ def _validate_sigma_range(cfg: Config) -> None:
         return
     if not cfg.lora.enabled:
         raise ConfigError("lora.sigma_range restricts the adapter, so it needs lora.enabled=true")
-    if cfg.trainer.objective == "nft":
-        return  # nft draws its sigmas inside the range (flowrl/train/trainer.py, update_nft)
+    from flowrl.train.experience import SAMPLES
+    from flowrl.train.parts import objective_class
+
+    if objective_class(cfg.objective.kind).needs == SAMPLES:
+        return  # flow-matching objectives draw their training sigmas inside the range (flowrl/train/objectives/nft.py)
     s, w = cfg.sampling, cfg.sampling.window
     if cfg.rollout.kind != "flat" or w.strategy != "fixed":
         raise ConfigError(f"lora.sigma_range other than [0, 1] needs rollout.kind flat and sampling.window.strategy fixed "
@@ -495,65 +441,35 @@ def _validate_sigma_range(cfg: Config) -> None:
                           f"({', '.join(f'{x:.3g}' for x in sigmas)}: sampling.window steps {w.start}-{w.start + w.size - 1})")
 
 
-def _validate_two_stage(cfg: Config) -> None:
-    from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS
-
-    ts, k = cfg.rollout.two_stage, cfg.data.group_size
-    if cfg.rollout.tree != TreeConfig():
-        raise ConfigError("rollout.tree is set but rollout.kind is two_stage, which regenerates flat chains only; "
-                          "leave rollout.tree at its defaults or use rollout.kind tree")
-    if ts.candidates < k:
-        raise ConfigError(f"rollout.two_stage.candidates must be >= data.group_size ({k}), the samples selected from them per prompt; got {ts.candidates}")
-    _choice("rollout.two_stage.explore_precision", ts.explore_precision, EXPLORE_PRECISIONS)
-    _choice("rollout.two_stage.backend", ts.backend, BACKENDS)
-    _positive("rollout.two_stage.preview_steps", ts.preview_steps, strict=False)
-    _positive("rollout.two_stage.fidelity_every", ts.fidelity_every, strict=False)
-    if not ts.regenerate and cfg.trainer.objective != "nft" and (ts.explore_precision != cfg.model.dtype or ts.preview_steps):
-        # the guard: low-precision (or preview) samples never enter a log-prob ratio; nft needs none, it flow-matches
-        # the clean samples of any sampler
-        raise ConfigError(f"rollout.two_stage.regenerate must be true when explore_precision is '{ts.explore_precision}' and "
-                          f"preview_steps {ts.preview_steps} (training on the candidates themselves needs explore_precision = "
-                          f"model.dtype '{cfg.model.dtype}' and preview_steps 0, or trainer.objective nft)")
-    if list(cfg.lora.sigma_range) != [0.0, 1.0]:  # the exploration copy merges the adapter in at every sigma
-        raise ConfigError(f"lora.sigma_range must be [0, 1] when rollout.kind is two_stage; got {list(cfg.lora.sigma_range)}")
-    if cfg.allocator.kind != "uniform":
-        raise ConfigError(f"allocator.kind must be uniform when rollout.kind is two_stage (selection, not allocation, picks "
-                          f"the trained samples); got '{cfg.allocator.kind}'")
-
-
 def validate(cfg: Config, validate_paths: bool = True) -> None:
     m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.trainer
-    _choice("model.kind", m.kind, MODEL_KINDS)
-    _choice("model.dtype", m.dtype, DTYPES)
+    check_choice("model.kind", m.kind, MODEL_KINDS)
+    check_choice("model.dtype", m.dtype, DTYPES)
     if validate_paths:
         check_model_path(m.path)
     for key in ("height", "width"):
         value = getattr(m, key)
         if value <= 0 or value % 16:
             raise ConfigError(f"model.{key} must be a positive multiple of 16; got {value}")
-    _positive("model.guidance_scale", m.guidance_scale)
+    check_positive("model.guidance_scale", m.guidance_scale)
     if cfg.lora.enabled:
-        _positive("lora.rank", cfg.lora.rank)
-        _positive("lora.alpha", cfg.lora.alpha)
+        check_positive("lora.rank", cfg.lora.rank)
+        check_positive("lora.alpha", cfg.lora.alpha)
         if not cfg.lora.target_modules:
             raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
     elif t.kl_beta > 0:
         raise ConfigError("trainer.kl_beta > 0 needs lora.enabled=true: the reference policy is the network with the adapter disabled")
 
-    _choice("trainer.objective", t.objective, OBJECTIVES)
-    _choice("sampling.sampler", s.sampler, SAMPLERS)
-    if s.sampler == "ode" and t.objective == "grpo":
-        raise ConfigError("sampling.sampler 'ode' has no log-probabilities to train on; choose flow_grpo, dance_grpo or cps "
-                          "(or trainer.objective nft, which trains on the clean samples of any sampler)")
-    _positive("sampling.noise_level", s.noise_level)
+    check_choice("sampling.sampler", s.sampler, SAMPLERS)
+    check_positive("sampling.noise_level", s.noise_level)
     if s.num_steps < 2:
         raise ConfigError(f"sampling.num_steps must be >= 2; got {s.num_steps}")
-    _positive("sampling.eval_num_steps", s.eval_num_steps)
-    _positive("sampling.shift", s.shift)
-    _choice("sampling.logprob_reduction", s.logprob_reduction, LOGPROB_REDUCTIONS)
-    _positive("sampling.batch_size", s.batch_size)
+    check_positive("sampling.eval_num_steps", s.eval_num_steps)
+    check_positive("sampling.shift", s.shift)
+    check_choice("sampling.logprob_reduction", s.logprob_reduction, LOGPROB_REDUCTIONS)
+    check_positive("sampling.batch_size", s.batch_size)
     w = s.window
-    _choice("sampling.window.strategy", w.strategy, WINDOW_STRATEGIES)
+    check_choice("sampling.window.strategy", w.strategy, WINDOW_STRATEGIES)
     if w.strategy != "all":
         if not 1 <= w.size <= s.num_steps:
             raise ConfigError(f"sampling.window.size must be between 1 and sampling.num_steps ({s.num_steps}); got {w.size}")
@@ -563,68 +479,66 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
                 f"{s.num_steps} steps; got {w.start}"
             )
 
+    from flowrl.train.parts import check_compatible, rollout_class
+
+    rollout = rollout_class(cfg.rollout.kind)  # one sentence for an unknown kind, before anything checks its options
+    check_compatible(cfg)  # each part's own checks, and the objective's data from the rollout
     _validate_sigma_range(cfg)
-    _validate_rollout(cfg)
     if d.group_size < 2:
         raise ConfigError(f"data.group_size must be >= 2 (GRPO compares samples within a group); got {d.group_size}")
-    _positive("data.prompts_per_iteration", d.prompts_per_iteration)
-    if not d.prompts and not d.prompt_file:
+    check_positive("data.prompts_per_iteration", d.prompts_per_iteration)
+    if rollout.needs_prompts and not d.prompts and not d.prompt_file:
         raise ConfigError("data.prompts is empty and data.prompt_file is not set; give prompts or a prompt file")
     if d.prompt_file and d.prompt_file.startswith("builtin:"):
         from flowrl.train.prompts import BUILTIN_PROMPT_SETS
 
-        _choice("data.prompt_file", d.prompt_file, BUILTIN_PROMPT_SETS)
+        check_choice("data.prompt_file", d.prompt_file, BUILTIN_PROMPT_SETS)
     elif d.prompt_file and validate_paths and not Path(d.prompt_file).expanduser().is_file():
         raise ConfigError(f"data.prompt_file '{d.prompt_file}' does not exist; give a text file with one prompt per line")
 
-    if not cfg.reward.weights:
+    if rollout.needs_rewards and not cfg.reward.weights:
         raise ConfigError("reward.weights is empty; name at least one reward, for example jpeg_compressibility: 1.0")
     from rewards import check_reward_config  # late: rewards imports heavy optional models lazily
 
     check_reward_config(cfg.reward.weights, cfg.reward.options, validate_paths=validate_paths)
-    _positive("reward.batch_size", cfg.reward.batch_size)
-    _choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
+    check_positive("reward.batch_size", cfg.reward.batch_size)
+    check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
 
-    _choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
-    _choice("advantage.std", cfg.advantage.std, ("group", "global"))
-    _positive("advantage.eps", cfg.advantage.eps)
-    _positive("advantage.clip", cfg.advantage.clip)
+    check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
+    check_choice("advantage.std", cfg.advantage.std, ("group", "global"))
+    check_positive("advantage.eps", cfg.advantage.eps)
+    check_positive("advantage.clip", cfg.advantage.clip)
     al = cfg.allocator
-    _choice("allocator.kind", al.kind, ALLOCATOR_KINDS)
+    check_choice("allocator.kind", al.kind, ALLOCATOR_KINDS)
     if al.min_group < 2:
         raise ConfigError(f"allocator.min_group must be >= 2 (a group of one has no baseline); got {al.min_group}")
     if d.group_size < al.min_group:
         raise ConfigError(f"data.group_size ({d.group_size}) must be >= allocator.min_group ({al.min_group})")
-    _positive("allocator.prior_a", al.prior_a)
-    _positive("allocator.prior_b", al.prior_b)
+    check_positive("allocator.prior_a", al.prior_a)
+    check_positive("allocator.prior_b", al.prior_b)
     for key in ("fast_decay", "slow_decay", "first_fraction", "hard_accuracy"):
         value = getattr(al, key)
         if not 0 < value <= 1:
             raise ConfigError(f"allocator.{key} must be in (0, 1]; got {value}")
-    _positive("allocator.target_positives", al.target_positives)
-    _positive("allocator.round_size", al.round_size)
-    _positive("allocator.cap", al.cap, strict=False)
-    _choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
+    check_positive("allocator.target_positives", al.target_positives)
+    check_positive("allocator.round_size", al.round_size)
+    check_positive("allocator.cap", al.cap, strict=False)
+    check_choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
 
-    _positive("trainer.iterations", t.iterations)
-    _positive("trainer.lr", t.lr)
-    _choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    _positive("trainer.max_minutes", t.max_minutes, strict=False)
-    _positive("trainer.weight_decay", t.weight_decay, strict=False)
-    _positive("trainer.inner_epochs", t.inner_epochs)
-    _positive("trainer.gradient_accumulation_steps", t.gradient_accumulation_steps)
-    _positive("trainer.clip_range", t.clip_range)
-    if t.clip_range_high is not None:
-        _positive("trainer.clip_range_high", t.clip_range_high)
-    _positive("trainer.kl_beta", t.kl_beta, strict=False)
-    _positive("trainer.max_grad_norm", t.max_grad_norm)
+    check_positive("trainer.iterations", t.iterations)
+    check_positive("trainer.lr", t.lr)
+    check_choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
+    check_positive("trainer.max_minutes", t.max_minutes, strict=False)
+    check_positive("trainer.weight_decay", t.weight_decay, strict=False)
+    check_positive("trainer.inner_epochs", t.inner_epochs)
+    check_positive("trainer.gradient_accumulation_steps", t.gradient_accumulation_steps)
+    check_positive("trainer.kl_beta", t.kl_beta, strict=False)
+    check_positive("trainer.max_grad_norm", t.max_grad_norm)
     if not 0 <= t.ema_decay < 1:
         raise ConfigError(f"trainer.ema_decay must be in [0, 1); got {t.ema_decay}")
-    _choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
-    if t.objective == "nft":
-        _validate_nft(cfg)
+    check_choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
 
-    _choice("run.tracker", cfg.run.tracker, TRACKERS)
-    _positive("run.sample_every", cfg.run.sample_every, strict=False)
-    _positive("run.checkpoint_every", cfg.run.checkpoint_every, strict=False)
-    _positive("run.cpu_processes", cfg.run.cpu_processes)
+    check_choice("run.tracker", cfg.run.tracker, TRACKERS)
+    check_positive("run.sample_every", cfg.run.sample_every, strict=False)
+    check_positive("run.checkpoint_every", cfg.run.checkpoint_every, strict=False)
+    check_positive("run.cpu_processes", cfg.run.cpu_processes)

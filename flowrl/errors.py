@@ -8,3 +8,14 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A config key with an unknown name, a wrong type or an impossible value."""
+
+
+def check_choice(key: str, value, allowed) -> None:
+    """`value` of config key `key` must be one of `allowed` (a sequence or a registry)."""
+    if value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got '{value}'")
+
+
+def check_positive(key: str, value, strict: bool = True) -> None:
+    if (value <= 0) if strict else (value < 0):
+        raise ConfigError(f"{key} must be {'> 0' if strict else '>= 0'}; got {value}")

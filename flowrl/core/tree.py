@@ -20,21 +20,24 @@ FUSIONS = ("mean", "prob")
 
 
 def fuse_rewards(parents: list[torch.Tensor], leaf_rewards: torch.Tensor, fusion: str = "mean",
-                 edge_log_probs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                 edge_log_probs: list[torch.Tensor] | None = None, leaf_valid: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Node values for every level, from the leaves up (BranchGRPO's reward fusion).
 
     'mean': a node's value is the mean of the rewards of all leaves below it (so a child with
     more leaves weighs more than a sibling with fewer). 'prob': a node's value is its children's
     values weighted by softmax_siblings(edge log-prob): the probability-weighted option (our
     reading; with mean-reduced Gaussian log-probs the weights stay close to uniform).
-    Every node must have at least one child. Returns values[t] [n_t] fp32 for t = 0..T
+    Every node must have at least one child. With `leaf_valid` [L] bool, invalid leaves take no
+    part: they weigh nothing in their ancestors' values, and a node with no valid leaf below it
+    gets value 0 (`valid_nodes` marks those). Returns values[t] [n_t] fp32 for t = 0..T
     (values[T] = leaf rewards), computed in fp64."""
     if fusion not in FUSIONS:
         raise ValueError(f"tree fusion must be one of {FUSIONS}, got {fusion!r}")
     if fusion == "prob" and edge_log_probs is None:
         raise ValueError("probability-weighted fusion needs the edge log-probs")
     values = [leaf_rewards.double()]
-    leaves = [torch.ones_like(values[0])]  # number of leaves under each node
+    # number of (valid) leaves under each node
+    leaves = [torch.ones_like(values[0]) if leaf_valid is None else leaf_valid.double()]
     for t in range(len(parents) - 1, -1, -1):
         p = parents[t].long()
         n_parent = int(p.max()) + 1 if p.numel() else 0
@@ -46,30 +49,52 @@ def fuse_rewards(parents: list[torch.Tensor], leaf_rewards: torch.Tensor, fusion
             lp = edge_log_probs[t].double()
             top = torch.full((n_parent,), -math.inf, dtype=torch.float64).scatter_reduce(0, p, lp, "amax")
             w = torch.exp(lp - top[p])  # softmax among siblings, shifted by the sibling max for stability
+            if leaf_valid is not None:
+                w = w * (child_n > 0)  # a child with no valid leaf below it has no value
             norm = torch.zeros(n_parent, dtype=torch.float64).index_add_(0, p, w)
             value = torch.zeros(n_parent, dtype=torch.float64).index_add_(0, p, w * child_v) / norm
+        if leaf_valid is not None:
+            value = torch.where(count > 0, value, torch.zeros_like(value))
         values.insert(0, value)
         leaves.insert(0, count)
     return [v.float() for v in values]
 
 
-def depthwise_advantages(values: list[torch.Tensor], tree_ids: list[torch.Tensor], eps: float = 1e-4) -> list[torch.Tensor]:
+def valid_nodes(parents: list[torch.Tensor], leaf_valid: torch.Tensor) -> list[torch.Tensor]:
+    """Per level, [n_t] bool: the nodes with at least one valid leaf below them."""
+    out = [leaf_valid.bool()]
+    for t in range(len(parents) - 1, -1, -1):
+        p = parents[t].long()
+        n_parent = int(p.max()) + 1 if p.numel() else 0
+        out.insert(0, torch.zeros(n_parent, dtype=torch.long).index_add_(0, p, out[0].long()) > 0)
+    return out
+
+
+def depthwise_advantages(values: list[torch.Tensor], tree_ids: list[torch.Tensor], eps: float = 1e-4,
+                         valid: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """BranchGRPO's depth-wise advantage: A = (V - mean) / (std + eps) over the nodes of one
     level of one tree (population std); A = 0 where they are all equal (a level before the first
     split has one node per tree). Between splits a level holds the same nodes as its depth, so
     per level equals per depth. Returns advantages[t] [n_t]; the edge into node c of level t
-    is trained with advantages[t][c]."""
+    is trained with advantages[t][c]. With `valid` (per level, from `valid_nodes`) the statistics
+    cover the valid nodes only, and invalid nodes get A = 0."""
     out = []
-    for v, ids in zip(values, tree_ids):
+    for t, (v, ids) in enumerate(zip(values, tree_ids)):
         v = v.double()
         uniq, inv = torch.unique(ids, return_inverse=True)
         g = uniq.numel()
-        n = torch.bincount(inv, minlength=g).double()
-        mean = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, v) / n
-        var = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, (v - mean[inv]) ** 2) / n
-        hi = torch.full((g,), -math.inf, dtype=torch.float64).scatter_reduce(0, inv, v, "amax")
-        lo = torch.full((g,), math.inf, dtype=torch.float64).scatter_reduce(0, inv, v, "amin")
+        ok = None if valid is None else valid[t]
+        w = torch.ones_like(v) if ok is None else ok.double()
+        n = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, w)
+        mean = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, v if ok is None else v * w) / n
+        var = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, (v - mean[inv]) ** 2 * (1.0 if ok is None else w)) / n
+        v_hi = v if ok is None else torch.where(ok, v, torch.full_like(v, -math.inf))
+        v_lo = v if ok is None else torch.where(ok, v, torch.full_like(v, math.inf))
+        hi = torch.full((g,), -math.inf, dtype=torch.float64).scatter_reduce(0, inv, v_hi, "amax")
+        lo = torch.full((g,), math.inf, dtype=torch.float64).scatter_reduce(0, inv, v_lo, "amin")
         flat = (hi == lo)[inv]  # exact test: the float std of equal values can be a rounding step above 0
+        if ok is not None:
+            flat = flat | ~ok
         a = (v - mean[inv]) / (var.sqrt()[inv] + eps)
         out.append(torch.where(flat, torch.zeros_like(a), a).float())
     return out

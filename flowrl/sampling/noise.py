@@ -8,6 +8,27 @@ from typing import Sequence
 import torch
 
 INITIAL = -1  # the `step` key of the initial latent noise
+# the `step` key of flow-matching objectives' forward-process noise (DiffusionNFT): below every
+# sampling key (steps >= 0, INITIAL), so it never repeats a chain's noise; epoch e and training
+# sigma k of K use FORWARD_NOISING - e x K - k
+FORWARD_NOISING = -1_000
+
+
+class Stream:
+    """The `index` keys of `sample_seed` for the training loop's own random streams. Sample
+    indices are 0, 1, 2, ... within an iteration; these sit far above any batch, so no stream
+    shares a seed with a sample."""
+
+    NFT_ORDER = 999_979  # DiffusionNFT: order of the sample batches, and its training sigmas
+    UPDATE_ORDER = 999_983  # the policy-gradient update: order of the micro-batch groups
+    SELECTION = 777_767  # two-stage exploration: ties and the random selection
+
+
+def sample_seed(base: int, iteration: int, index: int) -> int:
+    """The seed of sample `index` of `iteration` in a run seeded `base`: every rollout is
+    reproducible from (run seed, iteration, index), whichever process draws it. Iteration -1
+    is the sample grids'."""
+    return (base * 1_000_003 + iteration) * 100_003 + index
 
 
 def _key(seed: int, step: int) -> int:

@@ -21,6 +21,16 @@ LOGPROB_REDUCTIONS = ("mean", "sum")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
+def forward_noise(x0: torch.Tensor, eps: torch.Tensor, sigma) -> torch.Tensor:
+    """The forward process of a rectified flow: x_sigma = (1 - sigma) x0 + sigma eps."""
+    return (1 - sigma) * x0 + sigma * eps
+
+
+def flow_matching_target(x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """The velocity the network learns at every sigma: d x_sigma / d sigma = eps - x0."""
+    return eps - x0
+
+
 class StepOutput(NamedTuple):
     next_x: torch.Tensor  # [B, ...] fp32
     mean: torch.Tensor  # [B, ...] fp32

@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 from flowrl.errors import UserError
 
 LATEST = "latest"
-# tensor files a checkpoint may hold: the EMA weights, the allocator's state, DiffusionNFT's old policy
-OPTIONAL_TENSORS = ("ema", "allocator", "nft_old")
+# the files every checkpoint holds; any other NAME.safetensors is optional state (the EMA weights,
+# the allocator's, an objective's such as DiffusionNFT's old policy), returned under its NAME
+REQUIRED_TENSORS = ("trainable", "optimizer", "rng")
 
 
 def _optimizer_to_flat(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -53,8 +54,7 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor],
                     **state_tensors: dict[str, torch.Tensor] | None) -> Path:
     """Write checkpoints/iter_NNNNNN atomically. `export(dir)` may add user-facing files
     (the diffusers-format LoRA) inside the temporary directory before it is renamed.
-    `state_tensors` (allocator=..., nft_old=...: names from OPTIONAL_TENSORS) go to NAME.safetensors
-    when not None."""
+    `state_tensors` (allocator=..., nft_old=...) go to NAME.safetensors when not None."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(iteration)
@@ -65,8 +65,8 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor],
     opt_tensors, opt_meta = _optimizer_to_flat(optimizer_state)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     for key, tensors in {"ema": ema_shadow, **state_tensors}.items():
-        if key not in OPTIONAL_TENSORS:
-            raise ValueError(f"unknown checkpoint tensor file '{key}'; known: {', '.join(OPTIONAL_TENSORS)}")
+        if key in REQUIRED_TENSORS or not key.isidentifier():
+            raise ValueError(f"checkpoint tensor file name '{key}' must be an identifier other than {', '.join(REQUIRED_TENSORS)}")
         if tensors is not None:
             save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / f"{key}.safetensors"))
     rng = {"torch_cpu": torch.get_rng_state()}
@@ -105,8 +105,9 @@ def load_checkpoint(path: Path) -> dict:
             "params": load_file(str(path / "trainable.safetensors")),
             "optimizer": _optimizer_from_flat(load_file(str(path / "optimizer.safetensors")), state["optimizer"]),
             "rng": load_file(str(path / "rng.safetensors")),
-            **{key: load_file(str(path / f"{key}.safetensors")) if (path / f"{key}.safetensors").is_file() else None
-               for key in OPTIONAL_TENSORS},
+            "ema": None,
+            "allocator": None,
+            **{f.stem: load_file(str(f)) for f in sorted(path.glob("*.safetensors")) if f.stem not in REQUIRED_TENSORS},
         }
     except Exception as exc:  # safetensors, JSON and missing files all mean the same to the user
         raise UserError(f"checkpoint '{path}' is incomplete or corrupt ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None

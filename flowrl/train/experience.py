@@ -1,0 +1,123 @@
+"""The one batch structure between a rollout and an objective (docs/architecture.md, "The data path").
+
+A rollout's `collect(iteration)` returns an `Experience`: every process's rewards and advantages
+(for metrics, allocation and group statistics), and this process's share of what objectives
+consume. Two kinds of training data exist, and a rollout fills the ones it can:
+
+- `transitions`: micro-batches of stored transitions with their behaviour log-probs and
+  advantages, for policy-gradient objectives (GRPO). Each micro-batch re-evaluates itself under
+  the current policy; the objective never sees latents, tokens or schedules.
+- `samples`: clean samples with their conditioning (prompts, seeds) and an index into the
+  experience's advantages, for flow-matching objectives (DiffusionNFT).
+
+Work is split across processes here and nowhere else: `ProcessShard` pads a list of items to a
+multiple of the process count with copies of its last item (copies train at zero advantage, so
+every process runs the same number of forwards and backwards, as DDP needs), hands each process
+its slice, and `gather_real` brings per-sample results back in item order without the padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+TRANSITIONS = "transitions"  # micro-batches of transitions with behaviour log-probs
+SAMPLES = "samples"  # clean samples with their conditioning
+DATA_KINDS = {TRANSITIONS: "transitions with behaviour log-probs", SAMPLES: "clean samples with their conditioning"}
+
+
+class TransitionBatch(NamedTuple):
+    """One forward of the policy over stored transitions. `evaluate()` recomputes them under the
+    current weights (with grad; under the policy's `reference()` it gives the reference) and
+    returns anything with a per-transition `log_prob`; `kl(current, reference, keep)` is the
+    per-transition KL between two such evaluations over the kept transitions. `keep` masks the
+    transitions that carry gradient (None: all)."""
+
+    evaluate: Callable[[], Any]
+    old_log_prob: torch.Tensor
+    advantages: torch.Tensor
+    kl: Callable[[Any, Any, Any], torch.Tensor]
+    keep: torch.Tensor | None = None
+
+    def kept(self) -> int:
+        return len(self.advantages) if self.keep is None else int(self.keep.sum())
+
+
+@dataclass
+class SampleBatch:
+    """Clean samples of one sampling batch on this process. `index` points into the experience's
+    per-sample arrays; padding copies point past their end (`Experience.advantages_at` gives them 0)."""
+
+    x0: torch.Tensor  # [b, *shape] fp32, the finished samples
+    prompts: list[str]
+    seeds: torch.Tensor  # [b] long: forward-process noise is keyed by these
+    index: torch.Tensor  # [b] long
+
+
+@dataclass
+class Experience:
+    """One training iteration's data. Per-sample arrays hold every process's real samples in one
+    order (padding never appears in them)."""
+
+    iteration: int
+    rewards: torch.Tensor  # [N, K] per reward channel
+    prompt_ids: torch.Tensor  # [N] long: index of each sample's prompt (its group)
+    valid: torch.Tensor  # [N] bool: False where the reward output was invalid (reward.on_invalid: drop)
+    advantages: torch.Tensor  # [N] fp32: 0 for invalid samples
+    precision: str  # what the transitions were sampled in (GRPO refuses a ratio across precisions)
+    transitions: list[list[TransitionBatch]] | None = None  # accumulation groups of micro-batches
+    weigh_by_transition: bool = False  # weigh micro-batches by their kept transitions (trees: sizes differ)
+    samples: list[SampleBatch] | None = None
+    metrics: dict = field(default_factory=dict)  # the rollout's own columns of the metrics row
+
+    def provides(self) -> set[str]:
+        return {k for k, v in ((TRANSITIONS, self.transitions), (SAMPLES, self.samples)) if v is not None}
+
+    def advantages_at(self, index: torch.Tensor) -> torch.Tensor:
+        return advantages_at(self.advantages, index)
+
+
+def advantages_at(advantages: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """advantages[index], 0 where `index` points past the real samples (padding copies)."""
+    out = torch.zeros(len(index))
+    real = index < len(advantages)
+    out[real] = advantages[index[real]]
+    return out
+
+
+@dataclass
+class ProcessShard:
+    """`n` items split over `num_processes`: padded with copies of the last item to a multiple of
+    the process count; this process takes the slice `local`."""
+
+    n: int
+    num_processes: int
+    process_index: int
+
+    @property
+    def per_process(self) -> int:
+        return (self.n + (-self.n) % self.num_processes) // self.num_processes
+
+    @property
+    def local(self) -> slice:
+        return slice(self.process_index * self.per_process, (self.process_index + 1) * self.per_process)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[per_process] this process's positions among the padded items (>= n: a padding copy)."""
+        return torch.arange(self.local.start, self.local.stop)
+
+    def pad(self, items: list) -> list:
+        return items + items[-1:] * ((-self.n) % self.num_processes)
+
+    def take(self, items: list) -> list:
+        """This process's share of `items` (padded first)."""
+        return self.pad(items)[self.local]
+
+
+def gather_real(accelerator, local: torch.Tensor, n: int) -> torch.Tensor:
+    """Every process's `local` rows, concatenated in process order (= item order), without the
+    padding at the end; on the CPU."""
+    return accelerator.gather(local.to(accelerator.device)).cpu()[:n]

@@ -1,0 +1,242 @@
+"""The one training loop: `experience = rollout.collect(iteration)`, `stats = objective.update(experience)`,
+log, checkpoint (docs/architecture.md).
+
+The loop owns what every run shares: the accelerator, the policy and its optimizer, the EMA,
+the learning-rate schedule, the run directory, sample grids, checkpoints and resume, and the
+iteration counter. `rollout.kind` and `objective.kind` pick the registered parts
+(flowrl/train/rollouts, flowrl/train/objectives); the loop never looks at their names. Every
+random draw is keyed by (seed, iteration, sample, step), so a resumed run repeats an
+uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.config import Config
+from flowrl.core.allocation import make_allocator
+from flowrl.core.lr_schedule import lr_factor
+from flowrl.errors import UserError
+from flowrl.models import load_policy
+from flowrl.sampling.noise import sample_seed
+from flowrl.sampling.precision import autocast_precision
+from flowrl.sampling.rollout import SamplerSpec, rollout
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from flowrl.train.ema import EMA
+from flowrl.train.images import save_grid
+from flowrl.train.metrics import iteration_row
+from flowrl.train.parts import TrainContext, objective_class, rollout_class
+from flowrl.train.prompts import load_prompts
+from flowrl.train.run_dir import RunDir
+from rewards import AsyncRewardRunner, MultiReward
+
+
+def flat_config(cfg: Config) -> dict:
+    """Scalars only, for trackers (tensorboard's hparams cannot hold lists)."""
+    from omegaconf import OmegaConf
+
+    out = {}
+
+    def walk(prefix, node):
+        for k, v in node.items():
+            if isinstance(v, dict):
+                walk(f"{prefix}{k}.", v)
+            else:
+                out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+
+    walk("", OmegaConf.to_container(OmegaConf.structured(cfg)))
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
+        self.cfg, t = cfg, cfg.trainer
+        self.accelerator = acc = self._accelerator(run_dir)
+        rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
+        self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
+        self.eval_prompts = list(cfg.data.eval_prompts) or self.prompts[:4]
+        self.allocator = self._allocator()
+
+        self.policy = load_policy(cfg.model, device=acc.device)
+        if cfg.lora.enabled:
+            self.policy.add_lora(cfg.lora, seed=t.seed)
+        else:
+            self.policy.enable_full_finetune()
+        self.params = self.policy.named_trainable_parameters()
+        optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                      weight_decay=t.weight_decay)
+        self.policy.net, self.optimizer = acc.prepare(self.policy.transformer, optimizer)
+        self.ema = EMA(self.params, t.ema_decay) if t.ema else None
+        self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards) if rollout_cls.needs_rewards else None
+        self.reward_runner = AsyncRewardRunner(self.reward_fn)
+        ctx = TrainContext(cfg, acc, self.policy, self.params, self.prompts, self.reward_fn, self.reward_runner, self.allocator,
+                           self.optimizer_step, self.optimizer)
+        self.objective = objective_cls(ctx)
+        self.rollout = rollout_cls(ctx)
+        self.iteration = 0
+        self.history: list[dict] = []
+
+        if resume:
+            self._resume()
+        elif (self.run.path / "metrics.jsonl").exists():
+            raise UserError(f"run directory '{self.run.path}' already holds a run; resume it with --resume {self.run.path} "
+                            "or choose another run.name")
+        if acc.is_main_process:
+            self.run.create(cfg)  # on resume too: the run directory shows the config in force
+        acc.wait_for_everyone()
+        if cfg.run.tracker != "none":
+            acc.init_trackers("tracker", config=flat_config(cfg))
+
+    def _accelerator(self, run_dir):
+        from accelerate import Accelerator, DistributedDataParallelKwargs, PartialState
+        from accelerate.utils import broadcast_object_list
+
+        cfg = self.cfg
+        cpu = cfg.model.device == "cpu" or not torch.cuda.is_available()
+        PartialState(cpu=cpu)  # start the process group so every process can agree on one run directory
+        if run_dir is None:
+            run_dir = Path(cfg.run.output_dir) / (cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S"))
+        self.run = RunDir(broadcast_object_list([str(run_dir)])[0])
+        self.mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
+        return Accelerator(
+            mixed_precision=self.mixed_precision, cpu=cpu, log_with=None if cfg.run.tracker == "none" else cfg.run.tracker,
+            project_dir=str(self.run.path),
+            # DDP would broadcast the transformer's buffers (constant position embeddings) in every
+            # forward: a collective that hangs when only rank 0 samples (grids, evals)
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+        )
+
+    def _allocator(self):
+        cfg, al = self.cfg, self.cfg.allocator
+        return make_allocator(
+            al.kind, num_prompts=len(self.prompts), budget=cfg.data.prompts_per_iteration * cfg.data.group_size,
+            prompts_per_iteration=cfg.data.prompts_per_iteration, seed=cfg.trainer.seed, min_group=al.min_group,
+            prior_a=al.prior_a, prior_b=al.prior_b, fast_decay=al.fast_decay, slow_decay=al.slow_decay,
+            first_fraction=al.first_fraction, hard_accuracy=al.hard_accuracy, target_positives=al.target_positives,
+            round_size=al.round_size, cap=al.cap or 2 * cfg.data.group_size,
+        )
+
+    # ---- one iteration ------------------------------------------------------------------
+    def train_iteration(self) -> dict:
+        t0 = time.perf_counter()
+        self.policy.transformer.eval()
+        with self.objective.behaviour_weights():
+            experience = self.rollout.collect(self.iteration)
+        t_collected = time.perf_counter()
+        stats = self.objective.update(experience)
+        t_updated = time.perf_counter()
+        row = iteration_row(experience, stats, self.reward_fn, self.prompts)
+        row.update(time_sampling=t_collected - t0, time_training=t_updated - t_collected)
+        self.iteration += 1
+        row["time_iteration"] = time.perf_counter() - t0
+        return row
+
+    def optimizer_step(self) -> float:
+        """Clip, step, zero, update the EMA; returns the gradient norm before clipping."""
+        norm = float(self.accelerator.clip_grad_norm_(list(self.params.values()), self.cfg.trainer.max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.params)
+        return norm
+
+    # ---- the loop -----------------------------------------------------------------------
+    def train(self) -> list[dict]:
+        cfg, acc, r, t = self.cfg, self.accelerator, self.cfg.run, self.cfg.trainer
+        bar = tqdm(total=t.iterations, initial=self.iteration, desc="flowrl train", unit="iter",
+                   disable=not (r.progress and acc.is_local_main_process))
+        if self.iteration == 0 and r.sample_every:
+            self.save_samples("iter_000000_before")
+        started, out_of_time = time.perf_counter(), False
+        while self.iteration < t.iterations and not out_of_time:
+            for group in self.optimizer.param_groups:
+                group["lr"] = t.lr * lr_factor(t.lr_schedule, self.iteration, t.iterations)
+            row = self.train_iteration()
+            self.history.append(row)
+            acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
+            if acc.is_main_process:
+                self.run.append_metrics(row)
+            bar.update(1)
+            bar.set_postfix({k: f"{row[k]:.4g}" for k in ("reward_mean", "kl") if k in row})
+            if t.max_minutes:  # every process calls the broadcast, so all agree with rank 0's clock
+                from accelerate.utils import broadcast_object_list
+
+                out_of_time = bool(broadcast_object_list([time.perf_counter() - started >= t.max_minutes * 60])[0])
+            done = self.iteration >= t.iterations or out_of_time
+            if r.sample_every and (self.iteration % r.sample_every == 0 or done):
+                self.save_samples(f"iter_{self.iteration:06d}")
+            if done or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
+                self.save()
+        bar.close()
+        self.rollout.close()
+        self.reward_runner.close()
+        acc.end_training()
+        return self.history
+
+    # ---- outputs ------------------------------------------------------------------------
+    def eval_spec(self) -> SamplerSpec:
+        s = self.cfg.sampling
+        return SamplerSpec(shifted_sigmas(s.eval_num_steps, s.shift), torch.zeros(s.eval_num_steps, dtype=torch.bool), "ode")
+
+    @torch.no_grad()
+    def save_samples(self, name: str, seeds_per_prompt: int = 2) -> Path | None:
+        """A grid of ODE samples on the eval prompts (EMA weights when enabled)."""
+        if not self.accelerator.is_main_process or not self.eval_prompts:
+            return None
+        prompts = [p for p in self.eval_prompts for _ in range(seeds_per_prompt)]
+        seeds = [sample_seed(self.cfg.trainer.seed, -1, j % seeds_per_prompt) for j in range(len(prompts))]
+        with self.ema.swapped_in(self.params) if self.ema is not None else contextlib.nullcontext():
+            traj = rollout(self.policy, prompts, seeds, self.eval_spec(), self.cfg.sampling.batch_size)
+            images = self.policy.decode(traj.final)
+        return save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2)
+
+    def save(self) -> Path | None:
+        acc = self.accelerator
+        acc.wait_for_everyone()
+        path = None
+        if acc.is_main_process:
+            def export(tmp: Path):
+                if self.cfg.lora.enabled:
+                    self.policy.save_lora(tmp / "lora")
+                    if self.ema is not None:
+                        with self.ema.swapped_in(self.params):
+                            self.policy.save_lora(tmp / "ema_lora")
+
+            path = save_checkpoint(self.run.checkpoints, self.iteration, self.params, self.optimizer.state_dict(),
+                                   self.ema.shadow if self.ema is not None else None,
+                                   {"policy_version": self.iteration, "num_processes": acc.num_processes}, export=export,
+                                   allocator=self.allocator.state_dict(), **self.objective.state_dict())
+            self.run.plot_reward_curve(self.run.read_metrics())
+        acc.wait_for_everyone()
+        return path
+
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.run.checkpoints)
+        if ckpt is None:
+            raise UserError(f"--resume: '{self.run.path}' has no checkpoint to resume from (expected {self.run.checkpoints}/latest)")
+        data = load_checkpoint(ckpt)
+        if set(self.params) ^ set(data["params"]):
+            raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model "
+                            f"({len(set(self.params) ^ set(data['params']))} mismatched weights)")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(data["params"][n])
+        self.optimizer.load_state_dict(data["optimizer"])
+        if data["allocator"] is not None:
+            self.allocator.load_state_dict(data["allocator"])
+        if self.ema is not None and data["ema"] is not None:
+            self.ema.shadow = {n: t.clone() for n, t in data["ema"].items()}
+        self.objective.load_state_dict(data, str(ckpt))
+        restore_rng(data["rng"], data["state"]["python_random"])
+        self.iteration = int(data["state"]["iteration"])
+        if self.accelerator.is_main_process:
+            self.history = self.run.truncate_metrics(self.iteration)
+        else:
+            self.history = [r for r in self.run.read_metrics() if r["iteration"] < self.iteration]

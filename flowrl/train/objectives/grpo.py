@@ -1,0 +1,118 @@
+"""objective.kind grpo: the PPO-clipped surrogate over transitions with behaviour log-probs,
+plus beta x the exact KL to the reference, the network with its adapter disabled (Flow-GRPO:
+Liu et al., arXiv:2505.05470; docs/algorithms.md section 2).
+
+Inner epochs over the experience's accumulation groups, shuffled each epoch;
+`trainer.gradient_accumulation_steps` groups make one optimizer step, and under DDP gradients
+are synchronised only on the step's last backward. Each micro-batch's loss is a mean over its
+kept transitions; within an optimizer step every micro-batch weighs the same, or, when the
+experience asks (trees: micro-batches differ in size), every kept transition does. A
+micro-batch with nothing kept gets a zero backward (so every process runs the same backwards)
+and no statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.core import clipped_policy_loss
+from flowrl.core.losses import PolicyLoss
+from flowrl.errors import check_positive
+from flowrl.sampling.noise import Stream, sample_seed
+from flowrl.sampling.precision import check_training_precision
+from flowrl.sampling.rollout import policy_precision
+from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch
+from flowrl.train.parts import Objective, register_objective
+
+STAT_NAMES = ("loss", "policy_loss", "kl", "ratio_mean", "clipfrac")
+
+
+@register_objective
+class GRPO(Objective):
+    name = "grpo"
+    needs = TRANSITIONS
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        g = cfg.objective.grpo
+        check_positive("objective.grpo.clip_range", g.clip_range)
+        if g.clip_range_high is not None:
+            check_positive("objective.grpo.clip_range_high", g.clip_range_high)
+
+    def update(self, experience: Experience) -> dict:
+        """Refuses an experience not sampled in the training precision (Sol-RL's guard: a
+        log-prob ratio between precisions is not the policy's)."""
+        ctx, t = self.ctx, self.ctx.cfg.trainer
+        check_training_precision(experience.precision, policy_precision(ctx.policy))
+        groups = experience.transitions
+        accum = t.gradient_accumulation_steps
+        gen = torch.Generator().manual_seed(sample_seed(t.seed, experience.iteration, Stream.UPDATE_ORDER))
+        sums = dict.fromkeys(STAT_NAMES, 0.0)
+        count, grad_norms, first_ratio_dev = 0, [], None
+        kept = [[mb.kept() for mb in g] for g in groups]
+        ctx.policy.transformer.train()
+        bar = tqdm(total=t.inner_epochs * sum(len(g) for g in groups), desc=f"iter {experience.iteration} training", leave=False,
+                   disable=not ctx.progress, unit="step")
+        for _ in range(t.inner_epochs):
+            order = torch.randperm(len(groups), generator=gen).tolist()
+            for gi, group_index in enumerate(order):
+                group = groups[group_index]
+                closes_step = (gi + 1) % accum == 0 or gi == len(order) - 1
+                first = (gi // accum) * accum
+                step_len = min(accum, len(order) - first)  # the last step's share may be short
+                step_kept = sum(sum(kept[j]) for j in order[first : first + step_len])
+                for k, mb in enumerate(group):
+                    sync = closes_step and k == len(group) - 1
+                    with contextlib.nullcontext() if sync else ctx.accelerator.no_sync(ctx.policy.net):
+                        loss, pl, kl = self.micro_batch_loss(mb)
+                        if pl is None:  # nothing kept: zero gradient, no statistics
+                            ctx.accelerator.backward(loss)
+                            bar.update(1)
+                            continue
+                        if experience.weigh_by_transition:
+                            ctx.accelerator.backward(loss * (kept[group_index][k] / step_kept))
+                        else:
+                            ctx.accelerator.backward(loss / (step_len * len(group)))
+                    if first_ratio_dev is None:
+                        first_ratio_dev = (pl.ratio - 1).abs().max().item()
+                    for name, value in zip(STAT_NAMES, (loss, pl.loss, kl, pl.ratio.mean(), pl.clipped.float().mean())):
+                        sums[name] += value.item()
+                    count += 1
+                    bar.update(1)
+                if closes_step:
+                    grad_norms.append(ctx.optimizer_step())
+        bar.close()
+        ctx.policy.transformer.eval()
+        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), first_ratio_deviation=first_ratio_dev or 0.0,
+                   optimizer_steps=len(grad_norms), trained_transitions=count, lr=ctx.optimizer.param_groups[0]["lr"])
+        return out
+
+    def micro_batch_loss(self, mb: TransitionBatch) -> tuple[torch.Tensor, PolicyLoss | None, torch.Tensor]:
+        """(loss, policy-loss terms, KL) of one micro-batch over its kept transitions. With
+        nothing kept: (a zero loss that still reaches every weight, None, 0)."""
+        ctx, t, g = self.ctx, self.ctx.cfg.trainer, self.ctx.cfg.objective.grpo
+        device = ctx.accelerator.device
+        clip_hi = g.clip_range_high if g.clip_range_high is not None else g.clip_range
+        out = mb.evaluate()
+        if mb.keep is not None and not bool(mb.keep.any()):
+            # nothing kept: a zero loss, after the same forwards as any micro-batch (under DDP every
+            # forward may broadcast buffers, so all processes must run the same number)
+            if t.kl_beta > 0:
+                with torch.no_grad(), ctx.policy.reference():
+                    mb.evaluate()
+            return out.log_prob.sum() * 0.0, None, torch.zeros((), device=device)
+        keep = mb.keep.to(device) if mb.keep is not None else slice(None)
+        old, adv = mb.old_log_prob.to(device)[keep], mb.advantages.to(device)[keep]
+        pl = clipped_policy_loss(out.log_prob[keep], old, adv, g.clip_range, clip_hi)
+        loss = pl.loss
+        kl = torch.zeros((), device=device)
+        if t.kl_beta > 0:
+            with torch.no_grad(), ctx.policy.reference():
+                ref = mb.evaluate()
+            kl = mb.kl(out, ref, keep).mean()
+            loss = loss + t.kl_beta * kl
+        return loss, pl, kl

@@ -1,0 +1,138 @@
+"""objective.kind nft: DiffusionNFT (Zheng et al., arXiv:2509.16117; docs/algorithms.md section 4).
+
+Flow matching on the clean samples, pulled toward the better-than-group ones and pushed from the
+worse (flowrl.core.nft_loss). Each sample batch is noised afresh at `objective.nft.timesteps`
+sigmas, stratified inside lora.sigma_range (where the adapter acts), and makes one optimizer
+step, for `trainer.inner_epochs` passes. The old policy v_old is, with `old_policy: current`, the
+weights before each step (its detached prediction: the gradient is then (2r - 1) beta times the
+plain flow-matching gradient); with `sampling`, the weights that sampled the iteration, which
+stay fixed through its steps, so the loss's minimiser v_old + (2r - 1)(u - v_old) / beta bounds
+how far an iteration can move, and are soft-updated after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from tqdm.auto import tqdm
+
+from flowrl.core import nft_loss, optimality_probability
+from flowrl.core.advantages import unit_scale_per_group
+from flowrl.errors import ConfigError, UserError, check_choice, check_positive
+from flowrl.sampling.noise import FORWARD_NOISING, Stream, sample_seed, seeded_noise
+from flowrl.sampling.schedules import stratified_sigma
+from flowrl.sampling.steps import flow_matching_target, forward_noise
+from flowrl.train.ema import EMA
+from flowrl.train.experience import SAMPLES, Experience, advantages_at
+from flowrl.train.parts import Objective, register_objective
+
+OLD_POLICIES = ("current", "sampling")
+R_SCALES = ("clip", "group_max")
+
+
+@register_objective
+class NFT(Objective):
+    name = "nft"
+    needs = SAMPLES
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.opts = ctx.cfg.objective.nft
+        # the old policy when it is not the current weights: it samples, and gives v_old
+        self.old = EMA(ctx.params, self.opts.old_decay) if self.opts.old_policy == "sampling" else None
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        o = cfg.objective.nft
+        check_positive("objective.nft.timesteps", o.timesteps)
+        check_positive("objective.nft.beta", o.beta)
+        check_positive("objective.nft.sigma_shift", o.sigma_shift)
+        check_choice("objective.nft.r_scale", o.r_scale, R_SCALES)
+        if o.r_scale != "clip" and cfg.rollout.kind != "flat":
+            raise ConfigError(f"objective.nft.r_scale {o.r_scale} needs rollout.kind flat (whole groups in one batch); got '{cfg.rollout.kind}'")
+        if o.guidance_scale is not None and not o.guidance_scale >= 1.0:
+            raise ConfigError(f"objective.nft.guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
+                              f"(model.guidance_scale); got {o.guidance_scale}")
+        check_choice("objective.nft.old_policy", o.old_policy, OLD_POLICIES)
+        if not 0.0 <= o.old_decay < 1.0 or o.old_decay_rate < 0:
+            raise ConfigError(f"objective.nft.old_decay must be in [0, 1) and objective.nft.old_decay_rate >= 0; "
+                              f"got {o.old_decay} and {o.old_decay_rate}")
+        if cfg.trainer.inner_epochs != 1 and o.old_policy == "current":
+            raise ConfigError(f"trainer.inner_epochs must be 1 with objective.kind nft and objective.nft.old_policy current "
+                              f"(v_old is then the weights before each step, not the policy that sampled); got {cfg.trainer.inner_epochs}")
+
+    def behaviour_weights(self):
+        return self.old.swapped_in(self.ctx.params) if self.old is not None else contextlib.nullcontext()
+
+    def optimality(self, experience: Experience) -> torch.Tensor:
+        """DiffusionNFT's r of every real sample: 0.5 + 0.5 clip(A, -1, 1), or with r_scale
+        group_max each group's A divided by max(1, its largest |A|) (pulls and pushes still cancel)."""
+        adv = experience.advantages.clone()
+        if self.opts.r_scale == "group_max":
+            valid = experience.valid
+            adv[valid] = unit_scale_per_group(adv[valid], experience.prompt_ids[valid])
+        return adv
+
+    def update(self, experience: Experience) -> dict:
+        ctx, t, o = self.ctx, self.ctx.cfg.trainer, self.opts
+        acc, policy = ctx.accelerator, ctx.policy
+        k_steps = o.timesteps
+        low, high = policy.lora_sigma_range or (0.0, 1.0)
+        gen = torch.Generator().manual_seed(sample_seed(t.seed, experience.iteration, Stream.NFT_ORDER))
+        advantages = self.optimality(experience)
+        batches = [(b, optimality_probability(advantages_at(advantages, b.index))) for b in experience.samples]
+        losses, grad_norms, kls, sigmas = [], [], [], []
+        needs_old = o.negatives or o.beta != 1.0  # the positive half alone at beta 1 trains v+ = v: no v_old
+        policy.transformer.train()
+        bar = tqdm(total=t.inner_epochs * len(batches) * k_steps, desc=f"iter {experience.iteration} training", leave=False,
+                   disable=not ctx.progress, unit="step")
+        with policy.guidance(o.guidance_scale):  # the velocity the loss trains
+            for epoch in range(t.inner_epochs):
+                for bi in torch.randperm(len(batches), generator=gen).tolist():
+                    batch, r = batches[bi]
+                    x0 = batch.x0.to(acc.device, torch.float32)  # a low-precision explorer's samples too
+                    cond = policy.encode(batch.prompts)
+                    seeds = batch.seeds.tolist()
+                    for k in range(k_steps):
+                        sigma = stratified_sigma(k, k_steps, low, high, o.sigma_shift, gen)
+                        sigmas.append(sigma)
+                        eps = seeded_noise(seeds, FORWARD_NOISING - epoch * k_steps - k, x0.shape[1:], acc.device)
+                        x_t = forward_noise(x0, eps, sigma)
+                        v_old = None
+                        if self.old is not None and needs_old:  # before the forward with grad: the swap writes the weights in place
+                            with torch.no_grad(), self.old.swapped_in(ctx.params):
+                                v_old = policy.velocity(x_t, sigma, cond)
+                        with contextlib.nullcontext() if k == k_steps - 1 else acc.no_sync(policy.net):
+                            v = policy.velocity(x_t, sigma, cond)
+                            loss = nft_loss(v, v.detach() if v_old is None else v_old, flow_matching_target(x0, eps),
+                                            r.to(acc.device), o.beta, sigma=sigma if o.adaptive_weight else None,
+                                            negatives=o.negatives).mean()
+                            if t.kl_beta > 0:  # anchor to the reference: the velocity's squared distance to the base network's
+                                with torch.no_grad(), policy.reference():
+                                    v_ref = policy.velocity(x_t, sigma, cond)
+                                kl = ((v - v_ref) ** 2).mean()
+                                kls.append(kl.item())
+                                loss = loss + t.kl_beta * kl
+                            acc.backward(loss / k_steps)
+                        losses.append(loss.item())
+                        bar.update(1)
+                    grad_norms.append(ctx.optimizer_step())
+        bar.close()
+        policy.transformer.eval()
+        if self.old is not None:
+            self.old.update(ctx.params, decay=min(o.old_decay, o.old_decay_rate * experience.iteration))
+        return {"loss": sum(losses) / max(len(losses), 1), "kl": sum(kls) / max(len(kls), 1),
+                "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": len(grad_norms),
+                "trained_transitions": len(losses), "lr": ctx.optimizer.param_groups[0]["lr"],
+                "nft_sigma_mean": sum(sigmas) / max(len(sigmas), 1)}
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {"nft_old": self.old.shadow} if self.old is not None else {}
+
+    def load_state_dict(self, state, checkpoint: str) -> None:
+        if self.old is None:
+            return
+        if state.get("nft_old") is None:
+            raise UserError(f"--resume: checkpoint '{checkpoint}' has no nft_old.safetensors, which objective.nft.old_policy sampling needs")
+        self.old.shadow = {n: t.clone() for n, t in state["nft_old"].items()}

@@ -1,0 +1,149 @@
+"""Rollouts and objectives: the two kinds of registered parts the training loop composes.
+
+A rollout turns the current policy into an `Experience` (`collect(iteration)`); an objective
+turns an `Experience` into optimizer steps (`update(experience)`). Each registers under the name
+that `rollout.kind` / `objective.kind` selects, and declares what it provides or needs, so the
+config is checked from the declarations (`check_compatible`) and the loop never branches on a
+name. Adding one is a new module with a registered class; docs/architecture.md has an example.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
+
+import torch
+
+from flowrl.errors import ConfigError, check_choice
+from flowrl.train.experience import DATA_KINDS, Experience
+
+if TYPE_CHECKING:
+    from flowrl.config import Config
+
+ROLLOUTS: dict[str, type["Rollout"]] = {}
+OBJECTIVES: dict[str, type["Objective"]] = {}
+
+
+@dataclass
+class TrainContext:
+    """What the loop lends its parts: the config, the accelerator, the policy and its trainable
+    weights, the prompt pool, the reward and its runner, the allocator, and one optimizer step
+    (clip, step, zero, EMA). Parts keep no reference to the loop itself."""
+
+    cfg: "Config"
+    accelerator: Any
+    policy: Any
+    params: dict[str, torch.Tensor]
+    prompts: list[str]
+    reward_fn: Any  # None when the rollout needs no online reward
+    reward_runner: Any
+    allocator: Any
+    optimizer_step: Callable[[], float]
+    optimizer: Any
+
+    @property
+    def progress(self) -> bool:
+        return bool(self.cfg.run.progress and self.accelerator.is_local_main_process)
+
+
+class Rollout:
+    """Produces one iteration's `Experience`. `provides(cfg)` names the training data it fills
+    (experience.TRANSITIONS, experience.SAMPLES) under that config."""
+
+    name: ClassVar[str]
+    needs_prompts: ClassVar[bool] = True  # an online prompt source (data.prompts or data.prompt_file)
+    needs_rewards: ClassVar[bool] = True  # an online reward (reward.weights)
+
+    def __init__(self, ctx: TrainContext):
+        self.ctx = ctx
+
+    @classmethod
+    def provides(cls, cfg: "Config") -> set[str]:
+        raise NotImplementedError
+
+    @classmethod
+    def missing_reason(cls, cfg: "Config", data: str) -> str:
+        """Why `data` is not provided under `cfg` (completes an error sentence), or ''."""
+        return ""
+
+    @classmethod
+    def validate(cls, cfg: "Config") -> None:
+        """Raise ConfigError for settings this rollout cannot run with."""
+
+    def collect(self, iteration: int) -> Experience:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Objective:
+    """Turns an `Experience` into optimizer steps and returns its statistics. `needs` is the
+    training data it consumes (one of experience.DATA_KINDS)."""
+
+    name: ClassVar[str]
+    needs: ClassVar[str]
+
+    def __init__(self, ctx: TrainContext):
+        self.ctx = ctx
+
+    @classmethod
+    def validate(cls, cfg: "Config") -> None:
+        """Raise ConfigError for settings this objective cannot run with."""
+
+    def behaviour_weights(self):
+        """The weights rollouts sample with, as a context manager (default: the current ones)."""
+        return contextlib.nullcontext()
+
+    def update(self, experience: Experience) -> dict:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Tensor files for the checkpoint ({file name: tensors}); restored by load_state_dict."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor] | None], checkpoint: str) -> None:
+        pass
+
+
+def register_rollout(cls):
+    ROLLOUTS[cls.name] = cls
+    return cls
+
+
+def register_objective(cls):
+    OBJECTIVES[cls.name] = cls
+    return cls
+
+
+def load_builtin_parts() -> None:
+    """Import the built-in rollouts and objectives (their modules register them)."""
+    import flowrl.train.objectives  # noqa: F401
+    import flowrl.train.rollouts  # noqa: F401
+
+
+def rollout_class(kind: str) -> type[Rollout]:
+    load_builtin_parts()
+    check_choice("rollout.kind", kind, ROLLOUTS)
+    return ROLLOUTS[kind]
+
+
+def objective_class(kind: str) -> type[Objective]:
+    load_builtin_parts()
+    check_choice("objective.kind", kind, OBJECTIVES)
+    return OBJECTIVES[kind]
+
+
+def check_compatible(cfg: "Config") -> None:
+    """Both parts exist, each accepts the config, and the rollout provides what the objective needs."""
+    rollout, objective = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
+    rollout.validate(cfg)
+    objective.validate(cfg)
+    provided = rollout.provides(cfg)
+    if objective.needs not in provided:
+        able = sorted(name for name, o in OBJECTIVES.items() if o.needs in provided)
+        reason = rollout.missing_reason(cfg, objective.needs)
+        raise ConfigError(f"objective.kind '{objective.name}' trains on {DATA_KINDS[objective.needs]}, which rollout.kind "
+                          f"'{rollout.name}' does not provide{' ' + reason if reason else ''}; objective.kind may be "
+                          f"{', '.join(able) or 'none of the registered objectives'} with it")

@@ -1,0 +1,202 @@
+"""rollout.kind tree: BranchGRPO (Li et al., arXiv:2509.06040; docs/algorithms.md section 3).
+
+One tree per prompt the allocator picks (uniform, validated), trees split across processes and
+padded with copies of the last one (zero advantage, never trained) so every process runs the same
+forwards. The leaves are scored on the one reward path (reward.on_invalid: drop leaves invalid
+leaves out of the fusion and the advantages), their rewards fused up the tree, and every edge
+trained with the depth-wise advantage of the node it leads to; both only involve one tree, so
+each process does its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, trained_depths, valid_nodes, width_prune
+from flowrl.errors import ConfigError, UserError, check_choice, check_positive
+from flowrl.sampling.noise import sample_seed
+from flowrl.sampling.rollout import SamplerSpec, policy_precision
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.steps import transition_std
+from flowrl.sampling.tree import TreeTrajectory, edge_children, parent_batches, tree_edges, tree_rollout, tree_spec
+from flowrl.train.experience import TRANSITIONS, Experience, ProcessShard, TransitionBatch, gather_real
+from flowrl.train.parts import Rollout, register_rollout
+from flowrl.train.rollouts.flat import step_kl, successes, training_spec
+from flowrl.train.scoring import Scoring
+
+
+@register_rollout
+class TreeRollout(Rollout):
+    name = "tree"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.scoring = Scoring(ctx.policy, ctx.reward_runner, ctx.accelerator)
+
+    @classmethod
+    def provides(cls, cfg) -> set[str]:
+        return {TRANSITIONS}
+
+    @classmethod
+    def missing_reason(cls, cfg, data: str) -> str:
+        return "(its training data are the tree's edges, not whole samples)"
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        validate_tree(cfg)
+
+    def spec(self, iteration: int) -> SamplerSpec:
+        """between=sde: every step stochastic; window (BranchGRPO-Mix): the flat SDE window of
+        this iteration; ode: none. Split steps are stochastic in every case."""
+        spec = training_spec(self.ctx.cfg, iteration)  # sampling.window is 'all' unless between=window (validated)
+        if self.ctx.cfg.rollout.tree.between == "ode":
+            spec.sde_steps = torch.zeros_like(spec.sde_steps)
+        return tree_spec(spec, self.ctx.cfg.rollout.splits())
+
+    def collect(self, iteration: int) -> Experience:
+        ctx = self.ctx
+        cfg, acc = ctx.cfg, ctx.accelerator
+        g, bs, tr = cfg.data.group_size, cfg.sampling.batch_size, cfg.rollout.tree
+        spec = self.spec(iteration)
+        ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), ctx.allocator.first_stage(iteration) // g).tolist()
+        n = len(ids)
+        # the root noise of tree k is that of the flat group's first sample (seed index k x G)
+        seeds = [sample_seed(cfg.trainer.seed, iteration, k * g) for k in range(n)]
+        shard = ProcessShard(n, acc.num_processes, acc.process_index)
+        local_ids = shard.take(ids)
+        tree = tree_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), spec, cfg.rollout.splits(), bs,
+                            prompt_ids=local_ids, progress=ctx.progress, desc=f"iter {iteration} tree sampling")
+        on_batch = self.scoring.start([tree.prompts[i] for i in tree.tree_ids[-1].tolist()])
+        for batch in parent_batches(len(tree.leaves), bs):
+            on_batch(batch, tree.leaves[batch])
+        scores = self.scoring.finish(n * g)  # process-major = tree order; padding last
+        if not scores.valid.any():
+            raise UserError(f"every reward output of iteration {iteration} was invalid (NaN, inf or misshapen); see reward.on_invalid")
+
+        real = shard.positions < n
+        leaf_valid = scores.local_valid if not bool(scores.local_valid.all()) else None
+        values = fuse_rewards(tree.parents, scores.local_rewards.float().cpu() @ ctx.reward_fn.channel_weights, tr.fusion,
+                              tree.log_probs, leaf_valid)
+        node_valid = valid_nodes(tree.parents, leaf_valid) if leaf_valid is not None else None
+        clip = cfg.advantage.clip
+        advantages = [torch.where(real[t_ids], a.clamp(-clip, clip), torch.zeros_like(a))
+                      for a, t_ids in zip(depthwise_advantages(values, tree.tree_ids, cfg.advantage.eps, node_valid), tree.tree_ids)]
+        prompt_ids = torch.tensor(ids[:n]).repeat_interleave(g)
+        weights = ctx.reward_fn.channel_weights
+        ctx.allocator.observe(prompt_ids[scores.valid], successes(cfg, scores.rewards[scores.valid] @ weights))
+
+        keep = self.keep(tree, advantages, real, iteration)
+        groups = self.micro_batches(tree, spec, advantages, keep)
+        leaf_adv = gather_real(acc, advantages[-1], n * g)
+        by_tree = (scores.rewards @ weights).view(n, g)
+        metrics = {
+            "adv_abs_mean": leaf_adv.abs().mean().item(),
+            "degenerate_groups": (by_tree.amax(1) == by_tree.amin(1)).float().mean().item(),
+            "trees": n,
+            "nfe_per_leaf": tree.nfe / len(tree.leaves),
+            "trained_steps": sum(k is not None for k in keep),
+            # kept edges per inner epoch over all processes (the objective counts its own process)
+            "trained_transitions": int(gather_real(acc, torch.tensor([sum(int(k.sum()) for k in keep if k is not None)]),
+                                                   acc.num_processes).sum()),
+            "training_forwards": len(groups),  # micro-batches per inner epoch, this process
+            **self.depth_metrics(tree, advantages, n),
+            "time_reward": scores.reward_time,
+            "time_reward_wait": scores.reward_wait,
+        }
+        return Experience(iteration, scores.rewards, prompt_ids, scores.valid, leaf_adv, policy_precision(ctx.policy),
+                          transitions=groups, weigh_by_transition=True, metrics=metrics)
+
+    def keep(self, tree: TreeTrajectory, advantages: list[torch.Tensor], real: torch.Tensor, iteration: int) -> list[torch.Tensor | None]:
+        """Per step t, the mask over level t + 1 of the edges that carry gradient, or None where
+        the step is not trained at all: ODE steps, depth 0, pruned depths and depths outside the
+        sliding depth window. Width pruning keeps, per tree, the last depth's edges with the
+        largest |A| (the split edges of the last split and every edge after it)."""
+        tr = self.ctx.cfg.rollout.tree
+        depths = len(tree.splits)
+        trained = trained_depths(depths, tr.prune_depths, tr.depth_window, tr.depth_window_shift_every, iteration)
+        width = width_prune(advantages[-1], tree.tree_ids[-1], tr.width_keep) if tr.width_keep < 1 else None
+        keep: list[torch.Tensor | None] = []
+        for t in range(tree.num_steps):
+            d = int(tree.depth_of_step[t])
+            if not bool(tree.stochastic[t]) or not bool(trained[d]):
+                keep.append(None)
+                continue
+            k = real[tree.tree_ids[t + 1]].clone()
+            if width is not None and d == depths:
+                k &= width  # after the last split, level t + 1 holds the leaves' ancestors one to one, in leaf order
+            keep.append(k)
+        return keep
+
+    def micro_batches(self, tree: TreeTrajectory, spec: SamplerSpec, advantages: list[torch.Tensor],
+                      keep: list[torch.Tensor | None]) -> list[list[TransitionBatch]]:
+        """One micro-batch (and accumulation group) per (trained step, sampling batch of parents):
+        the forward of the sampling batch again, so the first ratio is exactly 1. Alone, a
+        micro-batch whose edges are all pruned is skipped (pruning saves its forward); with
+        several processes it stays, with a zero backward, so all run the same backwards."""
+        policy, bs = self.ctx.policy, self.ctx.cfg.sampling.batch_size
+        skip_empty = self.ctx.accelerator.num_processes == 1
+        kl = step_kl(spec.reduction)
+        groups = []
+        for t, k in enumerate(keep):
+            if k is None:
+                continue
+            for parents in parent_batches(len(tree.levels[t]), bs):
+                children = edge_children(tree, t, parents)
+                if skip_empty and not bool(k[children].any()):
+                    continue
+                groups.append([TransitionBatch(lambda t=t, parents=parents: tree_edges(policy, tree, spec, t, parents)[0],
+                                               tree.log_probs[t][children], advantages[t + 1][children], kl, k[children])])
+        return groups
+
+    def depth_metrics(self, tree: TreeTrajectory, advantages: list[torch.Tensor], n: int) -> dict:
+        acc, out = self.ctx.accelerator, {}
+        counts = level_counts(tree.num_steps, tree.splits)
+        for d, s in enumerate(sorted(tree.splits), start=1):
+            a = gather_real(acc, advantages[s + 1], n * counts[s + 1])  # real trees only
+            out[f"adv_abs_mean/depth{d}"] = a.abs().mean().item()
+            out[f"adv_std/depth{d}"] = a.std(unbiased=False).item()
+        return out
+
+
+def validate_tree(cfg) -> None:
+    r, s, tr = cfg.rollout, cfg.sampling, cfg.rollout.tree
+    steps = list(tr.split_steps)
+    if not steps or sorted(set(steps)) != steps or steps[0] < 0 or steps[-1] >= s.num_steps:
+        raise ConfigError(f"rollout.tree.split_steps must be strictly increasing steps in [0, {s.num_steps - 1}] "
+                          f"(sampling.num_steps is {s.num_steps}); got {steps}")
+    if len(tr.branching) not in (1, len(steps)) or min(tr.branching) < 2:
+        raise ConfigError(f"rollout.tree.branching must be one factor >= 2 or one per split step ({len(steps)}); got {list(tr.branching)}")
+    leaves = 1
+    for b in r.splits().values():
+        leaves *= b
+    if cfg.data.group_size != leaves:
+        raise ConfigError(f"data.group_size must equal the tree's leaves per prompt ({leaves}, the product of "
+                          f"rollout.tree.branching over the splits) when rollout.kind is tree; got {cfg.data.group_size}")
+    sigmas = shifted_sigmas(s.num_steps, s.shift).tolist()
+    flat_steps = [t for t in steps if transition_std(s.sampler, sigmas[t], sigmas[t + 1], s.noise_level, sigmas[1]) <= 0]
+    if flat_steps:
+        raise ConfigError(f"rollout.tree.split_steps {flat_steps} have no noise under sampling.sampler '{s.sampler}' "
+                          "(a split needs a stochastic step to branch); choose earlier steps")
+    check_choice("rollout.tree.between", tr.between, ("sde", "ode", "window"))
+    if tr.between == "window" and s.window.strategy == "all":
+        raise ConfigError("rollout.tree.between 'window' (BranchGRPO-Mix) needs sampling.window.strategy fixed, random "
+                          "or progressive; with 'all' use between=sde")
+    if tr.between != "window" and s.window.strategy != "all":
+        raise ConfigError(f"sampling.window.strategy must be all when rollout.tree.between is '{tr.between}'; "
+                          "set rollout.tree.between=window to use an SDE window with trees")
+    check_choice("rollout.tree.fusion", tr.fusion, ("mean", "prob"))
+    if not 0 < tr.width_keep <= 1:
+        raise ConfigError(f"rollout.tree.width_keep must be in (0, 1]; got {tr.width_keep}")
+    depths = len(steps)
+    if any(not 1 <= d <= depths for d in tr.prune_depths):
+        raise ConfigError(f"rollout.tree.prune_depths must name depths between 1 and {depths} (one per split); got {list(tr.prune_depths)}")
+    if len(set(tr.prune_depths)) == depths:
+        raise ConfigError(f"rollout.tree.prune_depths prunes all {depths} depths, so nothing would be trained; leave at least one out")
+    if not 0 <= tr.depth_window <= depths:
+        raise ConfigError(f"rollout.tree.depth_window must be between 0 (off) and {depths} (the number of splits); got {tr.depth_window}")
+    check_positive("rollout.tree.depth_window_shift_every", tr.depth_window_shift_every)
+    if cfg.allocator.kind != "uniform":
+        raise ConfigError(f"allocator.kind must be uniform when rollout.kind is tree (a tree fixes each prompt's rollouts); got '{cfg.allocator.kind}'")
+    if cfg.advantage.kind != "grpo" or cfg.advantage.std != "group":
+        raise ConfigError(f"advantage.kind must be grpo and advantage.std group when rollout.kind is tree (trees use "
+                          f"BranchGRPO's depth-wise advantages within each tree); got kind '{cfg.advantage.kind}', std '{cfg.advantage.std}'")

@@ -1,0 +1,194 @@
+"""rollout.kind two_stage: Sol-RL, "FP4 explore, BF16 train" (docs/algorithms.md section 5).
+
+One iteration, composed of the flat rollout's stages:
+  1. resync the exploration copy with the trained adapter (merged into the quantised base);
+  2. stage 1: M candidates per prompt from recorded seeds, sampled by the copy (the training
+     sampler, or a P-step ODE preview) and scored;
+  3. select K per prompt with `selection.kind` on the stage-1 rewards;
+  4. stage 2: regenerate exactly those seeds with the training policy (the initial and the
+     per-step noise come from (seed, step)-keyed generators, so a chain is replayed, not
+     resampled), score them, and train on them alone, with advantages from their own rewards.
+Every `fidelity_every` iterations the whole pool is regenerated instead, and the rank
+correlations of low- and full-precision rewards of the same seeds are logged; the selected
+samples are then taken from that regeneration. Nothing sampled by the copy reaches a log-prob
+ratio: without regeneration this rollout provides transitions only when the candidates already
+are training-precision samples of the training sampler, and the GRPO objective refuses any
+experience sampled in another precision. Flow-matching objectives (nft) may skip stage 2
+(`regenerate: false`): they train on the clean samples of any sampler and precision.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from flowrl.core.correlation import grouped, kendall_tau, spearman
+from flowrl.core.selection import select_per_group
+from flowrl.errors import ConfigError, check_choice, check_positive
+from flowrl.sampling.noise import Stream, sample_seed
+from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, ExplorationCopy
+from flowrl.sampling.rollout import SamplerSpec, policy_precision
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
+from flowrl.train.parts import Rollout, register_rollout
+from flowrl.train.rollouts.flat import FlatRollout, Stage, group_advantages, stage_experience, successes, training_spec
+
+
+def subset_stage(stage: Stage, selected: torch.Tensor, num_processes: int, process_index: int) -> Stage:
+    """The samples of `stage` at the (sorted, global) stage positions `selected`, as a Stage of
+    their own: each process keeps the selected samples it holds, padded with zero-advantage
+    copies to the largest count over processes (every process can count them all, as every
+    process knows the selection), so all run the same number of micro-batches."""
+    n, pool_n = len(selected), len(stage.prompt_ids)
+    n_local = len(stage.positions)
+    rank_of = {int(p): i for i, p in enumerate(selected.tolist())}
+    rows = [r for r, p in enumerate(stage.positions.tolist()) if p < pool_n and p in rank_of]
+    per_process = [sum(1 for p in selected.tolist() if q * n_local <= p < (q + 1) * n_local) for q in range(num_processes)]
+    pad = max(per_process) - len(rows)
+    positions = [rank_of[int(stage.positions[r])] for r in rows] + [n] * pad
+    rows = rows + [rows[-1] if rows else 0] * pad
+    return Stage(stage.traj.subset(rows), stage.rewards[selected], stage.prompt_ids[selected], torch.tensor(positions, dtype=torch.long),
+                 stage.reward_time, stage.reward_wait, stage.valid[selected])
+
+
+def spread(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[float, float]:
+    """(mean within-group std, mean within-group max - min) of `values`."""
+    stds, ranges = [], []
+    for g in torch.unique(group_ids).tolist():
+        v = values[group_ids == g].double()
+        stds.append(float(v.std(unbiased=False)) if v.numel() > 1 else 0.0)
+        ranges.append(float(v.max() - v.min()))
+    return sum(stds) / len(stds), sum(ranges) / len(ranges)
+
+
+def fidelity(explore: torch.Tensor, train: torch.Tensor, valid: torch.Tensor, group_ids: torch.Tensor) -> dict:
+    """Rank agreement of explore- and training-precision rewards of the same seeds: over the
+    whole pool, and within each prompt's group (what the selection sees). Undefined values
+    (a constant reward vector) are left out."""
+    e, t, g = explore[valid], train[valid], group_ids[valid]
+    out = {
+        "fidelity/spearman": spearman(e, t),
+        "fidelity/kendall": kendall_tau(e, t),
+        "fidelity/spearman_within_prompt": grouped(spearman, e, t, g),
+        "fidelity/kendall_within_prompt": grouped(kendall_tau, e, t, g),
+        "fidelity/reward_gap": (e - t).mean().item() if e.numel() else math.nan,
+    }
+    return {k: v for k, v in out.items() if not math.isnan(v)}
+
+
+@register_rollout
+class TwoStageRollout(Rollout):
+    name = "two_stage"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.flat = FlatRollout(ctx)  # sampling, scoring and gathering of each stage
+        self.ts = ctx.cfg.rollout.two_stage
+        self.explorer = ExplorationCopy(ctx.policy, self.ts.explore_precision, self.ts.backend, self.ts.high_precision_layers)
+
+    @classmethod
+    def provides(cls, cfg) -> set[str]:
+        ts = cfg.rollout.two_stage
+        candidates_trainable = ts.regenerate or (ts.explore_precision == cfg.model.dtype and not ts.preview_steps)
+        return FlatRollout.provides(cfg) if candidates_trainable else {SAMPLES}
+
+    @classmethod
+    def missing_reason(cls, cfg, data: str) -> str:
+        ts = cfg.rollout.two_stage
+        if TRANSITIONS in FlatRollout.provides(cfg):
+            return (f"from candidates sampled with explore_precision '{ts.explore_precision}' and preview_steps {ts.preview_steps} "
+                    f"unless rollout.two_stage.regenerate is true (a log-prob ratio needs model.dtype '{cfg.model.dtype}' "
+                    "samples of the training sampler)")
+        return FlatRollout.missing_reason(cfg, data)
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        ts, k = cfg.rollout.two_stage, cfg.data.group_size
+        if cfg.rollout.tree != type(cfg.rollout.tree)():
+            raise ConfigError("rollout.tree is set but rollout.kind is two_stage, which regenerates flat chains only; "
+                              "leave rollout.tree at its defaults or use rollout.kind tree")
+        if ts.candidates < k:
+            raise ConfigError(f"rollout.two_stage.candidates must be >= data.group_size ({k}), the samples selected from them "
+                              f"per prompt; got {ts.candidates}")
+        check_choice("rollout.two_stage.explore_precision", ts.explore_precision, EXPLORE_PRECISIONS)
+        check_choice("rollout.two_stage.backend", ts.backend, BACKENDS)
+        check_positive("rollout.two_stage.preview_steps", ts.preview_steps, strict=False)
+        check_positive("rollout.two_stage.fidelity_every", ts.fidelity_every, strict=False)
+        if list(cfg.lora.sigma_range) != [0.0, 1.0]:  # the exploration copy merges the adapter in at every sigma
+            raise ConfigError(f"lora.sigma_range must be [0, 1] when rollout.kind is two_stage; got {list(cfg.lora.sigma_range)}")
+        if cfg.allocator.kind != "uniform":
+            raise ConfigError(f"allocator.kind must be uniform when rollout.kind is two_stage (selection, not allocation, picks "
+                              f"the trained samples); got '{cfg.allocator.kind}'")
+
+    def explore_spec(self, spec: SamplerSpec) -> SamplerSpec:
+        p = self.ts.preview_steps
+        if not p:
+            return spec
+        return SamplerSpec(shifted_sigmas(p, self.ctx.cfg.sampling.shift), torch.zeros(p, dtype=torch.bool), "ode")
+
+    def collect(self, iteration: int) -> Experience:
+        ctx, ts, it = self.ctx, self.ts, iteration
+        cfg, acc = ctx.cfg, ctx.accelerator
+        spec, weights = training_spec(cfg, it), ctx.reward_fn.channel_weights
+        counts = ctx.allocator.first_stage(it)  # uniform (validated): K per chosen prompt
+        pool_ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), counts // cfg.data.group_size * ts.candidates).tolist()
+        seeds = [sample_seed(cfg.trainer.seed, it, j) for j in range(len(pool_ids))]
+        explore_spec = self.explore_spec(spec)
+
+        resync_s = self.explorer.resync()
+        t1 = time.perf_counter()  # stage 1: explore
+        pool = self.flat.sample_stage(pool_ids, seeds, explore_spec, f"iter {it} exploring ({self.explorer.label or 'policy'})", it,
+                                      policy=self.explorer.policy)
+        explore_s = time.perf_counter() - t1 - pool.reward_wait
+        explore_total = pool.rewards.float() @ weights
+        gen = torch.Generator().manual_seed(sample_seed(cfg.trainer.seed, it, Stream.SELECTION))
+        selected = select_per_group(cfg.selection.kind, explore_total, pool.prompt_ids,
+                                    {int(p): int(counts[p]) for p in pool.prompt_ids.unique()}, pool.valid, gen)
+
+        # stage 2: regenerate the selected seeds in the training precision (or the whole pool, to measure fidelity)
+        t2 = time.perf_counter()
+        fid = {}
+        if not ts.regenerate:  # training-precision samples of the training sampler, or clean samples for nft (validated)
+            train_stage, regenerated = subset_stage(pool, selected, acc.num_processes, acc.process_index), 0
+        elif ts.fidelity_every and it % ts.fidelity_every == 0:
+            full = self.flat.sample_stage(pool_ids, seeds, spec, f"iter {it} regenerating the pool", it)
+            fid = fidelity(explore_total, full.rewards.float() @ weights, pool.valid & full.valid, pool.prompt_ids)
+            train_stage, regenerated = subset_stage(full, selected, acc.num_processes, acc.process_index), len(pool_ids)
+        else:
+            train_stage = self.flat.sample_stage([pool_ids[i] for i in selected.tolist()], [seeds[i] for i in selected.tolist()],
+                                                 spec, f"iter {it} regenerating", it)
+            regenerated = len(selected)
+        regen_s = time.perf_counter() - t2 - (train_stage.reward_wait if regenerated else 0.0)
+
+        # train on the regenerated samples, with advantages from their own rewards
+        rewards, prompt_ids, valid = train_stage.rewards, train_stage.prompt_ids, train_stage.valid
+        advantages, _, adv_metrics = group_advantages(cfg, rewards, prompt_ids, valid, weights, it)
+        ctx.allocator.observe(prompt_ids[valid], successes(cfg, rewards[valid] @ weights))
+        ok = pool.valid
+        pool_std, pool_range = spread(explore_total[ok], pool.prompt_ids[ok])
+        chosen = selected[ok[selected]]
+        sel_std, sel_range = spread(explore_total[chosen], pool.prompt_ids[chosen])
+        metrics = {
+            **adv_metrics,
+            "trained_steps": len(spec.trained_steps()),
+            "explore_precision": self.explorer.label or policy_precision(ctx.policy),
+            "candidates": len(pool_ids),
+            "explore_reward_mean": explore_total[ok].mean().item() if ok.any() else math.nan,
+            "explore_images_per_s": len(pool_ids) / max(explore_s, 1e-9),
+            "nfe_explore": len(pool_ids) * explore_spec.num_steps,  # transformer calls per sample x samples
+            "nfe_regenerate": regenerated * spec.num_steps,
+            "selection/pool_std": pool_std,
+            "selection/selected_std": sel_std,
+            "selection/pool_range": pool_range,
+            "selection/selected_range": sel_range,
+            **fid,
+            "time_resync": resync_s,
+            "time_explore": explore_s,
+            "time_regenerate": regen_s,
+            "time_reward": pool.reward_time + (train_stage.reward_time if regenerated else 0.0),
+            "time_reward_wait": pool.reward_wait + (train_stage.reward_wait if regenerated else 0.0),
+        }
+        return stage_experience(ctx, it, [train_stage], spec, rewards, prompt_ids, valid, advantages, metrics,
+                                with_transitions=TRANSITIONS in self.provides(cfg))
