@@ -153,7 +153,7 @@ def real_comparison(args, overrides: list[str]) -> int:
     from flowrl.config import load_config
     from flowrl.train.evaluate import evaluate
     from flowrl.train.prompts import builtin_prompts
-    from flowrl.train.trainer import GRPOTrainer
+    from flowrl.train.loop import Trainer
     from rewards import MultiReward
 
     common = ["run.progress=false", "run.sample_every=0", "run.tracker=none", "trainer.max_minutes=0",
@@ -165,7 +165,7 @@ def real_comparison(args, overrides: list[str]) -> int:
         cfg = load_config(None, common + [f"allocator.kind={kind}"])
         run_dir = Path(args.run_root) / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
         t0 = time.perf_counter()
-        history = GRPOTrainer(cfg, run_dir=run_dir).train()
+        history = Trainer(cfg, run_dir=run_dir).train()
         minutes = (time.perf_counter() - t0) / 60
         spent = torch.tensor([row["samples"] for row in history]).cumsum(0)
         strict = torch.tensor([row["reward/shapes/strict"] for row in history])

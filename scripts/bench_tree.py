@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark BranchGRPO trees against flat GRPO, side by side in one run on the same model.
 
-Four trainers (each its own GRPOTrainer, same model, reward, prompts, seed and batch size):
+Four trainers (each its own Trainer, same model, reward, prompts, seed and batch size):
 
   flat        flat GRPO in the DanceGRPO setting: 16 samples per prompt, 20 steps, the
               dance_grpo SDE (noise 0.3) on every step, every step trained;
@@ -64,7 +64,7 @@ def common_overrides(args) -> list[str]:
     leaves = 2 ** len(args.split_steps)
     return [
         f"model.path={args.model}", f"reward.weights={{{args.reward}: 1.0}}", f"sampling.num_steps={args.steps}",
-        "trainer.objective=grpo",  # trees train edges by the PPO surrogate (the default preset trains NFT)
+        "objective.kind=grpo",  # trees train edges by the PPO surrogate (the default preset trains NFT)
         "sampling.sampler=dance_grpo", f"sampling.noise_level={args.noise}", f"data.group_size={leaves}",
         f"data.prompts_per_iteration={args.prompts_per_iteration}", "run.tracker=none", "run.progress=false",
         "run.sample_every=0", "run.checkpoint_every=0", f"trainer.seed={args.seed}", *args.overrides,
@@ -73,10 +73,10 @@ def common_overrides(args) -> list[str]:
 
 def build(args, name: str, extra: list[str], root: Path, tag: str):
     from flowrl.config import load_config
-    from flowrl.train.trainer import GRPOTrainer
+    from flowrl.train.loop import Trainer
 
     cfg = load_config(args.config, common_overrides(args) + extra)
-    return GRPOTrainer(cfg, run_dir=root / f"{tag}-{name.replace('+', '-')}")
+    return Trainer(cfg, run_dir=root / f"{tag}-{name.replace('+', '-')}")
 
 
 @torch.no_grad()

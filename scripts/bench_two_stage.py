@@ -168,7 +168,7 @@ def eval_reward(trainer, prompts: list[str]) -> tuple[float, float]:
 
 def training(args) -> None:
     from flowrl.train.prompts import builtin_prompts
-    from flowrl.train.trainer import GRPOTrainer
+    from flowrl.train.loop import Trainer
 
     k = args.group_size
     common = [f"data.group_size={k}", f"data.prompts_per_iteration={args.prompts_per_iteration}", f"selection.kind={args.selection}"]
@@ -191,7 +191,7 @@ def training(args) -> None:
           f"{'total s':>8}  eval reward")
     with tempfile.TemporaryDirectory(prefix="bench_two_stage-") as tmp:
         for name, extra in methods.items():
-            trainer = GRPOTrainer(load(args, common + extra), run_dir=Path(tmp) / name)
+            trainer = Trainer(load(args, common + extra), run_dir=Path(tmp) / name)
             base, se = eval_reward(trainer, held_out)
             trained = nfe_train = nfe_explore = 0
             rollout_s = total_s = 0.0

@@ -8,7 +8,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from flowrl.config import load_config
-from flowrl.train.trainer import GRPOTrainer
+from flowrl.train.loop import Trainer
 
 out, model_dir = Path(sys.argv[1]), sys.argv[2]
 cfg = load_config("tiny_jpeg", [
@@ -16,7 +16,7 @@ cfg = load_config("tiny_jpeg", [
     "sampling.batch_size=2", "sampling.num_steps=3", "sampling.eval_num_steps=2", "run.tracker=none",
     "run.progress=false", "run.sample_every=0", "run.checkpoint_every=0", "trainer.kl_beta=0.01",
 ])
-trainer = GRPOTrainer(cfg, run_dir=out / "run")
+trainer = Trainer(cfg, run_dir=out / "run")
 history = trainer.train()
 rank = trainer.accelerator.process_index
 save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, str(out / f"rank{rank}.safetensors"))

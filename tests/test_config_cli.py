@@ -38,18 +38,18 @@ BAD = [
     (["selection.kind=top"], "selection.kind"),
     (["model.height=60"], "model.height"),
     (["trainer.kl_beta=0.1", "lora.enabled=false"], "trainer.kl_beta"),
-    (["trainer.objective=dpo"], "trainer.objective"),
+    (["objective.kind=dpo"], "objective.kind"),
     (["sampling.sampler=ode"], "sampling.sampler"),  # grpo needs log-probs
-    (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.inner_epochs=2"], "trainer.inner_epochs"),
-    (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_timesteps=0"], "trainer.nft_timesteps"),
-    (["trainer.objective=nft", "trainer.nft_sigma_shift=0"], "trainer.nft_sigma_shift"),
-    (["trainer.objective=nft", "trainer.nft_guidance_scale=0.5"], "trainer.nft_guidance_scale"),
-    (["trainer.objective=nft", "trainer.nft_r_scale=minmax"], "trainer.nft_r_scale"),
+    (["objective.kind=nft", "trainer.kl_beta=0", "trainer.inner_epochs=2"], "trainer.inner_epochs"),
+    (["objective.kind=nft", "trainer.kl_beta=0", "objective.nft.timesteps=0"], "objective.nft.timesteps"),
+    (["objective.kind=nft", "objective.nft.sigma_shift=0"], "objective.nft.sigma_shift"),
+    (["objective.kind=nft", "objective.nft.guidance_scale=0.5"], "objective.nft.guidance_scale"),
+    (["objective.kind=nft", "objective.nft.r_scale=minmax"], "objective.nft.r_scale"),
     (["trainer.lr_schedule=step"], "trainer.lr_schedule"),
-    (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_old_policy=ema"], "trainer.nft_old_policy"),
-    (["trainer.objective=nft", "trainer.kl_beta=0", "trainer.nft_old_policy=sampling", "trainer.nft_old_decay=1.0"], "trainer.nft_old_decay"),
-    (["trainer.objective=nft", "trainer.kl_beta=0", "rollout.kind=tree", "rollout.tree.split_steps=[0, 1]",
-      "data.group_size=4", "advantage.kind=grpo"], "trainer.objective"),
+    (["objective.kind=nft", "trainer.kl_beta=0", "objective.nft.old_policy=ema"], "objective.nft.old_policy"),
+    (["objective.kind=nft", "trainer.kl_beta=0", "objective.nft.old_policy=sampling", "objective.nft.old_decay=1.0"], "objective.nft.old_decay"),
+    (["objective.kind=nft", "trainer.kl_beta=0", "rollout.kind=tree", "rollout.tree.split_steps=[0, 1]",
+      "data.group_size=4", "advantage.kind=grpo"], "objective.kind"),
     (["lora.sigma_range=[0.9]"], "lora.sigma_range"),
     (["lora.sigma_range=[0.9, 0.5]"], "lora.sigma_range"),
     (["lora.sigma_range=[0.5, 1.0]"], "lora.sigma_range"),  # window 'all': every step is trained
@@ -60,11 +60,11 @@ BAD = [
 
 def test_nft_accepts_the_ode_sampler_and_any_sigma_range():
     # nft trains on clean samples: no log-probs, and it draws its sigmas inside the adapter's range
-    cfg = load_config("tiny_jpeg", ["trainer.objective=nft", "trainer.kl_beta=0", "sampling.sampler=ode", "lora.sigma_range=[0.5, 1.0]"])
-    assert cfg.trainer.objective == "nft" and cfg.sampling.sampler == "ode"
+    cfg = load_config("tiny_jpeg", ["objective.kind=nft", "trainer.kl_beta=0", "sampling.sampler=ode", "lora.sigma_range=[0.5, 1.0]"])
+    assert cfg.objective.kind == "nft" and cfg.sampling.sampler == "ode"
     # with an old policy fixed through the iteration, several passes over its samples are sound
-    cfg = load_config("tiny_jpeg", ["trainer.objective=nft", "trainer.kl_beta=0", "sampling.sampler=ode",
-                                    "trainer.nft_old_policy=sampling", "trainer.inner_epochs=2"])
+    cfg = load_config("tiny_jpeg", ["objective.kind=nft", "trainer.kl_beta=0", "sampling.sampler=ode",
+                                    "objective.nft.old_policy=sampling", "trainer.inner_epochs=2"])
     assert cfg.trainer.inner_epochs == 2
 
 

@@ -61,7 +61,7 @@ def test_reference_settings(name):
     cfg = load_config(_preset(name), validate_paths=False)
     assert cfg.model.dtype == "bf16" and cfg.model.height % 16 == 0
     assert cfg.lora.enabled and (cfg.lora.rank, cfg.lora.alpha) == (32, 64)
-    assert cfg.trainer.clip_range == 1e-4 and cfg.advantage.clip == 5.0
+    assert cfg.objective.grpo.clip_range == 1e-4 and cfg.advantage.clip == 5.0
     if name in SD3_PRESETS:
         assert cfg.model.kind == "sd3" and cfg.model.path == "stabilityai/stable-diffusion-3.5-medium"
         assert (cfg.model.height, cfg.model.guidance_scale) == (512, 4.5)

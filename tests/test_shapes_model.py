@@ -130,7 +130,7 @@ def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_pr
     # (prompts the shipped model often gets wrong: base partial 0.47 and 0.55 on 16 seeds).
     from flowrl.config import load_config
     from flowrl.train.evaluate import ode_images
-    from flowrl.train.trainer import GRPOTrainer
+    from flowrl.train.loop import Trainer
     from rewards.shapes import score_batch
 
     prompts = ["two blue squares", "a blue circle above a red square"]
@@ -139,7 +139,7 @@ def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_pr
                              "data.prompts_per_iteration=2", "data.group_size=8", "sampling.batch_size=16",
                              "run.progress=false", "run.tracker=none", "run.sample_every=0", "run.checkpoint_every=0"])
     cfg.data.prompts, cfg.data.prompt_file = prompts, None
-    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
     held = [p for p in prompts for _ in range(16)]
     seeds = list(range(50_000, 50_000 + len(held)))  # training seeds come from sample_seed(), far from these
 

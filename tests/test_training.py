@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from flowrl.cli import main
 from flowrl.config import load_config
-from flowrl.train.trainer import GRPOTrainer
+from flowrl.train.loop import Trainer
+from flowrl.train.rollouts.flat import training_spec
 from run_checks import assert_resume_repeats, run_metrics, trainable
 
 FAST = [
@@ -37,8 +38,8 @@ def test_resume_repeats_an_uninterrupted_run(tmp_path, tiny_sd3_dir, allocator):
 def test_nft_trains_on_ode_samples_and_resumes_exactly(tmp_path, tiny_sd3_dir):
     # DiffusionNFT needs no log-probs: deterministic ODE rollouts, then flow matching on the clean
     # samples; its forward-process noise and sigmas are keyed like everything else, so resume is exact
-    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=2", "trainer.objective=nft",
-                     "trainer.kl_beta=0", "sampling.sampler=ode", "trainer.nft_timesteps=2", "lora.sigma_range=[0.5, 1.0]"]
+    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=2", "objective.kind=nft",
+                     "trainer.kl_beta=0", "sampling.sampler=ode", "objective.nft.timesteps=2", "lora.sigma_range=[0.5, 1.0]"]
     straight = tmp_path / "straight"
     assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
     rows = run_metrics(straight)
@@ -52,9 +53,9 @@ def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, t
     # nft_old_policy sampling: the weights that sample (and give v_old) are soft-updated after each
     # iteration, old <- d old + (1 - d) new with d = min(0.6, 0.3 x iteration): equal to the trained
     # weights after iteration 0 (d = 0), lagging them after; they travel in the checkpoint
-    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=1", "trainer.objective=nft",
-                     "trainer.kl_beta=0", "sampling.sampler=ode", "trainer.nft_timesteps=1", "trainer.nft_old_policy=sampling",
-                     "trainer.nft_old_decay=0.6", "trainer.nft_old_decay_rate=0.3", "trainer.nft_adaptive_weight=true",
+    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=1", "objective.kind=nft",
+                     "trainer.kl_beta=0", "sampling.sampler=ode", "objective.nft.timesteps=1", "objective.nft.old_policy=sampling",
+                     "objective.nft.old_decay=0.6", "objective.nft.old_decay_rate=0.3", "objective.nft.adaptive_weight=true",
                      "trainer.inner_epochs=2", "trainer.lr=1e-2"]
     straight = tmp_path / "straight"
     assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
@@ -72,17 +73,17 @@ def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, t
 
 
 def test_nft_positive_half_trains_without_the_old_policy_forward(tmp_path, tiny_sd3_dir):
-    # trainer.nft_negatives=false at nft_beta 1: the loss is max(2r - 1, 0) ||v - u||^2, in which
+    # objective.nft.negatives=false at nft_beta 1: the loss is max(2r - 1, 0) ||v - u||^2, in which
     # v_old cancels, so the old policy is never swapped in for a forward; at nft_beta 0.5 it is needed again
-    overrides = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.objective=nft",
-                        "trainer.kl_beta=0", "sampling.sampler=ode", "trainer.nft_timesteps=1", "trainer.nft_old_policy=sampling",
-                        "trainer.nft_negatives=false", "trainer.iterations=2", "trainer.lr=1e-2"]
+    overrides = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "objective.kind=nft",
+                        "trainer.kl_beta=0", "sampling.sampler=ode", "objective.nft.timesteps=1", "objective.nft.old_policy=sampling",
+                        "objective.nft.negatives=false", "trainer.iterations=2", "trainer.lr=1e-2"]
     swaps = {}
     for beta in (1.0, 0.5):
-        trainer = GRPOTrainer(load_config("tiny_jpeg", [*overrides, f"trainer.nft_beta={beta}"]), run_dir=tmp_path / f"b{beta}")
+        trainer = Trainer(load_config("tiny_jpeg", [*overrides, f"objective.nft.beta={beta}"]), run_dir=tmp_path / f"b{beta}")
         calls = []
-        swapped_in = trainer.nft_old.swapped_in
-        trainer.nft_old.swapped_in = lambda params: calls.append(1) or swapped_in(params)
+        swapped_in = trainer.objective.old.swapped_in
+        trainer.objective.old.swapped_in = lambda params: calls.append(1) or swapped_in(params)
         rows = trainer.train()
         swaps[beta] = len(calls)
         assert all(math.isfinite(r["loss"]) for r in rows)
@@ -92,12 +93,12 @@ def test_nft_positive_half_trains_without_the_old_policy_forward(tmp_path, tiny_
 
 
 def test_nft_guidance_scale_sets_the_trained_velocity_and_leaves_sampling_alone(tmp_path, tiny_sd3_dir):
-    # trainer.nft_guidance_scale=1: the loss, v_old and the KL reference use the conditional velocity,
+    # objective.nft.guidance_scale=1: the loss, v_old and the KL reference use the conditional velocity,
     # while rollouts keep model.guidance_scale
-    overrides = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.objective=nft",
-                        "trainer.kl_beta=0.1", "sampling.sampler=ode", "trainer.nft_timesteps=1", "trainer.nft_old_policy=sampling",
-                        "trainer.iterations=1", "model.guidance_scale=3.0", "trainer.nft_guidance_scale=1"]
-    trainer = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
+    overrides = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "objective.kind=nft",
+                        "trainer.kl_beta=0.1", "sampling.sampler=ode", "objective.nft.timesteps=1", "objective.nft.old_policy=sampling",
+                        "trainer.iterations=1", "model.guidance_scale=3.0", "objective.nft.guidance_scale=1"]
+    trainer = Trainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
     seen = []
     velocity = trainer.policy._velocity
     trainer.policy._velocity = lambda x, sigma, cond: seen.append((torch.is_grad_enabled(), trainer.policy.guidance_scale)) or velocity(x, sigma, cond)
@@ -109,20 +110,20 @@ def test_nft_guidance_scale_sets_the_trained_velocity_and_leaves_sampling_alone(
 
 
 def test_nft_group_max_scaling_reaches_the_update_with_zero_sum_groups(tmp_path, tiny_sd3_dir):
-    overrides = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.objective=nft",
-                        "trainer.kl_beta=0", "sampling.sampler=ode", "trainer.nft_timesteps=1", "trainer.iterations=1",
+    overrides = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "objective.kind=nft",
+                        "trainer.kl_beta=0", "sampling.sampler=ode", "objective.nft.timesteps=1", "trainer.iterations=1",
                         "data.group_size=6", "sampling.batch_size=12"]
     seen = {}
     for scale in ("clip", "group_max"):
-        trainer = GRPOTrainer(load_config("tiny_jpeg", [*overrides, f"trainer.nft_r_scale={scale}"]), run_dir=tmp_path / scale)
-        update = trainer.update
-        trainer.update = lambda batches, spec: seen.setdefault(scale, batches) and update(batches, spec)
+        trainer = Trainer(load_config("tiny_jpeg", [*overrides, f"objective.nft.r_scale={scale}"]), run_dir=tmp_path / scale)
+        optimality = trainer.objective.optimality
+        trainer.objective.optimality = lambda e, scale=scale: seen.setdefault(scale, (e.prompt_ids, optimality(e)))[1]
         trainer.train()
-    (traj, adv), = seen["group_max"]
-    (_, raw), = seen["clip"]  # "clip" clips inside the loss: the update gets the raw advantages
+    ids, adv = seen["group_max"]
+    _, raw = seen["clip"]  # "clip" clips inside the loss: the update gets the raw advantages
     assert raw.abs().max() > 1.01
-    for p in set(traj.prompts):
-        group = torch.tensor([q == p for q in traj.prompts])
+    for p in ids.unique():
+        group = ids == p
         assert abs(float(adv[group].sum())) < 1e-5 and float(adv[group].abs().max()) <= 1.0 + 1e-6
     # the same samples and rewards, each group divided by one factor >= 1: same signs, no larger
     assert torch.equal(adv.sign(), raw.sign()) and (adv.abs() <= raw.abs() + 1e-6).all()
@@ -131,9 +132,9 @@ def test_nft_group_max_scaling_reaches_the_update_with_zero_sum_groups(tmp_path,
 def test_nft_under_bf16_autocast_keeps_fp32_weights(tmp_path, tiny_sd3_dir):
     # trainer.mixed_precision=bf16 on CPU: accelerate's autocast runs the transformer's matmuls in
     # bf16 (sampling and training alike) while the adapter, its optimizer and checkpoints stay fp32
-    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=1", "trainer.objective=nft",
-                     "trainer.kl_beta=0.1", "sampling.sampler=ode", "trainer.nft_timesteps=1",
-                     "trainer.nft_old_policy=sampling", "trainer.iterations=2", "trainer.lr=1e-2"]
+    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=1", "objective.kind=nft",
+                     "trainer.kl_beta=0.1", "sampling.sampler=ode", "objective.nft.timesteps=1",
+                     "objective.nft.old_policy=sampling", "trainer.iterations=2", "trainer.lr=1e-2"]
     runs = {mp: tmp_path / mp for mp in ("no", "bf16")}
     assert main(["train", "tiny_jpeg", *common, "--run-dir", str(runs["no"])]) == 0
     # accelerate keeps one precision per process: the bf16 run gets its own
@@ -160,7 +161,7 @@ def test_auto_mixed_precision_is_bf16_only_where_the_device_computes_it_natively
         assert precision.autocast_precision("fp16", cpu=True) == "fp16"
     # the trainer hands accelerate the resolved precision (no native bf16 patched in: fp32)
     cfg = load_config("tiny_jpeg", [*FAST, f"model.path={tiny_sd3_dir}", "trainer.mixed_precision=auto"])
-    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
     assert trainer.mixed_precision == "no" and trainer.accelerator.mixed_precision == "no"
 
 
@@ -222,7 +223,7 @@ def test_grpo_raises_the_reward(tmp_path, tiny_sd3_dir):
     compressibility (DDPO's toy reward) by more than the within-batch reward spread."""
     cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "run.tracker=none", "run.progress=false", "run.sample_every=0",
                              "run.checkpoint_every=0", *LEARNING_RECIPE])
-    history = GRPOTrainer(cfg, run_dir=tmp_path / "run").train()
+    history = Trainer(cfg, run_dir=tmp_path / "run").train()
     rewards = torch.tensor([r["reward_mean"] for r in history])
     first, last = rewards[:8].mean().item(), rewards[-8:].mean().item()
     spread = torch.tensor([r["reward_std"] for r in history[:8]]).mean().item()
@@ -257,13 +258,12 @@ def test_every_sampler_trains_within_its_window(tmp_path, tiny_sd3_dir, sampler)
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
                  f"sampling.sampler={sampler}", "sampling.noise_level=0.5", "sampling.window.strategy=fixed",
                  "sampling.window.size=2", "sampling.window.start=1", "trainer.kl_beta=0.01"]
-    trainer = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
+    trainer = Trainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
     before = {n: p.detach().clone() for n, p in trainer.params.items()}
     row = trainer.train()[0]
     assert row["trained_steps"] == 2 and row["first_ratio_deviation"] < 1e-5
     assert any(not torch.equal(before[n], p) for n, p in trainer.params.items())
-    spec = trainer.sampler_spec(0)
-    assert spec.trained_steps() == [1, 2]
+    assert training_spec(trainer.cfg, 0).trained_steps() == [1, 2]
 
 
 def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_sd3_dir, capsys):
@@ -280,7 +280,7 @@ def test_gradient_accumulation_takes_fewer_optimizer_steps(tmp_path, tiny_sd3_di
         overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0",
                      "trainer.iterations=1", "sampling.batch_size=2", f"trainer.gradient_accumulation_steps={accum}",
                      "trainer.inner_epochs=2"]
-        rows[accum] = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / f"a{accum}").train()[0]
+        rows[accum] = Trainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / f"a{accum}").train()[0]
     # 8 samples in batches of 2 = 4 micro-batches per epoch, 2 epochs
     assert rows[1]["optimizer_steps"] == 8 and rows[2]["optimizer_steps"] == 4
 
@@ -290,7 +290,7 @@ def test_allocators_drive_the_trainer(tmp_path, tiny_sd3_dir, allocator):
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=2",
                  "data.prompts_per_iteration=2", "data.group_size=6", "sampling.batch_size=4", "sampling.num_steps=2",
                  f"allocator.kind={allocator}", "allocator.round_size=2"]
-    history = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run").train()
+    history = Trainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run").train()
     for row in history:
         assert row["samples"] == 12  # the budget, exactly, whatever the stages
         assert row["group_size_min"] >= 2
@@ -304,7 +304,7 @@ def test_advantage_kinds_train(tmp_path, tiny_sd3_dir, kind):
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
                  "data.group_size=5", "sampling.batch_size=5", "sampling.num_steps=2", f"advantage.kind={kind}",
                  "reward.weights={jpeg_compressibility: 1.0, brightness: 10.0}"]
-    row = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run").train()[0]
+    row = Trainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run").train()[0]
     assert row["samples"] == 10 and row["first_ratio_deviation"] < 1e-5
     # odd groups: MC-GRPO's pivot and the middle rank carry no gradient
     assert row["nonzero_advantage_samples"] == (8 if kind in ("mc_grpo", "rank") else 10)
@@ -330,7 +330,7 @@ def test_rewards_score_each_batch_as_it_finishes_and_invalid_ones_drop(tmp_path,
 
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
                  "reward.weights={test_flaky: 1.0}", "reward.on_invalid=drop"]
-    trainer = GRPOTrainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
+    trainer = Trainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
     row = trainer.train()[0]
     assert [n for n, _ in calls] == [4, 4] and all(name.startswith("reward") for _, name in calls)
     assert row["dropped_samples"] == 1 and row["samples"] == 8

@@ -24,7 +24,8 @@ from flowrl.sampling.rollout import SamplerSpec, rollout, transition
 from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.sampling.steps import gaussian_log_prob
 from flowrl.sampling.tree import path_seed, tree_rollout, tree_spec
-from flowrl.train.trainer import GRPOTrainer
+from flowrl.train.experience import Experience
+from flowrl.train.loop import Trainer
 from run_checks import assert_resume_repeats, run_metrics, trainable
 
 EPS = 1e-4
@@ -211,20 +212,26 @@ TREE = [
 ]
 
 
-def _trainer(tmp_path, model_dir, name, *extra) -> GRPOTrainer:
-    return GRPOTrainer(load_config("tiny_jpeg", [*TREE, f"model.path={model_dir}", *extra]), run_dir=tmp_path / name)
+def _trainer(tmp_path, model_dir, name, *extra) -> Trainer:
+    return Trainer(load_config("tiny_jpeg", [*TREE, f"model.path={model_dir}", *extra]), run_dir=tmp_path / name)
+
+
+def experience(groups) -> Experience:
+    """An experience of these micro-batches alone, weighed per transition as trees are."""
+    return Experience(0, torch.zeros(0, 1), torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool), torch.zeros(0),
+                      "float32", transitions=groups, weigh_by_transition=True)
 
 
 def test_pruning_leaves_the_rollout_unchanged_and_pruned_edges_without_gradient(tmp_path, tiny_sd3_dir):
     full = _trainer(tmp_path, tiny_sd3_dir, "full")
     pruned = _trainer(tmp_path, tiny_sd3_dir, "pruned", "rollout.tree.width_keep=0.5", "rollout.tree.prune_depths=[1]",
                       "trainer.weight_decay=0")
-    spec = pruned.tree_sampler_spec(0)
-    a, b = full.sample_trees(0, full.tree_sampler_spec(0)), pruned.sample_trees(0, spec)
+    spec = pruned.rollout.spec(0)
+    a, b = full.rollout.sample(0), pruned.rollout.sample(0)
     assert all(torch.equal(x, y) for x, y in zip(a.tree.levels, b.tree.levels))  # same images
-    assert torch.equal(a.rewards, b.rewards)
+    assert torch.equal(a.scores.rewards, b.scores.rewards)
 
-    keep = pruned.tree_keep(b, 0)
+    keep = pruned.rollout.keep(b.tree, b.advantages, b.real, 0)
     depth = b.tree.depth_of_step.tolist()  # [1, 1, 2, 2]
     assert [k is None for k in keep] == [d == 1 for d in depth]
     for t in (2, 3):  # the last depth: 2 of each tree's 4 leaves, the largest |A|
@@ -233,7 +240,7 @@ def test_pruning_leaves_the_rollout_unchanged_and_pruned_edges_without_gradient(
             mine = b.tree.tree_ids[t + 1] == tree_id
             top = b.advantages[t + 1][mine].abs()
             assert top[keep[t][mine]].min() >= top[~keep[t][mine]].max()
-    groups = pruned.tree_groups(b, spec, keep)
+    groups = pruned.rollout.micro_batches(b.tree, spec, b.advantages, keep)
     # step 2 (split): parents [0:3], [3:4] -> children [0:6], [6:8]; step 3: parents = children [0:3], [3:6], [6:8];
     # a batch whose edges are all pruned is not even evaluated
     batches = [(2, 0, 6), (2, 6, 8), (3, 0, 3), (3, 3, 6), (3, 6, 8)]
@@ -243,7 +250,7 @@ def test_pruning_leaves_the_rollout_unchanged_and_pruned_edges_without_gradient(
 
     def grads(mb):
         pruned.optimizer.zero_grad(set_to_none=True)
-        loss, _, _ = pruned.micro_batch_loss(mb, "mean")
+        loss, _, _ = pruned.objective.micro_batch_loss(mb)
         loss.backward()
         return {n: p.grad.clone() for n, p in pruned.params.items()}
 
@@ -256,10 +263,10 @@ def test_pruning_leaves_the_rollout_unchanged_and_pruned_edges_without_gradient(
     # a micro-batch of pruned edges only: zero gradient, so AdamW (no weight decay) leaves every weight as it was
     pruned.optimizer.zero_grad(set_to_none=True)
     before = {n: p.detach().clone() for n, p in pruned.params.items()}
-    stats = pruned.optimize([[mixed._replace(keep=torch.zeros_like(mixed.keep))]], "mean", per_transition=True)
+    stats = pruned.objective.update(experience([[mixed._replace(keep=torch.zeros_like(mixed.keep))]]))
     assert stats["grad_norm"] == 0.0 and stats["optimizer_steps"] == 1
     assert all(torch.equal(before[n], p) for n, p in pruned.params.items())
-    stats = pruned.optimize([[mixed]], "mean", per_transition=True)
+    stats = pruned.objective.update(experience([[mixed]]))
     assert stats["grad_norm"] > 0 and any(not torch.equal(before[n], p) for n, p in pruned.params.items())
 
 
@@ -292,14 +299,15 @@ def test_mix_trains_only_sde_edges_inside_the_sliding_window(tmp_path, tiny_sd3_
                        "rollout.tree.between=window", "sampling.window.strategy=progressive", "sampling.window.size=2",
                        "sampling.window.start=0", "sampling.window.shift_every=1", "trainer.iterations=2")
     # iteration 0: window [0, 1] + splits {1, 4}; iteration 1: window [1, 2] + splits
-    assert trainer.tree_sampler_spec(0).sde_steps.tolist() == [True, True, False, False, True, False]
-    assert trainer.tree_sampler_spec(1).sde_steps.tolist() == [False, True, True, False, True, False]
-    batch = trainer.sample_trees(0, trainer.tree_sampler_spec(0))
-    keep = trainer.tree_keep(batch, 0)
+    assert trainer.rollout.spec(0).sde_steps.tolist() == [True, True, False, False, True, False]
+    assert trainer.rollout.spec(1).sde_steps.tolist() == [False, True, True, False, True, False]
+    seen, keep_edges = {}, trainer.rollout.keep
+    trainer.rollout.keep = lambda tree, adv, real, it: seen.setdefault(it, (tree, keep_edges(tree, adv, real, it)))[1]
+    rows = trainer.train()
+    tree, keep = seen[0]
     assert [k is not None for k in keep] == [False, True, False, False, True, False]  # step 0 is SDE but at depth 0
     for t in (2, 3, 5):  # ODE edges: no density, and the child is the mean
-        assert torch.equal(batch.tree.log_probs[t], torch.zeros_like(batch.tree.log_probs[t]))
-    rows = trainer.train()
+        assert torch.equal(tree.log_probs[t], torch.zeros_like(tree.log_probs[t]))
     assert [r["trained_steps"] for r in rows] == [2, 3]
     assert rows[0]["first_ratio_deviation"] < 1e-6
     assert rows[0]["nfe_per_leaf"] == tree_nfe(6, {1: 2, 4: 2}) / 4
@@ -307,7 +315,7 @@ def test_mix_trains_only_sde_edges_inside_the_sliding_window(tmp_path, tiny_sd3_
 
 def test_ode_between_splits_trains_the_split_edges_only(tmp_path, tiny_sd3_dir):
     trainer = _trainer(tmp_path, tiny_sd3_dir, "ode", "rollout.tree.between=ode", "trainer.iterations=1")
-    assert trainer.tree_sampler_spec(0).sde_steps.tolist() == [True, False, True, False]
+    assert trainer.rollout.spec(0).sde_steps.tolist() == [True, False, True, False]
     row = trainer.train()[0]
     assert row["trained_steps"] == 2 and row["trained_transitions"] == 2 * (2 + 4)
     assert row["first_ratio_deviation"] < 1e-6
@@ -361,12 +369,12 @@ def test_two_processes_share_the_trees_and_end_with_identical_weights(tmp_path, 
         import json, sys
         from safetensors.torch import save_file
         from flowrl.config import load_config
-        from flowrl.train.trainer import GRPOTrainer
+        from flowrl.train.loop import Trainer
         out = sys.argv[1]
         cfg = load_config("tiny_jpeg", {overrides!r} + [
             "data.prompts_per_iteration=3", "trainer.iterations=2", "run.checkpoint_every=0", "trainer.kl_beta=0.01",
             "rollout.tree.width_keep=0.5"])
-        trainer = GRPOTrainer(cfg, run_dir=out + "/run")
+        trainer = Trainer(cfg, run_dir=out + "/run")
         history = trainer.train()
         rank = trainer.accelerator.process_index
         save_file({{n: p.detach().contiguous() for n, p in trainer.params.items()}}, f"{{out}}/rank{{rank}}.safetensors")

@@ -19,7 +19,8 @@ from flowrl.errors import ConfigError, UserError
 from flowrl.sampling.precision import (E2M1_GRID, ExplorationCopy, fp8_fake_quantize, merged_state, nvfp4_fake_quantize,
                                        round_to_e2m1)
 from flowrl.sampling.rollout import rollout
-from flowrl.train.trainer import GRPOTrainer
+from flowrl.train.loop import Trainer
+from flowrl.train.rollouts.flat import Stage, stage_experience, training_spec
 
 FAST = ["sampling.num_steps=3", "sampling.eval_num_steps=3", "data.prompts_per_iteration=2", "data.group_size=4",
         "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8",
@@ -146,21 +147,28 @@ def test_exploration_copy_holds_torchao_dequantised_merged_weights(tiny_sd3_dir)
 
 # ---- regeneration ----------------------------------------------------------------------
 def _capture(trainer):
-    """Record every stage the trainer samples and every batch it trains on."""
+    """Record every stage the two-stage rollout samples and every experience the objective trains on."""
     stages, trained = [], []
-    sample_stage, update = trainer.sample_stage, trainer.update
+    sample_stage, update = trainer.rollout.flat.sample_stage, trainer.objective.update
 
     def record_stage(*args, **kwargs):
         st = sample_stage(*args, **kwargs)
         stages.append(st)
         return st
 
-    def record_update(batches, spec):
-        trained.extend(batches)
-        return update(batches, spec)
+    def record_update(experience):
+        trained.append(experience)
+        return update(experience)
 
-    trainer.sample_stage, trainer.update = record_stage, record_update
+    trainer.rollout.flat.sample_stage, trainer.objective.update = record_stage, record_update
     return stages, trained
+
+
+def _trained_samples(experience):
+    """(seeds, advantages, clean samples) of this process's trained samples, in order."""
+    batches = experience.samples
+    return (torch.cat([b.seeds for b in batches]), torch.cat([experience.advantages_at(b.index) for b in batches]),
+            torch.cat([b.x0 for b in batches]))
 
 
 def _selected_seeds(trainer, pool, k):
@@ -173,7 +181,7 @@ def _selected_seeds(trainer, pool, k):
 def test_same_precision_regeneration_equals_the_candidates_bit_for_bit(tmp_path, tiny_sd3_dir):
     cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, "rollout.two_stage.explore_precision=fp32",
                                              "rollout.two_stage.fidelity_every=0", "trainer.iterations=1"))
-    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
     stages, trained = _capture(trainer)
     row = trainer.train()[0]
     pool, regen = stages
@@ -183,7 +191,9 @@ def test_same_precision_regeneration_equals_the_candidates_bit_for_bit(tmp_path,
     assert torch.equal(regen.traj.latents, pool.traj.latents[rows])
     assert torch.equal(regen.traj.log_probs, pool.traj.log_probs[rows])
     assert torch.equal(regen.rewards, pool.rewards[rows])
-    assert trained[0][0] is regen.traj and regen.traj.precision == "float32"
+    seeds, _, x0 = _trained_samples(trained[0])
+    assert torch.equal(seeds, regen.traj.seeds) and torch.equal(x0, regen.traj.final)
+    assert trained[0].precision == "float32" and regen.traj.precision == "float32"
 
 
 def test_low_precision_candidates_are_replayed_in_the_training_precision(tmp_path, tiny_sd3_dir):
@@ -192,20 +202,19 @@ def test_low_precision_candidates_are_replayed_in_the_training_precision(tmp_pat
 
     cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, "rollout.two_stage.explore_precision=nvfp4",
                                              "rollout.two_stage.backend=emulated", "rollout.two_stage.fidelity_every=0"))
-    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
     stages, trained = _capture(trainer)
-    trainer.update = lambda batches, spec: (trained.extend(batches), {})[1]  # no step: the policy stays the sampler
-    trainer.two_stage.iteration()
+    trained.append(trainer.rollout.collect(0))  # no update: the policy stays the sampler
     pool, regen = stages
     assert pool.traj.precision == "nvfp4-emulated" and regen.traj.precision == "float32"
-    assert [t.precision for t, _ in trained] == ["float32"]
+    assert [e.precision for e in trained] == ["float32"]
     assert regen.traj.seeds.tolist() == _selected_seeds(trainer, pool, 4)
     rows = [pool.traj.seeds.tolist().index(s) for s in regen.traj.seeds.tolist()]
     assert torch.equal(regen.traj.latents[:, 0], pool.traj.latents[rows, 0])  # the initial noise
     assert not torch.equal(regen.traj.latents[:, -1], pool.traj.latents[rows, -1])  # other precision, other chain
-    spec, bs = trainer.sampler_spec(0), cfg.sampling.batch_size
+    spec, bs = training_spec(cfg, 0), cfg.sampling.batch_size
     # the per-step noise: (x_{t+1} - mean_t) / std recovers the seed's noise in both stages
-    for policy, traj in ((trainer.two_stage.explorer.policy, pool.traj), (trainer.policy, regen.traj)):
+    for policy, traj in ((trainer.rollout.explorer.policy, pool.traj), (trainer.policy, regen.traj)):
         for start in range(0, len(traj), bs):  # the sampling batches (the fake-quantised activations are batch-scaled)
             c = slice(start, start + bs)
             cond = policy.encode(traj.prompts[c])
@@ -218,10 +227,11 @@ def test_low_precision_candidates_are_replayed_in_the_training_precision(tmp_pat
 
 # ---- the guard ------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, field", [
-    (["rollout.two_stage.regenerate=false"], "rollout.two_stage.regenerate"),  # nvfp4 candidates into the loss
-    (["rollout.two_stage.regenerate=false", "rollout.two_stage.explore_precision=bf16"], "rollout.two_stage.regenerate"),
+    # low-precision or preview candidates into a log-prob ratio: the rollout provides no transitions for grpo
+    (["rollout.two_stage.regenerate=false"], "objective.kind 'grpo' trains on transitions"),
+    (["rollout.two_stage.regenerate=false", "rollout.two_stage.explore_precision=bf16"], "objective.kind 'grpo' trains on transitions"),
     (["rollout.two_stage.regenerate=false", "rollout.two_stage.explore_precision=fp32", "rollout.two_stage.preview_steps=2"],
-     "rollout.two_stage.regenerate"),
+     "objective.kind 'grpo' trains on transitions"),
     (["rollout.tree.split_steps=[0,1]"], "rollout.tree"),  # two_stage + tree
     (["rollout.two_stage.candidates=3"], "rollout.two_stage.candidates"),
     (["rollout.two_stage.explore_precision=int4"], "rollout.two_stage.explore_precision"),
@@ -233,6 +243,8 @@ def test_config_guard_rejects_mixed_precision_and_bad_two_stage_settings(tiny_sd
         load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *overrides))
     msg = str(err.value)
     assert msg.startswith(field) and msg.count(". ") == 0 and "\n" not in msg
+    if field.startswith("objective.kind"):
+        assert "unless rollout.two_stage.regenerate is true" in msg and msg.endswith("objective.kind may be nft with it")
 
 
 def test_guard_allows_training_on_same_precision_candidates_and_the_cli_exits_2(tmp_path, tiny_sd3_dir, capsys):
@@ -241,20 +253,26 @@ def test_guard_allows_training_on_same_precision_candidates_and_the_cli_exits_2(
     assert not cfg.rollout.two_stage.regenerate
     args = two_stage(tiny_sd3_dir, "rollout.two_stage.regenerate=false", "trainer.iterations=1")
     assert main(["train", "tiny_jpeg", *args, "--run-dir", str(tmp_path / "r")]) == 2
-    assert "rollout.two_stage.regenerate must be true" in capsys.readouterr().err
+    assert "unless rollout.two_stage.regenerate is true" in capsys.readouterr().err
 
 
-def test_update_refuses_a_low_precision_trajectory(tmp_path, tiny_sd3_dir):
-    trainer = GRPOTrainer(load_config("tiny_jpeg", [*FAST, f"model.path={tiny_sd3_dir}"]), run_dir=tmp_path / "run")
-    spec = trainer.sampler_spec(0)
+def test_grpo_refuses_a_low_precision_trajectory(tmp_path, tiny_sd3_dir):
+    trainer = Trainer(load_config("tiny_jpeg", [*FAST, f"model.path={tiny_sd3_dir}"]), run_dir=tmp_path / "run")
+    spec = training_spec(trainer.cfg, 0)
+
+    def experience(traj, advantages):
+        stage = Stage(traj, torch.zeros(4, 1), torch.zeros(4, dtype=torch.long), torch.arange(4), 0.0, 0.0, torch.ones(4, dtype=torch.bool))
+        return stage_experience(trainer.rollout.ctx, 0, [stage], spec, stage.rewards, stage.prompt_ids, stage.valid, advantages, {},
+                                with_transitions=True)
+
     copy = ExplorationCopy(trainer.policy, "fp8", backend="emulated")
     traj = rollout(copy.policy, ["a red circle"] * 4, [1, 2, 3, 4], spec, 4)
     before = {n: p.detach().clone() for n, p in trainer.params.items()}
     with pytest.raises(UserError, match="refusing to train on samples drawn in fp8-emulated by a policy trained in float32"):
-        trainer.update([(traj, torch.ones(4))], spec)
+        trainer.objective.update(experience(traj, torch.ones(4)))
     assert all(torch.equal(before[n], p) for n, p in trainer.params.items())
     full = rollout(trainer.policy, ["a red circle"] * 4, [1, 2, 3, 4], spec, 4)
-    assert trainer.update([(full, torch.tensor([1.0, -1.0, 0.5, -0.5]))], spec)["trained_transitions"] > 0
+    assert trainer.objective.update(experience(full, torch.tensor([1.0, -1.0, 0.5, -0.5])))["trained_transitions"] > 0
 
 
 # ---- selection ------------------------------------------------------------------------
@@ -322,23 +340,23 @@ def test_two_stage_without_regeneration_trains_on_the_selected_candidates(tmp_pa
     cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, "rollout.two_stage.explore_precision=fp32",
                                              "rollout.two_stage.regenerate=false", "selection.kind=max_variance",
                                              "trainer.iterations=1"))
-    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
     stages, trained = _capture(trainer)
     row = trainer.train()[0]
     assert len(stages) == 1 and row["nfe_regenerate"] == 0 and row["samples"] == 8
-    (traj, adv), = trained
-    assert len(traj) == 8 and set(traj.seeds.tolist()) <= set(stages[0].traj.seeds.tolist())
+    seeds, adv, _ = _trained_samples(trained[0])
+    assert len(seeds) == 8 and set(seeds.tolist()) <= set(stages[0].traj.seeds.tolist())
     assert row["first_ratio_deviation"] < 1e-5 and (adv != 0).any()
 
 
 # ---- DiffusionNFT on a low-precision explorer's candidates ------------------------------
-NFT = ["trainer.objective=nft", "sampling.sampler=ode", "trainer.kl_beta=0", "trainer.nft_timesteps=1",
+NFT = ["objective.kind=nft", "sampling.sampler=ode", "trainer.kl_beta=0", "objective.nft.timesteps=1",
        "rollout.two_stage.explore_precision=bf16", "rollout.two_stage.regenerate=false"]
 
 
 def test_nft_may_train_on_low_precision_candidates_but_not_with_a_sigma_range(tiny_sd3_dir):
     cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT))
-    assert cfg.trainer.objective == "nft" and not cfg.rollout.two_stage.regenerate
+    assert cfg.objective.kind == "nft" and not cfg.rollout.two_stage.regenerate
     # the exploration copy has the adapter merged in at every sigma
     with pytest.raises(ConfigError, match=r"^lora\.sigma_range must be \[0, 1\] when rollout\.kind is two_stage"):
         load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT, "lora.sigma_range=[0.5, 1.0]"))
@@ -346,30 +364,31 @@ def test_nft_may_train_on_low_precision_candidates_but_not_with_a_sigma_range(ti
 
 def test_nft_trains_on_the_selected_bf16_candidates_without_regenerating(tmp_path, tiny_sd3_dir):
     cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT, "trainer.iterations=1"))
-    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
     stages, trained = _capture(trainer)
     before = {n: p.detach().clone() for n, p in trainer.params.items()}
     row = trainer.train()[0]
-    (pool,), ((traj, adv),) = stages, trained
-    assert pool.traj.precision == "bfloat16" and traj.precision == "bfloat16"
+    (pool,), (experience,) = stages, trained
+    seeds, adv, _ = _trained_samples(experience)
+    assert pool.traj.precision == "bfloat16" and experience.precision == "bfloat16"
     assert row["nfe_regenerate"] == 0 and row["samples"] == 8 and row["candidates"] == 16
-    assert traj.seeds.tolist() == _selected_seeds(trainer, pool, 4)
+    assert seeds.tolist() == _selected_seeds(trainer, pool, 4)
     assert (adv != 0).any() and row["trained_transitions"] > 0 and math.isfinite(row["loss"])
     assert any(not torch.equal(before[n], p) for n, p in trainer.params.items())
 
 
 def test_nft_old_weights_are_what_the_exploration_copy_is_merged_from(tmp_path, tiny_sd3_dir):
     # decay 0.9 from the second iteration on: the old weights lag the trained ones
-    cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT, "trainer.iterations=3", "trainer.nft_old_policy=sampling",
-                                             "trainer.nft_old_decay=0.9", "trainer.nft_old_decay_rate=1.0", "trainer.lr=0.1"))
-    trainer = GRPOTrainer(cfg, run_dir=tmp_path / "run")
+    cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT, "trainer.iterations=3", "objective.nft.old_policy=sampling",
+                                             "objective.nft.old_decay=0.9", "objective.nft.old_decay_rate=1.0", "trainer.lr=0.1"))
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
     for _ in range(2):
         trainer.train_iteration()
     current = merged_state(trainer.policy.transformer)
-    with trainer.nft_old.swapped_in(trainer.params):
+    with trainer.objective.old.swapped_in(trainer.params):
         old = {n: t.clone() for n, t in merged_state(trainer.policy.transformer).items()}
     changed = [n for n in old if not torch.equal(old[n].bfloat16(), current[n].bfloat16())]
     assert changed  # else the check below could not tell the two apart
     trainer.train_iteration()  # resyncs the copy at its start, then trains
-    copy_state = trainer.two_stage.explorer.net.state_dict()
+    copy_state = trainer.rollout.explorer.net.state_dict()
     assert all(torch.equal(copy_state[n], old[n].to(copy_state[n].dtype)) for n in changed)

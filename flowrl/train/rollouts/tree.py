@@ -10,6 +10,8 @@ each process does its own.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, trained_depths, valid_nodes, width_prune
@@ -22,7 +24,18 @@ from flowrl.sampling.tree import TreeTrajectory, edge_children, parent_batches, 
 from flowrl.train.experience import TRANSITIONS, Experience, ProcessShard, TransitionBatch, gather_real
 from flowrl.train.parts import Rollout, register_rollout
 from flowrl.train.rollouts.flat import step_kl, successes, training_spec
-from flowrl.train.scoring import Scoring
+from flowrl.train.scoring import Scores, Scoring
+
+
+class TreeBatch(NamedTuple):
+    """One iteration's trees on this process and what training needs of them."""
+
+    tree: TreeTrajectory  # this process's trees (may end with padding copies)
+    scores: Scores  # the leaves' rewards: every process's real leaves in tree order, and this process's
+    advantages: list[torch.Tensor]  # per level [n_t]: depth-wise, clipped; 0 on padding trees
+    real: torch.Tensor  # [n_local_trees] bool: False for padding copies
+    prompt_ids: torch.Tensor  # [n_trees x G] pool index of each real leaf
+    num_trees: int  # real trees over all processes
 
 
 @register_rollout
@@ -53,19 +66,19 @@ class TreeRollout(Rollout):
             spec.sde_steps = torch.zeros_like(spec.sde_steps)
         return tree_spec(spec, self.ctx.cfg.rollout.splits())
 
-    def collect(self, iteration: int) -> Experience:
+    def sample(self, iteration: int) -> TreeBatch:
+        """This process's trees of `iteration`, their leaves scored, and depth-wise advantages."""
         ctx = self.ctx
         cfg, acc = ctx.cfg, ctx.accelerator
         g, bs, tr = cfg.data.group_size, cfg.sampling.batch_size, cfg.rollout.tree
-        spec = self.spec(iteration)
         ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), ctx.allocator.first_stage(iteration) // g).tolist()
         n = len(ids)
         # the root noise of tree k is that of the flat group's first sample (seed index k x G)
         seeds = [sample_seed(cfg.trainer.seed, iteration, k * g) for k in range(n)]
         shard = ProcessShard(n, acc.num_processes, acc.process_index)
         local_ids = shard.take(ids)
-        tree = tree_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), spec, cfg.rollout.splits(), bs,
-                            prompt_ids=local_ids, progress=ctx.progress, desc=f"iter {iteration} tree sampling")
+        tree = tree_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), self.spec(iteration),
+                            cfg.rollout.splits(), bs, prompt_ids=local_ids, progress=ctx.progress, desc=f"iter {iteration} tree sampling")
         on_batch = self.scoring.start([tree.prompts[i] for i in tree.tree_ids[-1].tolist()])
         for batch in parent_batches(len(tree.leaves), bs):
             on_batch(batch, tree.leaves[batch])
@@ -74,21 +87,26 @@ class TreeRollout(Rollout):
             raise UserError(f"every reward output of iteration {iteration} was invalid (NaN, inf or misshapen); see reward.on_invalid")
 
         real = shard.positions < n
-        leaf_valid = scores.local_valid if not bool(scores.local_valid.all()) else None
+        leaf_valid = None if bool(scores.local_valid.all()) else scores.local_valid
         values = fuse_rewards(tree.parents, scores.local_rewards.float().cpu() @ ctx.reward_fn.channel_weights, tr.fusion,
                               tree.log_probs, leaf_valid)
-        node_valid = valid_nodes(tree.parents, leaf_valid) if leaf_valid is not None else None
+        node_valid = None if leaf_valid is None else valid_nodes(tree.parents, leaf_valid)
         clip = cfg.advantage.clip
         advantages = [torch.where(real[t_ids], a.clamp(-clip, clip), torch.zeros_like(a))
                       for a, t_ids in zip(depthwise_advantages(values, tree.tree_ids, cfg.advantage.eps, node_valid), tree.tree_ids)]
-        prompt_ids = torch.tensor(ids[:n]).repeat_interleave(g)
-        weights = ctx.reward_fn.channel_weights
-        ctx.allocator.observe(prompt_ids[scores.valid], successes(cfg, scores.rewards[scores.valid] @ weights))
+        return TreeBatch(tree, scores, advantages, real, torch.tensor(ids[:n]).repeat_interleave(g), n)
 
-        keep = self.keep(tree, advantages, real, iteration)
-        groups = self.micro_batches(tree, spec, advantages, keep)
-        leaf_adv = gather_real(acc, advantages[-1], n * g)
+    def collect(self, iteration: int) -> Experience:
+        ctx = self.ctx
+        acc, g, weights = ctx.accelerator, ctx.cfg.data.group_size, ctx.reward_fn.channel_weights
+        batch = self.sample(iteration)
+        tree, scores, n = batch.tree, batch.scores, batch.num_trees
+        ctx.allocator.observe(batch.prompt_ids[scores.valid], successes(ctx.cfg, scores.rewards[scores.valid] @ weights))
+        keep = self.keep(tree, batch.advantages, batch.real, iteration)
+        groups = self.micro_batches(tree, self.spec(iteration), batch.advantages, keep)
+        leaf_adv = gather_real(acc, batch.advantages[-1], n * g)
         by_tree = (scores.rewards @ weights).view(n, g)
+        local_kept = torch.tensor([sum(int(k.sum()) for k in keep if k is not None)])
         metrics = {
             "adv_abs_mean": leaf_adv.abs().mean().item(),
             "degenerate_groups": (by_tree.amax(1) == by_tree.amin(1)).float().mean().item(),
@@ -96,14 +114,13 @@ class TreeRollout(Rollout):
             "nfe_per_leaf": tree.nfe / len(tree.leaves),
             "trained_steps": sum(k is not None for k in keep),
             # kept edges per inner epoch over all processes (the objective counts its own process)
-            "trained_transitions": int(gather_real(acc, torch.tensor([sum(int(k.sum()) for k in keep if k is not None)]),
-                                                   acc.num_processes).sum()),
+            "trained_transitions": int(gather_real(acc, local_kept, acc.num_processes).sum()),
             "training_forwards": len(groups),  # micro-batches per inner epoch, this process
-            **self.depth_metrics(tree, advantages, n),
+            **self.depth_metrics(tree, batch.advantages, n),
             "time_reward": scores.reward_time,
             "time_reward_wait": scores.reward_wait,
         }
-        return Experience(iteration, scores.rewards, prompt_ids, scores.valid, leaf_adv, policy_precision(ctx.policy),
+        return Experience(iteration, scores.rewards, batch.prompt_ids, scores.valid, leaf_adv, policy_precision(ctx.policy),
                           transitions=groups, weigh_by_transition=True, metrics=metrics)
 
     def keep(self, tree: TreeTrajectory, advantages: list[torch.Tensor], real: torch.Tensor, iteration: int) -> list[torch.Tensor | None]:
