@@ -19,6 +19,7 @@ from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.selection import SELECTION_KINDS
 from flowrl.errors import ConfigError, check_choice, check_positive
+from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX
 from flowrl.sampling.precision import HIGH_PRECISION_LAYERS
 from flowrl.sampling.schedules import WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import LOGPROB_REDUCTIONS, SAMPLERS
@@ -30,8 +31,6 @@ DTYPES = ("fp32", "bf16", "fp16")
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")
 REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")
 # keys that moved: the old name is refused with a sentence naming the new one
 MOVED_KEYS = {"trainer.objective": "objective.kind", "trainer.clip_range": "objective.grpo.clip_range",
@@ -427,7 +426,7 @@ def _validate_sigma_range(cfg: Config) -> None:
     if not cfg.lora.enabled:
         raise ConfigError("lora.sigma_range restricts the adapter, so it needs lora.enabled=true")
     from flowrl.train.experience import SAMPLES
-    from flowrl.train.parts import objective_class
+    from flowrl.train.registry import objective_class
 
     if objective_class(cfg.objective.kind).needs == SAMPLES:
         return  # flow-matching objectives draw their training sigmas inside the range (flowrl/train/objectives/nft.py)
@@ -479,7 +478,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
                 f"{s.num_steps} steps; got {w.start}"
             )
 
-    from flowrl.train.parts import check_compatible, rollout_class
+    from flowrl.train.registry import check_compatible, rollout_class
 
     rollout = rollout_class(cfg.rollout.kind)  # one sentence for an unknown kind, before anything checks its options
     check_compatible(cfg)  # each part's own checks, and the objective's data from the rollout

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from flowrl.config import ModelConfig
+from typing import TYPE_CHECKING
+
 from flowrl.models.base import FlowPolicy
+
+if TYPE_CHECKING:  # the config module imports the built-in model names from flowrl.models.base
+    from flowrl.config import ModelConfig
 
 
 def policy_class(kind: str) -> type[FlowPolicy]:

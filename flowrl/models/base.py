@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flowrl.config import BUILTIN_PREFIX, LoraConfig, ModelConfig
 from flowrl.errors import UserError
+
+if TYPE_CHECKING:  # the config module imports the built-in model names from here
+    from flowrl.config import LoraConfig, ModelConfig
+
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")  # model.path builtin:NAME
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

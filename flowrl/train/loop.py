@@ -15,11 +15,11 @@ import contextlib
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.config import Config
 from flowrl.core.allocation import make_allocator
 from flowrl.core.lr_schedule import lr_factor
 from flowrl.errors import UserError
@@ -32,10 +32,14 @@ from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
-from flowrl.train.parts import TrainContext, objective_class, rollout_class
+from flowrl.train.parts import TrainContext
+from flowrl.train.registry import objective_class, rollout_class
 from flowrl.train.prompts import load_prompts
 from flowrl.train.run_dir import RunDir
 from rewards import AsyncRewardRunner, MultiReward
+
+if TYPE_CHECKING:  # the config module imports the training parts to validate against them
+    from flowrl.config import Config
 
 
 def flat_config(cfg: Config) -> dict:

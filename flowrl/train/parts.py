@@ -5,6 +5,7 @@ turns an `Experience` into optimizer steps (`update(experience)`). Each register
 that `rollout.kind` / `objective.kind` selects, and declares what it provides or needs, so the
 config is checked from the declarations (`check_compatible`) and the loop never branches on a
 name. Adding one is a new module with a registered class; docs/architecture.md has an example.
+flowrl/train/registry.py looks parts up by name and checks a config against them.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
-from flowrl.errors import ConfigError, check_choice
-from flowrl.train.experience import DATA_KINDS, Experience
+from flowrl.train.experience import Experience
 
 if TYPE_CHECKING:
     from flowrl.config import Config
@@ -115,35 +115,3 @@ def register_rollout(cls):
 def register_objective(cls):
     OBJECTIVES[cls.name] = cls
     return cls
-
-
-def load_builtin_parts() -> None:
-    """Import the built-in rollouts and objectives (their modules register them)."""
-    import flowrl.train.objectives  # noqa: F401
-    import flowrl.train.rollouts  # noqa: F401
-
-
-def rollout_class(kind: str) -> type[Rollout]:
-    load_builtin_parts()
-    check_choice("rollout.kind", kind, ROLLOUTS)
-    return ROLLOUTS[kind]
-
-
-def objective_class(kind: str) -> type[Objective]:
-    load_builtin_parts()
-    check_choice("objective.kind", kind, OBJECTIVES)
-    return OBJECTIVES[kind]
-
-
-def check_compatible(cfg: "Config") -> None:
-    """Both parts exist, each accepts the config, and the rollout provides what the objective needs."""
-    rollout, objective = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
-    rollout.validate(cfg)
-    objective.validate(cfg)
-    provided = rollout.provides(cfg)
-    if objective.needs not in provided:
-        able = sorted(name for name, o in OBJECTIVES.items() if o.needs in provided)
-        reason = rollout.missing_reason(cfg, objective.needs)
-        raise ConfigError(f"objective.kind '{objective.name}' trains on {DATA_KINDS[objective.needs]}, which rollout.kind "
-                          f"'{rollout.name}' does not provide{' ' + reason if reason else ''}; objective.kind may be "
-                          f"{', '.join(able) or 'none of the registered objectives'} with it")

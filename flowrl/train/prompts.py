@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from flowrl.config import DataConfig
 from flowrl.errors import UserError
+
+if TYPE_CHECKING:  # the config module imports the training parts to validate against them
+    from flowrl.config import DataConfig
 
 
 BUILTIN_PROMPT_SETS = ("builtin:shapes-train", "builtin:shapes-heldout")

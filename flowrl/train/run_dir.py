@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from flowrl.config import Config
+if TYPE_CHECKING:  # the config module imports the training parts to validate against them
+    from flowrl.config import Config
+
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"

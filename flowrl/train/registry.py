@@ -1,0 +1,39 @@
+"""Looking up registered rollouts and objectives by name, and checking a config against their
+declarations (flowrl/train/parts.py). Importing this module registers the built-in parts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import flowrl.train.objectives  # noqa: F401  (registers grpo, nft)
+import flowrl.train.rollouts  # noqa: F401  (registers flat, tree, two_stage)
+from flowrl.errors import ConfigError, check_choice
+from flowrl.train.experience import DATA_KINDS
+from flowrl.train.parts import OBJECTIVES, ROLLOUTS, Objective, Rollout
+
+if TYPE_CHECKING:
+    from flowrl.config import Config
+
+
+def rollout_class(kind: str) -> type[Rollout]:
+    check_choice("rollout.kind", kind, ROLLOUTS)
+    return ROLLOUTS[kind]
+
+
+def objective_class(kind: str) -> type[Objective]:
+    check_choice("objective.kind", kind, OBJECTIVES)
+    return OBJECTIVES[kind]
+
+
+def check_compatible(cfg: "Config") -> None:
+    """Both parts exist, each accepts the config, and the rollout provides what the objective needs."""
+    rollout, objective = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
+    rollout.validate(cfg)
+    objective.validate(cfg)
+    provided = rollout.provides(cfg)
+    if objective.needs not in provided:
+        able = sorted(name for name, o in OBJECTIVES.items() if o.needs in provided)
+        reason = rollout.missing_reason(cfg, objective.needs)
+        raise ConfigError(f"objective.kind '{objective.name}' trains on {DATA_KINDS[objective.needs]}, which rollout.kind "
+                          f"'{rollout.name}' does not provide{' ' + reason if reason else ''}; objective.kind may be "
+                          f"{', '.join(able) or 'none of the registered objectives'} with it")

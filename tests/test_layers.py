@@ -1,0 +1,26 @@
+"""The layers of docs/architecture.md, enforced: import-linter's contracts in pyproject.toml
+(flowrl.core imports no diffusion, text, training or reward code; sampling, models and rewards
+never import the loop or the CLI; no import cycles), and flowrl.core's one third-party import."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import grimp
+from importlinter.cli import lint_imports
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_import_linter_contracts_hold(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+
+
+def test_core_imports_only_torch_and_the_standard_library():
+    graph = grimp.build_graph("flowrl", include_external_packages=True, exclude_type_checking_imports=True, cache_dir=None)
+    core = {"flowrl.core", *graph.find_descendants("flowrl.core")}
+    imported = {m for module in core for m in graph.find_modules_directly_imported_by(module)}
+    outside = {m.split(".")[0] for m in imported if not m.startswith("flowrl.core")}
+    assert outside - set(sys.stdlib_module_names) <= {"torch"}, outside
