@@ -90,8 +90,11 @@ def cmd_train(args) -> int:
             print(f"trainer.mixed_precision auto: {trainer.mixed_precision} on this device", file=sys.stderr)
     history = trainer.train()
     if history and trainer.accelerator.is_main_process:
-        first, last = history[0]["reward_mean"], history[-1]["reward_mean"]
-        print(f"reward {first:.4g} -> {last:.4g} over {len(history)} iterations; run: {trainer.run.path}")
+        if "reward_mean" in history[0]:
+            print(f"reward {history[0]['reward_mean']:.4g} -> {history[-1]['reward_mean']:.4g} over {len(history)} iterations; "
+                  f"run: {trainer.run.path}")
+        else:
+            print(f"{len(history)} iterations; run: {trainer.run.path}")
     return 0
 
 

@@ -122,3 +122,16 @@ def test_rewards_command_lists_the_registry(capsys):
     assert main(["rewards"]) == 0
     out = capsys.readouterr().out
     assert "jpeg_compressibility" in out and "brightness" in out
+
+
+@pytest.mark.parametrize("old, new", [("trainer.objective=nft", "objective.kind"), ("trainer.nft_timesteps=3", "objective.nft.timesteps"),
+                                      ("trainer.clip_range=0.1", "objective.grpo.clip_range")])
+def test_moved_keys_are_refused_with_their_new_name(tmp_path, old, new, capsys):
+    with pytest.raises(ConfigError, match=f"^config key '{old.split('=')[0]}' in the command line has moved to '{new}'; rename it$"):
+        load_config("tiny_jpeg", [old])
+    key, value = old.split("=")
+    section, name = key.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    assert main(["train", str(path)]) == 2
+    assert f"has moved to '{new}'" in capsys.readouterr().err

@@ -396,3 +396,34 @@ def test_two_processes_share_the_trees_and_end_with_identical_weights(tmp_path, 
         assert a["trained_transitions"] == b["trained_transitions"] == 3 * 8
         assert a["adv_abs_mean/depth2"] == b["adv_abs_mean/depth2"]
     assert m0["history"][0]["first_ratio_deviation"] < 1e-6
+
+
+def test_invalid_leaves_are_dropped_from_fusion_and_advantages(tmp_path, tiny_sd3_dir):
+    """reward.on_invalid=drop works for trees (they score through the same reward path as flat
+    rollouts): a NaN leaf takes no part in its ancestors' values or its level's statistics, gets
+    advantage 0, and the run goes on."""
+    from rewards import register
+
+    @register("test_tree_flaky", "mean pixel value, NaN for the first leaf of every call")
+    def flaky(images, prompts, metadata=None):
+        scores = images.mean(dim=(1, 2, 3))
+        scores[0] = float("nan")
+        return scores
+
+    trainer = _trainer(tmp_path, tiny_sd3_dir, "drop", "reward.weights={test_tree_flaky: 1.0}", "reward.on_invalid=drop",
+                       "trainer.iterations=1", "sampling.batch_size=8")
+    batch = trainer.rollout.sample(0)
+    valid = batch.scores.valid
+    assert valid.tolist() == [False] + [True] * 7  # one call of 8 leaves: the first is NaN
+    leaf_adv = batch.advantages[-1]
+    assert leaf_adv[0] == 0 and torch.isfinite(leaf_adv).all()
+    # tree 0's other three leaves are normalised among themselves (zero mean), not with the dropped one
+    assert abs(float(leaf_adv[1:4].sum())) < 1e-4 and leaf_adv[1:4].abs().sum() > 0
+    # the node above the last split (level 2) that holds leaves 0 and 1 is worth leaf 1's reward alone
+    rewards = batch.scores.local_rewards.float() @ trainer.reward_fn.channel_weights
+    values = fuse_rewards(batch.tree.parents, rewards, "mean", leaf_valid=valid)
+    node = int(batch.tree.ancestors(batch.tree.num_steps)[2][0])
+    assert int(batch.tree.ancestors(batch.tree.num_steps)[2][1]) == node
+    assert values[2][node] == pytest.approx(float(rewards[1]))
+    row = trainer.train()[0]
+    assert row["dropped_samples"] == 1 and math.isfinite(row["loss"]) and math.isfinite(row["reward_mean"])

@@ -55,8 +55,10 @@ class RunDir:
         os.replace(tmp, self.metrics_file)
         return rows
 
-    def plot_reward_curve(self, rows: list[dict]) -> Path | None:
-        if not rows:
+    def plot_reward_curve(self, rows: list[dict], out: Path | None = None) -> Path | None:
+        """reward_curve.png (or `out`): the mean reward per iteration, every channel, and with the
+        shapes reward the training strict accuracy per category. None for a run without online rewards."""
+        if not rows or "reward_mean" not in rows[0]:
             return None
         import matplotlib
 
@@ -84,7 +86,7 @@ class RunDir:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         fig.tight_layout()
-        out = self.path / "reward_curve.png"
+        out = out or self.path / "reward_curve.png"
         fig.savefig(out)
         plt.close(fig)
         return out
