@@ -88,7 +88,7 @@ class SamplingConfig:
 
 @dataclass
 class TreeConfig:
-    """BranchGRPO trees (rollout.kind: tree; ALGORITHMS.md section 3). One tree per prompt;
+    """BranchGRPO trees (rollout.kind: tree; docs/algorithms.md section 3). One tree per prompt;
     leaves per prompt = the product of the branching factors, and must equal data.group_size.
     Depth d is the segment after the d-th split: the edges at steps split_steps[d-1] ..
     split_steps[d]-1 (to the end for the last) lead to depth-d nodes. Pruning masks gradient
@@ -108,7 +108,7 @@ class TreeConfig:
 
 @dataclass
 class TwoStageConfig:
-    """Sol-RL, "FP4 explore, BF16 train" (rollout.kind: two_stage; ALGORITHMS.md section 5).
+    """Sol-RL, "FP4 explore, BF16 train" (rollout.kind: two_stage; docs/algorithms.md section 5).
     Stage 1 samples `candidates` chains per prompt from recorded seeds with a copy of the
     current policy in `explore_precision` (LoRA merged in, re-synchronised every iteration) and
     scores them; `selection.kind` picks data.group_size of them per prompt; stage 2 regenerates

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Simulated benchmark of flowrl's rollout allocators (ALGORITHMS.md section 8).
+"""Simulated benchmark of flowrl's rollout allocators (docs/algorithms.md section 7).
 
 A pool of --prompts prompts (default 512) with pass/fail outcomes. Prompt i's initial success
 probability is spread evenly from 0.01 to 0.99; its logit then drifts over --iterations

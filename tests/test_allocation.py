@@ -1,4 +1,4 @@
-"""Tests for flowrl.core.allocation (ALGORITHMS.md section 8): the budget and group-size contract
+"""Tests for flowrl.core.allocation (docs/algorithms.md section 7): the budget and group-size contract
 of every allocator, the VADE posteriors and Thompson draws, largest_remainder, and the
 behaviour each allocator promises (sqrt rule, DARS top-ups, successive elimination)."""
 

@@ -1,4 +1,4 @@
-"""Property tests for every advantage estimator in flowrl.core.advantages (ALGORITHMS.md section 7):
+"""Property tests for every advantage estimator in flowrl.core.advantages (docs/algorithms.md section 6):
 grpo, mc_grpo, gdpo, rank, reinforce_ada through estimate_advantages."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Advantage estimators over grouped rewards (ALGORITHMS.md section 7).
+"""Advantage estimators over grouped rewards (docs/algorithms.md section 6).
 
 Every estimator takes rewards [N, K] (K reward channels; [N] is one channel), group ids [N]
 and optional channel weights [K], and returns advantages [N] and a mask [N] of the samples

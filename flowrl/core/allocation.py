@@ -1,5 +1,5 @@
 """Rollout allocation: which prompts get how many rollouts under a fixed budget per iteration
-(ALGORITHMS.md section 8). Modality-free: prompts are indices into a pool, outcomes are
+(docs/algorithms.md section 7). Modality-free: prompts are indices into a pool, outcomes are
 success flags (a continuous reward becomes a success through a threshold, set by the caller).
 
 Protocol, one iteration:

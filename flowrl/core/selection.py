@@ -1,4 +1,4 @@
-"""Candidate selection: pick k of M candidates by their rewards [M] (ALGORITHMS.md section 5;
+"""Candidate selection: pick k of M candidates by their rewards [M] (docs/algorithms.md sections 5 and 8;
 Sol-RL's contrastive subsets, D3S's maximum-variance subset)."""
 
 from __future__ import annotations

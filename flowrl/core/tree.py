@@ -1,5 +1,5 @@
 """Rollout trees (BranchGRPO: Li et al., "BranchGRPO: Stable and Efficient GRPO with Structured
-Branching in Diffusion Models", arXiv:2509.06040; ALGORITHMS.md section 3), modality-free.
+Branching in Diffusion Models", arXiv:2509.06040; docs/algorithms.md section 3), modality-free.
 
 A batch of trees is given level by level: `parents[t]` [n_{t+1}] holds, for every node of level
 t + 1, the index of its parent in level t; `tree_ids[t]` [n_t] says which tree (prompt) a node of

@@ -1,4 +1,4 @@
-"""Low-precision exploration copies of the current policy (Sol-RL, ALGORITHMS.md section 5).
+"""Low-precision exploration copies of the current policy (Sol-RL, docs/algorithms.md section 5).
 
 An `ExplorationCopy` holds a second transformer in the exploration precision with the LoRA
 adapter merged into its base weights, and a policy view that samples through it. After every

@@ -49,7 +49,7 @@ class SamplerSpec:
 
 @dataclass
 class Trajectory:
-    """A batch of rollouts as tensors (DESIGN.md, "The data that flows")."""
+    """A batch of rollouts as tensors (docs/architecture.md, "The data path")."""
 
     latents: torch.Tensor  # [B, T + 1, *latent] fp32: x at every sigma, latents[:, 0] is the noise
     log_probs: torch.Tensor  # [B, T] fp32 behaviour log-probs (0 on deterministic steps)

@@ -1,6 +1,6 @@
 """One denoising step of a rectified flow, as a Gaussian policy.
 
-Convention (ALGORITHMS.md section 1): x_sigma = (1 - sigma) x0 + sigma eps, the network
+Convention (docs/algorithms.md section 1): x_sigma = (1 - sigma) x0 + sigma eps, the network
 predicts v = eps - x0, sampling runs from sigma = 1 to 0 and dt = sigma_next - sigma < 0.
 
 Every step function is pure: (x, v, sigma, sigma_next, noise or x_next) -> StepOutput with

@@ -1,4 +1,4 @@
-"""Branching rollout trees (BranchGRPO: Li et al., arXiv:2509.06040; ALGORITHMS.md section 3).
+"""Branching rollout trees (BranchGRPO: Li et al., arXiv:2509.06040; docs/algorithms.md section 3).
 
 One root per prompt. At a split step every node evaluates the network once and draws `b`
 children from that one SDE transition (b noises, one std for both the noise and the log-prob:

@@ -63,6 +63,15 @@ def spread(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[float, float]
     return sum(stds) / len(stds), sum(ranges) / len(ranges)
 
 
+def selection_spread(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor) -> dict:
+    """How spread out the selected rewards are within their groups, against the whole pool's."""
+    pool_std, pool_range = spread(rewards[valid], group_ids[valid])
+    chosen = selected[valid[selected]]
+    sel_std, sel_range = spread(rewards[chosen], group_ids[chosen])
+    return {"selection/pool_std": pool_std, "selection/selected_std": sel_std, "selection/pool_range": pool_range,
+            "selection/selected_range": sel_range}
+
+
 def fidelity(explore: torch.Tensor, train: torch.Tensor, valid: torch.Tensor, group_ids: torch.Tensor) -> dict:
     """Rank agreement of explore- and training-precision rewards of the same seeds: over the
     whole pool, and within each prompt's group (what the selection sees). Undefined values
@@ -167,9 +176,6 @@ class TwoStageRollout(Rollout):
         advantages, _, adv_metrics = group_advantages(cfg, rewards, prompt_ids, valid, weights, it)
         ctx.allocator.observe(prompt_ids[valid], successes(cfg, rewards[valid] @ weights))
         ok = pool.valid
-        pool_std, pool_range = spread(explore_total[ok], pool.prompt_ids[ok])
-        chosen = selected[ok[selected]]
-        sel_std, sel_range = spread(explore_total[chosen], pool.prompt_ids[chosen])
         metrics = {
             **adv_metrics,
             "trained_steps": len(spec.trained_steps()),
@@ -179,10 +185,7 @@ class TwoStageRollout(Rollout):
             "explore_images_per_s": len(pool_ids) / max(explore_s, 1e-9),
             "nfe_explore": len(pool_ids) * explore_spec.num_steps,  # transformer calls per sample x samples
             "nfe_regenerate": regenerated * spec.num_steps,
-            "selection/pool_std": pool_std,
-            "selection/selected_std": sel_std,
-            "selection/pool_range": pool_range,
-            "selection/selected_range": sel_range,
+            **selection_spread(explore_total, pool.prompt_ids, ok, selected),
             **fid,
             "time_resync": resync_s,
             "time_explore": explore_s,

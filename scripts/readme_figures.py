@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""The README's pictures of a finished run: the sample grid before RL beside the last one, and the
+reward curve.
+
+    .venv/bin/flowrl train --run-dir runs/readme-default            # the default preset, ~270 iterations
+    .venv/bin/python scripts/readme_figures.py runs/readme-default  # -> docs/images/default_*.png
+
+Writes OUT/default_before_after.png (the run's samples/iter_000000_before.png and its last
+samples/iter_NNNNNN.png side by side, titled with the iterations, the eval prompts below) and
+OUT/default_reward_curve.png (the run directory's reward curve, redrawn from metrics.jsonl). Prints
+the first and last iteration's training reward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", type=Path, help="a finished run directory")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "images")
+    p.add_argument("--name", default="default", help="file name prefix")
+    args = p.parse_args(argv)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from flowrl.config import load_config
+    from flowrl.train.run_dir import CONFIG_FILE, RunDir
+
+    run = RunDir(args.run)
+    before = run.samples / "iter_000000_before.png"
+    grids = sorted(run.samples.glob("iter_[0-9]*[0-9].png"))
+    rows = run.read_metrics()
+    if not before.is_file() or not grids or not rows:
+        print(f"error: {args.run} needs samples/iter_000000_before.png, a later sample grid and metrics.jsonl "
+              "(a run with run.sample_every > 0)", file=sys.stderr)
+        return 2
+    after = grids[-1]
+    cfg = load_config(args.run / CONFIG_FILE, validate_paths=False)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), dpi=150)
+    for ax, path, title in ((axes[0], before, "before RL"), (axes[1], after, f"after {int(after.stem.split('_')[1])} iterations")):
+        ax.imshow(Image.open(path), interpolation="nearest")
+        ax.set_title(f"{title} (EMA weights, same seeds)", fontsize=9)
+        ax.axis("off")
+    prompts = list(cfg.data.eval_prompts) or list(cfg.data.prompts)[:4]  # what the loop samples its grids with
+    fig.text(0.5, 0.02, "in reading order, two seeds each: " + " | ".join(prompts), ha="center", fontsize=7)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    grid_png = args.out / f"{args.name}_before_after.png"
+    fig.savefig(grid_png)
+    plt.close(fig)
+
+    curve_png = run.plot_reward_curve(rows, out=args.out / f"{args.name}_reward_curve.png")
+    print(f"wrote {grid_png} and {curve_png}")
+    print(f"training reward: iteration {rows[0]['iteration']} {rows[0]['reward_mean']:.4f}, "
+          f"iteration {rows[-1]['iteration']} {rows[-1]['reward_mean']:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
