@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 
 from flowrl.core.lr_schedule import lr_factor
 from flowrl.models.shapes import build_shapes_pipeline, save_shapes_pipeline
+from flowrl.sampling.steps import flow_matching_target, forward_noise
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowrl.train.ema import EMA
 from rewards.shapes_world import CATEGORIES, all_prompts, category_probabilities, render, sample_prompts
@@ -77,11 +78,10 @@ def trainable(pipe) -> dict[str, torch.nn.Parameter]:
 def flow_loss(pipe, x0, prompts, sigmas, noise):
     embeds, _, pooled, _ = pipe.encode_prompt(prompt=prompts, prompt_2=None, prompt_3=None, device=x0.device,
                                               do_classifier_free_guidance=False, max_sequence_length=0)
-    s = sigmas.view(-1, 1, 1, 1)
-    x = (1 - s) * x0 + s * noise
+    x = forward_noise(x0, noise, sigmas.view(-1, 1, 1, 1))
     v = pipe.transformer(hidden_states=x, timestep=sigmas * 1000.0, encoder_hidden_states=embeds,
                          pooled_projections=pooled, return_dict=False)[0]
-    return torch.nn.functional.mse_loss(v.float(), noise - x0)
+    return torch.nn.functional.mse_loss(v.float(), flow_matching_target(x0, noise))
 
 
 def main(argv=None) -> int:
