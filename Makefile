@@ -1,5 +1,5 @@
 # Two commands for a fresh machine: `make demo` (train on the built-in default) and `make test`.
-# torch is pinned through a constraint file so CPU machines keep the CPU wheel (ENVIRONMENT.md).
+# torch is pinned through a constraint file so CPU machines keep the CPU wheel.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
