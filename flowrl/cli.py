@@ -186,7 +186,7 @@ def _ode_images(cfg, policy, prompts, seeds, steps=None):
     from flowrl.train.evaluate import ode_images
 
     s = cfg.sampling
-    return ode_images(policy, prompts, seeds, steps or s.eval_num_steps, s.shift, s.batch_size)
+    return ode_images(policy, prompts, seeds, policy.sigmas(steps or s.eval_num_steps, s.schedule, s.shift), s.batch_size)
 
 
 def cmd_sample(args) -> int:

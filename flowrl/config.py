@@ -19,10 +19,10 @@ from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.selection import SELECTION_KINDS
 from flowrl.errors import ConfigError, check_choice, check_positive
-from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX
+from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.sampling.precision import HIGH_PRECISION_LAYERS
 from flowrl.sampling.schedules import WINDOW_STRATEGIES, shifted_sigmas
-from flowrl.sampling.steps import LOGPROB_REDUCTIONS, SAMPLERS
+from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_PRESET = "default"
@@ -80,9 +80,17 @@ class SamplingConfig:
     noise_level: float = 0.7
     num_steps: int = 10
     eval_num_steps: int = 20  # ODE steps for sample grids, `flowrl sample` and `flowrl eval`
-    shift: float = 3.0
+    # the sigma grid: pipeline (the loaded diffusers pipeline's own, FLUX's dynamic shifting included) |
+    # shifted_linear (time_shift(linspace(1, 0, T + 1), shift): DanceGRPO's, BranchGRPO's) | auto:
+    # shifted_linear for builtin:* models, pipeline for the rest
+    schedule: str = "auto"
+    shift: float = 3.0  # shifted_linear only
     window: WindowConfig = field(default_factory=WindowConfig)
     logprob_reduction: str = "mean"  # mean (Flow-GRPO's reference) | sum (exact density)
+    # cps: exact (the Gaussian log-density) | reference (Flow-GRPO's CPS code: -mean((x' - mean)^2), no
+    # 1 / (2 std^2): ratios of the exact density move exp(1 / (2 std^2)) times as far, so its clip ranges
+    # do not carry over)
+    cps_logprob: str = "exact"
     batch_size: int = 8  # samples per forward, while sampling and while training
 
 
@@ -434,10 +442,10 @@ def _validate_sigma_range(cfg: Config) -> None:
     if cfg.rollout.kind != "flat" or w.strategy != "fixed":
         raise ConfigError(f"lora.sigma_range other than [0, 1] needs rollout.kind flat and sampling.window.strategy fixed "
                           f"(a fixed set of trained steps); got rollout.kind '{cfg.rollout.kind}', window '{w.strategy}'")
-    sigmas = shifted_sigmas(s.num_steps, s.shift)[w.start : w.start + w.size].tolist()
-    if not all(r[0] < x <= r[1] for x in sigmas):
-        raise ConfigError(f"lora.sigma_range {list(r)} must hold the sigmas of every trained step "
-                          f"({', '.join(f'{x:.3g}' for x in sigmas)}: sampling.window steps {w.start}-{w.start + w.size - 1})")
+    if resolve_schedule(s.schedule, cfg.model.path) == "shifted_linear":  # the pipeline's grid is checked once it is loaded
+        from flowrl.train.rollouts.flat import check_trained_sigmas
+
+        check_trained_sigmas(cfg, shifted_sigmas(s.num_steps, s.shift))
 
 
 def validate(cfg: Config, validate_paths: bool = True) -> None:
@@ -466,6 +474,8 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     check_positive("sampling.eval_num_steps", s.eval_num_steps)
     check_positive("sampling.shift", s.shift)
     check_choice("sampling.logprob_reduction", s.logprob_reduction, LOGPROB_REDUCTIONS)
+    check_choice("sampling.schedule", s.schedule, SCHEDULES)
+    check_choice("sampling.cps_logprob", s.cps_logprob, CPS_LOGPROBS)
     check_positive("sampling.batch_size", s.batch_size)
     w = s.window
     check_choice("sampling.window.strategy", w.strategy, WINDOW_STRATEGIES)

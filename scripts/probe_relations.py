@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     s = cfg.sampling
 
     def draw(ps):
-        return to_uint8(ode_images(policy, ps, seeds, s.eval_num_steps, s.shift, s.batch_size))
+        return to_uint8(ode_images(policy, ps, seeds, policy.sigmas(s.eval_num_steps, s.schedule, s.shift), s.batch_size))
 
     asked, swapped = draw(prompts), draw([swap_relation(p) for p in prompts])
     stats = relation_stats(prompts, asked)

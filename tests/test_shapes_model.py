@@ -10,6 +10,7 @@ import torch
 from flowrl.config import LoraConfig, ModelConfig
 from flowrl.models import load_policy
 from flowrl.models.shapes import build_shapes_pipeline, save_shapes_pipeline, word_tokenizer
+from flowrl.sampling.schedules import shifted_sigmas
 from rewards.shapes_world import all_prompts
 from script_loader import load_script
 
@@ -115,7 +116,7 @@ def test_shipped_model_loads_through_the_sd3_adapter_and_draws_its_world():
     policy = load_policy(ModelConfig(**SHIPPED))
     assert type(policy.pipe).__name__ == "StableDiffusion3Pipeline" and policy.vae is None
     prompts = builtin_prompts("builtin:shapes-heldout", "prompts", per_category=8)
-    images = ode_images(policy, prompts, list(range(len(prompts))), num_steps=10, shift=1.0, batch_size=len(prompts))
+    images = ode_images(policy, prompts, list(range(len(prompts))), shifted_sigmas(10, 1.0), batch_size=len(prompts))
     assert images.shape == (len(prompts), 3, 32, 32) and torch.isfinite(images).all()
     assert images.min() >= 0 and images.max() <= 1
     # a pretrained model, not a random one: it meets far more checks than noise or a blank canvas
@@ -144,7 +145,7 @@ def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_pr
     seeds = list(range(50_000, 50_000 + len(held)))  # training seeds come from sample_seed(), far from these
 
     def partial() -> float:
-        images = ode_images(trainer.policy, held, seeds, cfg.sampling.num_steps, cfg.sampling.shift, len(held))
+        images = ode_images(trainer.policy, held, seeds, shifted_sigmas(cfg.sampling.num_steps, cfg.sampling.shift), len(held))
         return score_batch(images, held)[:, 1].mean().item()
 
     before = partial()

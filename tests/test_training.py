@@ -263,7 +263,7 @@ def test_every_sampler_trains_within_its_window(tmp_path, tiny_sd3_dir, sampler)
     row = trainer.train()[0]
     assert row["trained_steps"] == 2 and row["first_ratio_deviation"] < 1e-5
     assert any(not torch.equal(before[n], p) for n, p in trainer.params.items())
-    assert training_spec(trainer.cfg, 0).trained_steps() == [1, 2]
+    assert training_spec(trainer.cfg, 0, trainer.policy).trained_steps() == [1, 2]
 
 
 def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_sd3_dir, capsys):

@@ -212,7 +212,7 @@ def test_low_precision_candidates_are_replayed_in_the_training_precision(tmp_pat
     rows = [pool.traj.seeds.tolist().index(s) for s in regen.traj.seeds.tolist()]
     assert torch.equal(regen.traj.latents[:, 0], pool.traj.latents[rows, 0])  # the initial noise
     assert not torch.equal(regen.traj.latents[:, -1], pool.traj.latents[rows, -1])  # other precision, other chain
-    spec, bs = training_spec(cfg, 0), cfg.sampling.batch_size
+    spec, bs = training_spec(cfg, 0, trainer.policy), cfg.sampling.batch_size
     # the per-step noise: (x_{t+1} - mean_t) / std recovers the seed's noise in both stages
     for policy, traj in ((trainer.rollout.explorer.policy, pool.traj), (trainer.policy, regen.traj)):
         for start in range(0, len(traj), bs):  # the sampling batches (the fake-quantised activations are batch-scaled)
@@ -258,7 +258,7 @@ def test_guard_allows_training_on_same_precision_candidates_and_the_cli_exits_2(
 
 def test_grpo_refuses_a_low_precision_trajectory(tmp_path, tiny_sd3_dir):
     trainer = Trainer(load_config("tiny_jpeg", [*FAST, f"model.path={tiny_sd3_dir}"]), run_dir=tmp_path / "run")
-    spec = training_spec(trainer.cfg, 0)
+    spec = training_spec(trainer.cfg, 0, trainer.policy)
 
     def experience(traj, advantages):
         stage = Stage(traj, torch.zeros(4, 1), torch.zeros(4, dtype=torch.long), torch.arange(4), 0.0, 0.0, torch.ones(4, dtype=torch.bool))

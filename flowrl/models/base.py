@@ -16,12 +16,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flowrl.errors import UserError
+from flowrl.sampling.schedules import shifted_sigmas
 
 if TYPE_CHECKING:  # the config module imports the built-in model names from here
     from flowrl.config import LoraConfig, ModelConfig
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")  # model.path builtin:NAME
+# sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
+# (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
+# sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
+# (what they were trained and tuned with), pipeline for every other model
+SCHEDULES = ("auto", "pipeline", "shifted_linear")
+
+
+def resolve_schedule(schedule: str, model_path: str) -> str:
+    if schedule == "auto":
+        return "shifted_linear" if model_path.startswith(BUILTIN_PREFIX) else "pipeline"
+    return schedule
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -133,6 +145,17 @@ class FlowPolicy:
         return {k: torch.cat([self._cache[p][k] for p in prompts]) for k in self._cache[prompts[0]]}
 
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    # ---- the sigma grid ------------------------------------------------------------
+    def sigmas(self, num_steps: int, schedule: str, shift: float) -> torch.Tensor:
+        """[num_steps + 1] fp32 sigmas from 1 to 0 under sampling.schedule (SCHEDULES)."""
+        if resolve_schedule(schedule, self.cfg.path) == "pipeline":
+            return self.pipeline_sigmas(num_steps)
+        return shifted_sigmas(num_steps, shift)
+
+    def pipeline_sigmas(self, num_steps: int) -> torch.Tensor:
+        """The grid the model's own diffusers pipeline samples `num_steps` steps on."""
         raise NotImplementedError
 
     # ---- the model -----------------------------------------------------------------

@@ -3,10 +3,26 @@ layout the transformer consumes; the step math is elementwise, so packing does n
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import torch
 from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from flowrl.models.base import FlowPolicy
+
+
+def flux_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
+    """The sigmas `FluxPipeline.__call__` samples on (diffusers 0.42): linspace(1, 1 / T, T) given
+    to the scheduler with `mu` interpolated from the packed latents' token count (dynamic shifting)."""
+    c = scheduler.config
+    sigmas = None if c.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+    mu = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                         c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+    scheduler = copy.deepcopy(scheduler)  # set_timesteps changes the scheduler's state
+    retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=mu)
+    return scheduler.sigmas.float().cpu()
 
 
 class FluxPolicy(FlowPolicy):
@@ -23,6 +39,9 @@ class FluxPolicy(FlowPolicy):
     def _latent_hw(self):
         # the VAE downsamples by vae_scale_factor and packing needs even sizes
         return (2 * (self.cfg.height // (self.vae_scale_factor * 2)), 2 * (self.cfg.width // (self.vae_scale_factor * 2)))
+
+    def pipeline_sigmas(self, num_steps):
+        return flux_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])
 
     def latent_shape(self):
         h, w = self._latent_hw()

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from diffusers import StableDiffusion3Pipeline
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
 
 from flowrl.models.base import FlowPolicy
+
+
+def sd3_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
+    """The sigmas `StableDiffusion3Pipeline.__call__` samples on (diffusers 0.42): the scheduler's
+    own `set_timesteps`, with `mu` from the image's token count when it shifts dynamically."""
+    kwargs = {}
+    if scheduler.config.get("use_dynamic_shifting", None):
+        c = scheduler.config
+        kwargs["mu"] = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                       c.get("base_shift", 0.5), c.get("max_shift", 1.16))
+    scheduler = copy.deepcopy(scheduler)  # set_timesteps changes the scheduler's state
+    retrieve_timesteps(scheduler, num_steps, "cpu", **kwargs)
+    return scheduler.sigmas.float().cpu()
 
 
 class SD3Policy(FlowPolicy):
@@ -24,6 +40,11 @@ class SD3Policy(FlowPolicy):
             max_sequence_length=self.cfg.max_sequence_length,
         )
         return {"embeds": pe, "neg_embeds": npe, "pooled": pooled, "neg_pooled": npooled}
+
+    def pipeline_sigmas(self, num_steps):
+        _, h, w = self.latent_shape()
+        patch = self.transformer.config.patch_size
+        return sd3_pipeline_sigmas(self.pipe.scheduler, num_steps, (h // patch) * (w // patch))
 
     def latent_shape(self):
         c = self.transformer.config.in_channels

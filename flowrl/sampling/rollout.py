@@ -21,6 +21,12 @@ class SamplerSpec:
     kind: str = "flow_grpo"
     noise_level: float = 0.7
     reduction: str = "mean"
+    cps_logprob: str = "exact"  # cps only: see flowrl.sampling.steps.CPS_LOGPROBS
+
+    @classmethod
+    def ode(cls, sigmas: torch.Tensor) -> "SamplerSpec":
+        """Deterministic sampling on `sigmas` (sample grids, evaluation, previews)."""
+        return cls(sigmas, torch.zeros(sigmas.numel() - 1, dtype=torch.bool), "ode")
 
     @property
     def num_steps(self) -> int:
@@ -44,7 +50,9 @@ class SamplerSpec:
         if not self.is_stochastic(t):
             return ode_step(x, v, s, s_next)
         fn = STEP_FUNCTIONS[self.kind]
-        return fn(x, v, s, s_next, noise=noise, x_next=x_next, noise_level=self.noise_level, reduction=self.reduction, sigma_max=self.sigma_max)
+        extra = {"logprob": self.cps_logprob} if self.kind == "cps" else {}
+        return fn(x, v, s, s_next, noise=noise, x_next=x_next, noise_level=self.noise_level, reduction=self.reduction,
+                  sigma_max=self.sigma_max, **extra)
 
 
 @dataclass

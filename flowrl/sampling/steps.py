@@ -18,6 +18,10 @@ import torch
 
 SAMPLERS = ("ode", "flow_grpo", "dance_grpo", "cps")
 LOGPROB_REDUCTIONS = ("mean", "sum")
+# cps: the exact Gaussian log-density, or Flow-GRPO's CPS code's -mean((x' - mean)^2), which drops
+# the 1 / (2 std^2) and the constants: its ratios are exp(2 std^2) times flatter in log space, so
+# clip ranges tuned for one do not carry over to the other
+CPS_LOGPROBS = ("exact", "reference")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -91,25 +95,32 @@ def flow_grpo_step(x, v, sigma, sigma_next, noise=None, x_next=None, noise_level
 
 
 def dance_grpo_step(x, v, sigma, sigma_next, noise=None, x_next=None, noise_level=0.3, reduction="mean", sigma_max=None):
-    """DanceGRPO SDE step (Xue et al., "DanceGRPO"): score from x0_hat = x - sigma v,
-    mean = x + dt v - 0.5 eta^2 score dt, std = eta sqrt(sigma - sigma_next)."""
+    """DanceGRPO SDE step (Xue et al., "DanceGRPO"): mean = x + dt v - 0.5 eta^2 score dt,
+    std = eta sqrt(sigma - sigma_next), with the score of x_sigma = (1 - sigma) x0 + sigma eps.
+    The reference computes it as -(x - (1 - sigma) x0_hat) / sigma^2 with x0_hat = x - sigma v,
+    which cancels as sigma -> 0; substituting x0_hat gives -(x + (1 - sigma) v) / sigma, the same
+    quantity without the cancellation."""
     x, v, sigma, sigma_next = _as_f32(x, v, sigma, sigma_next)
     dt = sigma_next - sigma
-    x0_hat = x - sigma * v
-    score = -(x - (1 - sigma) * x0_hat) / sigma**2
+    score = -(x + (1 - sigma) * v) / sigma
     mean = x + dt * v - 0.5 * noise_level**2 * score * dt
     return _finish(x_next, mean, noise_level * math.sqrt(-dt), noise, reduction)
 
 
-def cps_step(x, v, sigma, sigma_next, noise=None, x_next=None, noise_level=0.3, reduction="mean", sigma_max=None):
+def cps_step(x, v, sigma, sigma_next, noise=None, x_next=None, noise_level=0.3, reduction="mean", sigma_max=None,
+             logprob="exact"):
     """Coefficients-preserving sampling (Wang & Yu, "CPS"): std = sigma' sin(a pi / 2),
-    mean = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) x1_hat. Deterministic at sigma' = 0."""
+    mean = (1 - sigma') x0_hat + sqrt(sigma'^2 - std^2) x1_hat. Deterministic at sigma' = 0.
+    logprob "reference": Flow-GRPO's CPS log-prob -mean((x' - mean)^2) instead of the density."""
     x, v, sigma, sigma_next = _as_f32(x, v, sigma, sigma_next)
     std = sigma_next * math.sin(noise_level * math.pi / 2)
     x0_hat = x - sigma * v
     x1_hat = x + (1 - sigma) * v
     mean = (1 - sigma_next) * x0_hat + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * x1_hat
-    return _finish(x_next, mean, std, noise, reduction)
+    out = _finish(x_next, mean, std, noise, reduction)
+    if logprob == "reference" and std > 0:
+        return out._replace(log_prob=-((out.next_x - mean) ** 2).mean(dim=tuple(range(1, mean.ndim))))
+    return out
 
 
 STEP_FUNCTIONS: dict[str, Callable[..., StepOutput]] = {

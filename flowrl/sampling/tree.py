@@ -15,6 +15,7 @@ draws exactly the noise of a flat rollout of the tree's seed.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -103,7 +104,7 @@ def tree_spec(spec: SamplerSpec, splits: dict[int, int]) -> SamplerSpec:
     sde = spec.sde_steps.clone()
     for t in splits:
         sde[t] = True
-    return SamplerSpec(spec.sigmas, sde, spec.kind, spec.noise_level, spec.reduction)
+    return dataclasses.replace(spec, sde_steps=sde)
 
 
 def edge_children(tree: TreeTrajectory, t: int, parent_slice: slice) -> torch.Tensor:

@@ -9,7 +9,6 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.sampling.rollout import SamplerSpec, rollout
-from flowrl.sampling.schedules import shifted_sigmas
 
 
 class EvalResult(NamedTuple):
@@ -39,10 +38,10 @@ def shapes_category_table(prompts: list[str], channel_names: list[str], scores: 
     return category_table(prompts, scores[:, k_strict].tolist(), scores[:, k_partial].tolist())
 
 
-def ode_images(policy, prompts: list[str], seeds: list[int], num_steps: int, shift: float, batch_size: int,
+def ode_images(policy, prompts: list[str], seeds: list[int], sigmas: torch.Tensor, batch_size: int,
                progress: bool = False, desc: str = "eval sampling") -> torch.Tensor:
-    """Deterministic (ODE) samples decoded to images [N, 3, H, W] in [0, 1]."""
-    spec = SamplerSpec(shifted_sigmas(num_steps, shift), torch.zeros(num_steps, dtype=torch.bool), "ode")
+    """Deterministic (ODE) samples on `sigmas` decoded to images [N, 3, H, W] in [0, 1]."""
+    spec = SamplerSpec.ode(sigmas)
     images = []
     for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress, leave=False, unit="batch"):
         traj = rollout(policy, prompts[i : i + batch_size], seeds[i : i + batch_size], spec, batch_size, progress=False)
@@ -54,8 +53,9 @@ def evaluate(cfg, policy, reward, prompts: list[str], seed: int = 0, num_steps: 
              progress: bool = False) -> EvalResult:
     """Score one ODE sample per prompt (seed + index) with `reward` (a MultiReward)."""
     seeds = [seed + j for j in range(len(prompts))]
-    images = ode_images(policy, prompts, seeds, num_steps or cfg.sampling.eval_num_steps, cfg.sampling.shift,
-                        cfg.sampling.batch_size, progress=progress)
+    s = cfg.sampling
+    images = ode_images(policy, prompts, seeds, policy.sigmas(num_steps or s.eval_num_steps, s.schedule, s.shift), s.batch_size,
+                        progress=progress)
     return EvalResult(list(prompts), reward(images, prompts), list(reward.channel_names), reward.channel_weights)
 
 

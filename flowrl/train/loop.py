@@ -27,7 +27,6 @@ from flowrl.models import load_policy
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
-from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
@@ -81,7 +80,7 @@ class Trainer:
         self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards) if rollout_cls.needs_rewards else None
         self.reward_runner = AsyncRewardRunner(self.reward_fn)
         ctx = TrainContext(cfg, acc, self.policy, self.params, self.prompts, self.reward_fn, self.reward_runner, self.allocator,
-                           self.optimizer_step, self.optimizer)
+                           self.optimizer_step, self.optimizer, objective_cls.needs)
         self.objective = objective_cls(ctx)
         self.rollout = rollout_cls(ctx)
         self.iteration = 0
@@ -187,7 +186,7 @@ class Trainer:
     # ---- outputs ------------------------------------------------------------------------
     def eval_spec(self) -> SamplerSpec:
         s = self.cfg.sampling
-        return SamplerSpec(shifted_sigmas(s.eval_num_steps, s.shift), torch.zeros(s.eval_num_steps, dtype=torch.bool), "ode")
+        return SamplerSpec.ode(self.policy.sigmas(s.eval_num_steps, s.schedule, s.shift))
 
     @torch.no_grad()
     def save_samples(self, name: str, seeds_per_prompt: int = 2) -> Path | None:

@@ -41,6 +41,7 @@ class TrainContext:
     allocator: Any
     optimizer_step: Callable[[], float]
     optimizer: Any
+    objective_needs: str  # the training data the objective consumes (experience.TRANSITIONS or SAMPLES)
 
     @property
     def progress(self) -> bool:

@@ -13,10 +13,10 @@ import torch
 
 from flowrl.core.advantages import AdvantageOutput, estimate_advantages
 from flowrl.core.losses import gaussian_kl
-from flowrl.errors import UserError
+from flowrl.errors import ConfigError, UserError
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, rollout, transition
-from flowrl.sampling.schedules import shifted_sigmas, window_mask
+from flowrl.sampling.schedules import window_mask
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience, ProcessShard, SampleBatch, TransitionBatch, advantages_at
 from flowrl.train.parts import Rollout, register_rollout
 from flowrl.train.scoring import Scoring
@@ -34,11 +34,25 @@ class Stage(NamedTuple):
     valid: torch.Tensor  # [n] bool: False where the reward output was invalid (reward.on_invalid: drop)
 
 
-def training_spec(cfg, iteration: int) -> SamplerSpec:
-    """The training sampler of `iteration`: the shifted sigmas and this iteration's SDE window."""
+def training_spec(cfg, iteration: int, policy) -> SamplerSpec:
+    """The training sampler of `iteration`: the policy's sigmas under sampling.schedule and this
+    iteration's SDE window."""
     s, w = cfg.sampling, cfg.sampling.window
     mask = window_mask(w.strategy, s.num_steps, w.size, w.start, iteration, cfg.trainer.seed, w.shift_every)
-    return SamplerSpec(shifted_sigmas(s.num_steps, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction)
+    return SamplerSpec(policy.sigmas(s.num_steps, s.schedule, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction,
+                       s.cps_logprob)
+
+
+def check_trained_sigmas(cfg, sigmas: torch.Tensor) -> None:
+    """A restricted adapter (lora.sigma_range) must act at every step of the fixed SDE window, or
+    those steps carry no gradient."""
+    r, w = cfg.lora.sigma_range, cfg.sampling.window
+    if list(r) == [0.0, 1.0] or w.strategy != "fixed":
+        return
+    trained = sigmas[w.start : w.start + w.size].tolist()
+    if not all(r[0] < x <= r[1] for x in trained):
+        raise ConfigError(f"lora.sigma_range {list(r)} must hold the sigmas of every trained step "
+                          f"({', '.join(f'{x:.3g}' for x in trained)}: sampling.window steps {w.start}-{w.start + w.size - 1})")
 
 
 def step_kl(reduction: str):
@@ -75,6 +89,8 @@ class FlatRollout(Rollout):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.scoring = Scoring(ctx.policy, ctx.reward_runner, ctx.accelerator)
+        if ctx.objective_needs == TRANSITIONS:  # the loaded pipeline's grid (the config checked shifted_linear ones)
+            check_trained_sigmas(ctx.cfg, training_spec(ctx.cfg, 0, ctx.policy).sigmas)
 
     @classmethod
     def provides(cls, cfg) -> set[str]:
@@ -124,7 +140,7 @@ class FlatRollout(Rollout):
 
     def collect(self, iteration: int) -> Experience:
         ctx = self.ctx
-        spec = training_spec(ctx.cfg, iteration)
+        spec = training_spec(ctx.cfg, iteration, ctx.policy)
         weights = ctx.reward_fn.channel_weights
         stages = self.sample_allocated(iteration, spec)
         rewards = torch.cat([st.rewards for st in stages])

@@ -61,7 +61,7 @@ class TreeRollout(Rollout):
     def spec(self, iteration: int) -> SamplerSpec:
         """between=sde: every step stochastic; window (BranchGRPO-Mix): the flat SDE window of
         this iteration; ode: none. Split steps are stochastic in every case."""
-        spec = training_spec(self.ctx.cfg, iteration)  # sampling.window is 'all' unless between=window (validated)
+        spec = training_spec(self.ctx.cfg, iteration, self.ctx.policy)  # sampling.window is 'all' unless between=window (validated)
         if self.ctx.cfg.rollout.tree.between == "ode":
             spec.sde_steps = torch.zeros_like(spec.sde_steps)
         return tree_spec(spec, self.ctx.cfg.rollout.splits())

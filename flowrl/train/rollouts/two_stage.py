@@ -30,7 +30,6 @@ from flowrl.errors import ConfigError, check_choice, check_positive
 from flowrl.sampling.noise import Stream, sample_seed
 from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, ExplorationCopy
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
-from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
 from flowrl.train.parts import Rollout, register_rollout
 from flowrl.train.rollouts.flat import FlatRollout, Stage, group_advantages, stage_experience, successes, training_spec
@@ -135,12 +134,13 @@ class TwoStageRollout(Rollout):
         p = self.ts.preview_steps
         if not p:
             return spec
-        return SamplerSpec(shifted_sigmas(p, self.ctx.cfg.sampling.shift), torch.zeros(p, dtype=torch.bool), "ode")
+        s = self.ctx.cfg.sampling
+        return SamplerSpec.ode(self.ctx.policy.sigmas(p, s.schedule, s.shift))
 
     def collect(self, iteration: int) -> Experience:
         ctx, ts, it = self.ctx, self.ts, iteration
         cfg, acc = ctx.cfg, ctx.accelerator
-        spec, weights = training_spec(cfg, it), ctx.reward_fn.channel_weights
+        spec, weights = training_spec(cfg, it, ctx.policy), ctx.reward_fn.channel_weights
         counts = ctx.allocator.first_stage(it)  # uniform (validated): K per chosen prompt
         pool_ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), counts // cfg.data.group_size * ts.candidates).tolist()
         seeds = [sample_seed(cfg.trainer.seed, it, j) for j in range(len(pool_ids))]
