@@ -1,0 +1,155 @@
+"""flowrl samples what the diffusers pipeline samples (sampling.schedule pipeline): ODE rollouts of
+tiny SD3 and FLUX pipelines equal the pipelines' own __call__ (FLUX at two resolutions, so that
+dynamic shifting's mu differs), a LoRA trained by flowrl reproduces `flowrl sample` in plain
+diffusers, the presets' grids are their references' grids, and the SDE steps keep their precision."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
+
+from flowrl.cli import _load_run_policy, _ode_images, main
+from flowrl.config import ModelConfig, load_config
+from flowrl.models import load_policy
+from flowrl.models.flux import flux_pipeline_sigmas
+from flowrl.models.sd3 import sd3_pipeline_sigmas
+from flowrl.sampling.noise import INITIAL, seeded_noise
+from flowrl.sampling.rollout import SamplerSpec, rollout
+from flowrl.sampling.steps import cps_step, dance_grpo_step, gaussian_log_prob
+
+PROMPTS = ["a red circle", "two blue squares"]
+SEEDS = [3, 4]
+
+
+def _flowrl_ode(policy, steps):
+    traj = rollout(policy, PROMPTS, SEEDS, SamplerSpec.ode(policy.sigmas(steps, "pipeline", 3.0)), len(PROMPTS))
+    return traj.latents[:, 0], traj.final
+
+
+def test_sd3_ode_equals_the_pipeline_call(tiny_sd3_dir):
+    cfg = ModelConfig(kind="sd3", path=tiny_sd3_dir, height=64, width=64, guidance_scale=4.5, max_sequence_length=32)
+    policy = load_policy(cfg, device="cpu")
+    x0, final = _flowrl_ode(policy, steps=6)
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_sd3_dir)
+    out = pipe(prompt=PROMPTS, latents=x0, height=64, width=64, num_inference_steps=6, guidance_scale=4.5,
+               max_sequence_length=32, output_type="latent").images
+    assert (out - final).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("size", [64, 128])
+def test_flux_ode_equals_the_pipeline_call_with_dynamic_shifting(tiny_flux_dir, size):
+    cfg = ModelConfig(kind="flux", path=tiny_flux_dir, height=size, width=size, guidance_scale=3.5, max_sequence_length=32)
+    policy = load_policy(cfg, device="cpu")
+    x0, final = _flowrl_ode(policy, steps=5)
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
+    out = pipe(prompt=PROMPTS, latents=x0, height=size, width=size, num_inference_steps=5, guidance_scale=3.5,
+               max_sequence_length=32, output_type="latent").images
+    assert (out - final).abs().max() <= 1e-5
+    # dynamic shifting: the grid depends on the resolution, and is not the fixed shift-3 grid
+    assert not torch.allclose(policy.sigmas(5, "pipeline", 3.0), policy.sigmas(5, "shifted_linear", 3.0))
+
+
+def test_flux_grids_differ_between_the_two_resolutions(tiny_flux_dir):
+    grids = [load_policy(ModelConfig(kind="flux", path=tiny_flux_dir, height=s, width=s), device="cpu").sigmas(5, "auto", 3.0)
+             for s in (64, 128)]
+    assert not torch.allclose(*grids)  # auto is pipeline for a model that is not built in
+
+
+def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp_path, tiny_flux_dir):
+    run = tmp_path / "run"
+    args = ["train", "tiny_jpeg", "model.kind=flux", f"model.path={tiny_flux_dir}", "model.guidance_scale=3.5",
+            "model.max_sequence_length=32", "sampling.num_steps=3", "sampling.eval_num_steps=4", "data.group_size=4",
+            "sampling.batch_size=4", "data.prompts_per_iteration=1", "lora.rank=4", "lora.alpha=8",
+            "lora.target_modules=[to_q,to_k,to_v,to_out.0]", "trainer.iterations=1", "run.tracker=none",
+            "run.progress=false", "run.sample_every=0", "--run-dir", str(run)]
+    assert main(args) == 0
+    cfg, policy, ckpt = _load_run_policy(run)
+    assert cfg.sampling.schedule == "auto" and not torch.allclose(policy.sigmas(4, "auto", 3.0), policy.sigmas(4, "shifted_linear", 3.0))
+    ours = _ode_images(cfg, policy, PROMPTS, SEEDS)  # what `flowrl sample` draws
+
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
+    pipe.load_lora_weights(str(ckpt / "ema_lora"))
+    latents = seeded_noise(SEEDS, INITIAL, policy.latent_shape())
+    theirs = pipe(prompt=PROMPTS, latents=latents, height=64, width=64, num_inference_steps=4, guidance_scale=3.5,
+                  max_sequence_length=32, output_type="pt").images
+    assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-5
+    base = FluxPipeline.from_pretrained(tiny_flux_dir)(prompt=PROMPTS, latents=latents, height=64, width=64,
+                                                        num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32,
+                                                        output_type="pt").images
+    assert (base - ours).abs().max() > 1e-4  # the adapter changed the samples, so the match above means something
+
+
+# ---- the presets' grids against their references, written out ------------------------------
+FLOW_GRPO_SD35_10 = [1.0, 0.9601, 0.9133, 0.8577, 0.7904, 0.7073, 0.6022, 0.4649, 0.2780, 0.0089, 0.0]  # StableDiffusion3Pipeline
+DANCE_GRPO_16 = [1.0, 0.9783, 0.9545, 0.9286, 0.9, 0.8684, 0.8333, 0.7941, 0.75, 0.7, 0.6429, 0.5769, 0.5, 0.4091, 0.3, 0.1667, 0.0]
+FLUX_DEV_1024_10 = [1.0, 0.966, 0.9266, 0.8805, 0.8257, 0.7595, 0.678, 0.5751, 0.4412, 0.2598, 0.0]  # FluxPipeline
+
+
+@pytest.mark.parametrize("name", ["sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu"])
+def test_sd35_presets_sample_on_the_pipeline_grid_flow_grpo_uses(name):
+    cfg = load_config(name, validate_paths=False)
+    assert cfg.sampling.schedule == "pipeline" and cfg.sampling.num_steps == 10
+    # SD3.5-Medium's scheduler: FlowMatchEulerDiscreteScheduler, shift 3, no dynamic shifting
+    sigmas = sd3_pipeline_sigmas(FlowMatchEulerDiscreteScheduler(shift=3.0), 10, (cfg.model.height // 16) * (cfg.model.width // 16))
+    assert sigmas.tolist() == pytest.approx(FLOW_GRPO_SD35_10, abs=5e-5)
+
+
+@pytest.mark.parametrize("name", ["flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu"])
+def test_flux_presets_sample_on_dance_grpos_shifted_linear_grid(name):
+    from flowrl.sampling.schedules import shifted_sigmas
+
+    cfg = load_config(name, validate_paths=False)
+    s = cfg.sampling
+    assert s.schedule == "shifted_linear" and s.num_steps == 16 and s.shift == 3.0
+    assert shifted_sigmas(s.num_steps, s.shift).tolist() == pytest.approx(DANCE_GRPO_16, abs=5e-5)
+
+
+def test_flux_dev_pipeline_grid_at_1024():
+    flux_dev = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                               base_image_seq_len=256, max_image_seq_len=4096)
+    assert flux_pipeline_sigmas(flux_dev, 10, 64 * 64).tolist() == pytest.approx(FLUX_DEV_1024_10, abs=5e-5)
+
+
+def test_bad_schedule_is_one_sentence():
+    from flowrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^sampling.schedule must be one of auto, pipeline, shifted_linear; got 'karras'$"):
+        load_config("tiny_jpeg", ["sampling.schedule=karras"])
+
+
+# ---- step precision --------------------------------------------------------------------------
+def test_dance_grpo_mean_keeps_fp32_precision_near_sigma_zero():
+    gen = torch.Generator().manual_seed(0)
+    x, v = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen)
+    sigma, sigma_next, eta = 0.001, 0.0005, 0.7
+    # the published formula in fp64: score from x0_hat = x - sigma v
+    x64, v64 = x.double(), v.double()
+    x0_hat = x64 - sigma * v64
+    score = -(x64 - (1 - sigma) * x0_hat) / sigma**2
+    dt = sigma_next - sigma
+    want = x64 + dt * v64 - 0.5 * eta**2 * score * dt
+    got = dance_grpo_step(x, v, sigma, sigma_next, x_next=x, noise_level=eta).mean
+    assert ((got.double() - want).abs() / want.abs()).max() < 1e-6
+
+
+def test_cps_reference_log_prob_is_flow_grpos_and_exact_is_the_density():
+    gen = torch.Generator().manual_seed(1)
+    x, v, noise = (torch.randn(3, 8, generator=gen) for _ in range(3))
+    exact = cps_step(x, v, 0.6, 0.4, noise=noise, noise_level=0.5)
+    ref = cps_step(x, v, 0.6, 0.4, noise=noise, noise_level=0.5, logprob="reference")
+    assert torch.equal(exact.next_x, ref.next_x) and torch.equal(exact.mean, ref.mean)
+    assert torch.allclose(exact.log_prob, gaussian_log_prob(exact.next_x, exact.mean, exact.std))
+    assert torch.allclose(ref.log_prob, -((ref.next_x - ref.mean) ** 2).mean(dim=1))
+    # the exact density scales the squared error by 1 / (2 std^2): ratios move that many times as far
+    again = cps_step(x, v, 0.6, 0.4, x_next=exact.next_x + 0.01, noise_level=0.5)
+    again_ref = cps_step(x, v, 0.6, 0.4, x_next=exact.next_x + 0.01, noise_level=0.5, logprob="reference")
+    scale = (again.log_prob - exact.log_prob) / (again_ref.log_prob - ref.log_prob)
+    assert torch.allclose(scale, torch.full_like(scale, 1 / (2 * float(exact.std) ** 2)), rtol=1e-3)
+    spec = SamplerSpec(torch.tensor([1.0, 0.6, 0.4, 0.0]), torch.ones(3, dtype=torch.bool), "cps", 0.5, "mean", "reference")
+    assert torch.equal(spec.step(1, x, v, noise=noise).log_prob, ref.log_prob)
+    assert not math.isclose(float(ref.log_prob[0]), float(exact.log_prob[0]))
+    assert np.isfinite(ref.log_prob.numpy()).all()
