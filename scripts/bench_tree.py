@@ -26,6 +26,7 @@ Usage:
   .venv/bin/python scripts/bench_tree.py --quick                     # a smoke run: 8 steps, 1 iteration
   .venv/bin/python scripts/bench_tree.py --iterations 3 --reward-budget 600
   .venv/bin/python scripts/bench_tree.py --model builtin:shapes --reward shapes --reward-budget 600
+  .venv/bin/python scripts/bench_tree.py --gpu-sampling                # tree vs flat sampling time on a GPU
 Trailing key=value arguments override the config of all four trainers (e.g. model.device=cuda).
 """
 
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_rollout's SD3.5-Medium config
 
 
 def method_overrides(args) -> dict[str, list[str]]:
@@ -163,6 +165,76 @@ def run_in(args, root: Path) -> int:
     return 0
 
 
+class RandomTransformerPolicy:
+    """The policy interface the rollouts use (latent_shape, encode, velocity, device, dtype) over
+    a randomly initialised transformer with random text embeddings: timing only."""
+
+    def __init__(self, config: dict, latent_hw: int, text_tokens: int = 205, guidance: float = 4.5, device: str = "cuda",
+                 dtype=torch.bfloat16):
+        from diffusers import SD3Transformer2DModel
+
+        self.device, self.dtype, self.guidance = torch.device(device), dtype, guidance
+        torch.manual_seed(0)
+        with self.device:
+            self.net = SD3Transformer2DModel(**config).to(self.dtype).eval().requires_grad_(False)
+        self.shape = (config["in_channels"], latent_hw, latent_hw)
+        self.emb = torch.randn(1, text_tokens, config["joint_attention_dim"], device=self.device, dtype=self.dtype)
+        self.pooled = torch.randn(1, config["pooled_projection_dim"], device=self.device, dtype=self.dtype)
+
+    def latent_shape(self):
+        return self.shape
+
+    def encode(self, prompts):
+        return {"n": len(prompts)}
+
+    @torch.no_grad()
+    def velocity(self, x, sigma, cond):
+        b = x.shape[0]
+        x_in = torch.cat([x, x]).to(self.dtype)  # classifier-free guidance: one batch of 2b
+        t = torch.full((2 * b,), float(sigma) * 1000.0, device=self.device)
+        v = self.net(hidden_states=x_in, timestep=t, encoder_hidden_states=self.emb.expand(2 * b, -1, -1),
+                     pooled_projections=self.pooled.expand(2 * b, -1), return_dict=False)[0].float()
+        vu, vc = v.chunk(2)
+        return vu + self.guidance * (vc - vu)
+
+
+def gpu_sampling(args) -> int:
+    """Sampling time of one BranchGRPO tree against one flat group of the same number of leaves on
+    an SD3.5-Medium-sized random transformer (bf16, CFG): what the tree's shared prefixes save on a
+    GPU, where a level of few nodes does not fill a batch."""
+    if not torch.cuda.is_available():
+        print("--gpu-sampling needs a CUDA GPU; skipped")
+        return 0
+    from bench_rollout import SD35_MEDIUM
+
+    from flowrl.core.tree import tree_nfe
+    from flowrl.sampling.rollout import SamplerSpec, rollout
+    from flowrl.sampling.schedules import shifted_sigmas
+    from flowrl.sampling.tree import tree_rollout
+
+    policy = RandomTransformerPolicy(SD35_MEDIUM, args.gpu_resolution // 8)
+    splits = {t: 2 for t in args.split_steps}
+    leaves = 2 ** len(splits)
+    spec = SamplerSpec(shifted_sigmas(args.steps, 3.0), torch.ones(args.steps, dtype=torch.bool), "dance_grpo", args.noise)
+
+    def timed(fn):
+        fn()  # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    flat = timed(lambda: rollout(policy, ["p"] * leaves, list(range(leaves)), spec, args.gpu_batch))
+    tree = timed(lambda: tree_rollout(policy, ["p"], [0], spec, splits, args.gpu_batch))
+    print(f"gpu: {torch.cuda.get_device_name()}, SD3.5-Medium-sized transformer (random, bf16, CFG), "
+          f"{args.gpu_resolution}x{args.gpu_resolution}, {args.steps} steps, batch {args.gpu_batch}, {leaves} leaves per prompt")
+    print(f"  flat  {leaves * args.steps} NFE  {flat:.2f} s")
+    print(f"  tree  {tree_nfe(args.steps, splits, 1)} NFE  {tree:.2f} s  (splits at {sorted(splits)})")
+    print(f"tree sampling {tree / flat:.2f}x flat")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", help="key=value config overrides applied to all four trainers")
@@ -183,7 +255,13 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 steps, splits 0-3, 1 timed iteration")
+    p.add_argument("--gpu-sampling", action="store_true", help="time tree against flat sampling on an SD3.5-Medium-sized "
+                   "random transformer on CUDA instead (sampling only)")
+    p.add_argument("--gpu-resolution", type=int, default=512)
+    p.add_argument("--gpu-batch", type=int, default=16, help="sampling batch (nodes per forward) on the GPU")
     args = p.parse_args(argv)
+    if args.gpu_sampling:
+        return gpu_sampling(args)
     if args.quick:
         args.steps, args.split_steps, args.mix_window, args.warmup, args.iterations = 8, [0, 1, 2, 3], 2, 1, 1
     if args.config is None and args.model == "builtin:tiny-sd3":
