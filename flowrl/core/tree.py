@@ -36,7 +36,7 @@ def fuse_rewards(parents: list[torch.Tensor], leaf_rewards: torch.Tensor, fusion
     if fusion == "prob" and edge_log_probs is None:
         raise ValueError("probability-weighted fusion needs the edge log-probs")
     values = [leaf_rewards.double()]
-    # number of (valid) leaves under each node
+    # number of valid leaves under each node (every leaf counts when no mask is given)
     leaves = [torch.ones_like(values[0]) if leaf_valid is None else leaf_valid.double()]
     for t in range(len(parents) - 1, -1, -1):
         p = parents[t].long()
@@ -48,14 +48,12 @@ def fuse_rewards(parents: list[torch.Tensor], leaf_rewards: torch.Tensor, fusion
         else:
             lp = edge_log_probs[t].double()
             top = torch.full((n_parent,), -math.inf, dtype=torch.float64).scatter_reduce(0, p, lp, "amax")
-            w = torch.exp(lp - top[p])  # softmax among siblings, shifted by the sibling max for stability
-            if leaf_valid is not None:
-                w = w * (child_n > 0)  # a child with no valid leaf below it has no value
+            # softmax among siblings, shifted by the sibling max for stability; a child with no valid
+            # leaf below it has no value and no weight
+            w = torch.exp(lp - top[p]) * (child_n > 0)
             norm = torch.zeros(n_parent, dtype=torch.float64).index_add_(0, p, w)
             value = torch.zeros(n_parent, dtype=torch.float64).index_add_(0, p, w * child_v) / norm
-        if leaf_valid is not None:
-            value = torch.where(count > 0, value, torch.zeros_like(value))
-        values.insert(0, value)
+        values.insert(0, torch.where(count > 0, value, torch.zeros_like(value)))
         leaves.insert(0, count)
     return [v.float() for v in values]
 
@@ -83,18 +81,15 @@ def depthwise_advantages(values: list[torch.Tensor], tree_ids: list[torch.Tensor
         v = v.double()
         uniq, inv = torch.unique(ids, return_inverse=True)
         g = uniq.numel()
-        ok = None if valid is None else valid[t]
-        w = torch.ones_like(v) if ok is None else ok.double()
+        ok = torch.ones_like(v, dtype=torch.bool) if valid is None else valid[t]
+        w = ok.double()
         n = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, w)
-        mean = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, v if ok is None else v * w) / n
-        var = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, (v - mean[inv]) ** 2 * (1.0 if ok is None else w)) / n
-        v_hi = v if ok is None else torch.where(ok, v, torch.full_like(v, -math.inf))
-        v_lo = v if ok is None else torch.where(ok, v, torch.full_like(v, math.inf))
-        hi = torch.full((g,), -math.inf, dtype=torch.float64).scatter_reduce(0, inv, v_hi, "amax")
-        lo = torch.full((g,), math.inf, dtype=torch.float64).scatter_reduce(0, inv, v_lo, "amin")
-        flat = (hi == lo)[inv]  # exact test: the float std of equal values can be a rounding step above 0
-        if ok is not None:
-            flat = flat | ~ok
+        mean = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, v * w) / n
+        var = torch.zeros(g, dtype=torch.float64).index_add_(0, inv, (v - mean[inv]) ** 2 * w) / n
+        hi = torch.full((g,), -math.inf, dtype=torch.float64).scatter_reduce(0, inv, torch.where(ok, v, -math.inf), "amax")
+        lo = torch.full((g,), math.inf, dtype=torch.float64).scatter_reduce(0, inv, torch.where(ok, v, math.inf), "amin")
+        # exact test: the float std of equal values can be a rounding step above 0
+        flat = (hi == lo)[inv] | ~ok
         a = (v - mean[inv]) / (var.sqrt()[inv] + eps)
         out.append(torch.where(flat, torch.zeros_like(a), a).float())
     return out

@@ -72,9 +72,6 @@ class Experience:
     samples: list[SampleBatch] | None = None
     metrics: dict = field(default_factory=dict)  # the rollout's own columns of the metrics row
 
-    def provides(self) -> set[str]:
-        return {k for k, v in ((TRANSITIONS, self.transitions), (SAMPLES, self.samples)) if v is not None}
-
     def advantages_at(self, index: torch.Tensor) -> torch.Tensor:
         return advantages_at(self.advantages, index)
 
@@ -109,12 +106,9 @@ class ProcessShard:
         """[per_process] this process's positions among the padded items (>= n: a padding copy)."""
         return torch.arange(self.local.start, self.local.stop)
 
-    def pad(self, items: list) -> list:
-        return items + items[-1:] * ((-self.n) % self.num_processes)
-
     def take(self, items: list) -> list:
-        """This process's share of `items` (padded first)."""
-        return self.pad(items)[self.local]
+        """This process's share of `items`, padded first with copies of the last item."""
+        return (items + items[-1:] * ((-self.n) % self.num_processes))[self.local]
 
 
 def gather_real(accelerator, local: torch.Tensor, n: int) -> torch.Tensor:

@@ -225,9 +225,9 @@ class Trainer:
         if ckpt is None:
             raise UserError(f"--resume: '{self.run.path}' has no checkpoint to resume from (expected {self.run.checkpoints}/latest)")
         data = load_checkpoint(ckpt)
-        if set(self.params) ^ set(data["params"]):
-            raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model "
-                            f"({len(set(self.params) ^ set(data['params']))} mismatched weights)")
+        mismatched = set(self.params) ^ set(data["params"])
+        if mismatched:
+            raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model ({len(mismatched)} mismatched weights)")
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(data["params"][n])

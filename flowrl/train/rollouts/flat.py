@@ -173,6 +173,7 @@ def stage_experience(ctx, iteration: int, stages: list[Stage], spec: SamplerSpec
     per trained step (exactly the sampling batches, so the first forward reproduces the behaviour
     log-probs bit for bit), and the batch's clean samples."""
     bs, policy = ctx.cfg.sampling.batch_size, ctx.policy
+    trained_steps = spec.trained_steps() if with_transitions else []
     transitions, samples, offset = [], [], 0
     for st in stages:
         n = len(st.prompt_ids)
@@ -185,7 +186,7 @@ def stage_experience(ctx, iteration: int, stages: list[Stage], spec: SamplerSpec
             transitions.append([
                 TransitionBatch(lambda traj=traj, c=c, step=step: transition(policy, traj, spec, c, step, policy.encode(traj.prompts[c])),
                                 traj.log_probs[c, step], local_adv, step_kl(spec.reduction))
-                for step in spec.trained_steps()
+                for step in trained_steps
             ])
             samples.append(SampleBatch(traj.final[c], traj.prompts[c], traj.seeds[c], index[c]))
     return Experience(iteration, rewards, prompt_ids, valid, advantages, stages[0].traj.precision,

@@ -36,6 +36,7 @@ class TreeBatch(NamedTuple):
     real: torch.Tensor  # [n_local_trees] bool: False for padding copies
     prompt_ids: torch.Tensor  # [n_trees x G] pool index of each real leaf
     num_trees: int  # real trees over all processes
+    spec: SamplerSpec  # the sampler the trees were drawn with (training re-evaluates edges with it)
 
 
 @register_rollout
@@ -77,7 +78,8 @@ class TreeRollout(Rollout):
         seeds = [sample_seed(cfg.trainer.seed, iteration, k * g) for k in range(n)]
         shard = ProcessShard(n, acc.num_processes, acc.process_index)
         local_ids = shard.take(ids)
-        tree = tree_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), self.spec(iteration),
+        spec = self.spec(iteration)
+        tree = tree_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), spec,
                             cfg.rollout.splits(), bs, prompt_ids=local_ids, progress=ctx.progress, desc=f"iter {iteration} tree sampling")
         on_batch = self.scoring.start([tree.prompts[i] for i in tree.tree_ids[-1].tolist()])
         for batch in parent_batches(len(tree.leaves), bs):
@@ -87,14 +89,13 @@ class TreeRollout(Rollout):
             raise UserError(f"every reward output of iteration {iteration} was invalid (NaN, inf or misshapen); see reward.on_invalid")
 
         real = shard.positions < n
-        leaf_valid = None if bool(scores.local_valid.all()) else scores.local_valid
         values = fuse_rewards(tree.parents, scores.local_rewards.float().cpu() @ ctx.reward_fn.channel_weights, tr.fusion,
-                              tree.log_probs, leaf_valid)
-        node_valid = None if leaf_valid is None else valid_nodes(tree.parents, leaf_valid)
+                              tree.log_probs, scores.local_valid)
+        node_valid = valid_nodes(tree.parents, scores.local_valid)
         clip = cfg.advantage.clip
         advantages = [torch.where(real[t_ids], a.clamp(-clip, clip), torch.zeros_like(a))
                       for a, t_ids in zip(depthwise_advantages(values, tree.tree_ids, cfg.advantage.eps, node_valid), tree.tree_ids)]
-        return TreeBatch(tree, scores, advantages, real, torch.tensor(ids[:n]).repeat_interleave(g), n)
+        return TreeBatch(tree, scores, advantages, real, torch.tensor(ids[:n]).repeat_interleave(g), n, spec)
 
     def collect(self, iteration: int) -> Experience:
         ctx = self.ctx
@@ -103,7 +104,7 @@ class TreeRollout(Rollout):
         tree, scores, n = batch.tree, batch.scores, batch.num_trees
         ctx.allocator.observe(batch.prompt_ids[scores.valid], successes(ctx.cfg, scores.rewards[scores.valid] @ weights))
         keep = self.keep(tree, batch.advantages, batch.real, iteration)
-        groups = self.micro_batches(tree, self.spec(iteration), batch.advantages, keep)
+        groups = self.micro_batches(tree, batch.spec, batch.advantages, keep)
         leaf_adv = gather_real(acc, batch.advantages[-1], n * g)
         by_tree = (scores.rewards @ weights).view(n, g)
         local_kept = torch.tensor([sum(int(k.sum()) for k in keep if k is not None)])
