@@ -1,4 +1,4 @@
-"""`flowrl train | sample | eval | rewards | serve-reward`: parse, build, call. User mistakes print one
+"""`flowrl train | sample | eval | offline build | rewards | serve-reward`: parse, build, call. User mistakes print one
 sentence on stderr and exit 2, without a traceback."""
 
 from __future__ import annotations
@@ -43,6 +43,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--per-category", type=int, default=150, help="built-in prompt sets: images per category (default 150)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("overrides", nargs="*", help="dot-list overrides of the config (model.guidance_scale=3.0 ...)")
+
+    o = sub.add_parser("offline", help="group stores for offline training (objective.kind gdro, rollout.kind offline)")
+    osub = o.add_subparsers(dest="offline_command", required=True)
+    b = osub.add_parser("build", help="sample data.group_size images per prompt once, score them, write a group store")
+    b.add_argument("config", nargs="?", help="a YAML file or a preset name (its model, sampler, prompts and rewards)")
+    b.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. data.group_size=6")
+    b.add_argument("-o", "--out", required=True, metavar="DIR", help="the store directory (run again to finish a partial one)")
+    b.add_argument("--run", metavar="DIR", help="sample with this run's checkpoint instead of the base model")
+    b.add_argument("--checkpoint", type=int, metavar="ITER", help="with --run: the checkpoint of this iteration (default: the latest)")
+    b.add_argument("--num-prompts", type=int, metavar="N", help="N prompts drawn from the prompt set (default: all of it)")
+    b.add_argument("--shard-groups", type=int, default=32, metavar="G", help="groups per shard file (default 32)")
 
     sub.add_parser("rewards", help="list the registered rewards")
 
@@ -243,6 +254,40 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_offline(args) -> int:
+    import torch
+
+    from flowrl.config import load_config
+    from flowrl.models import load_policy
+    from flowrl.offline.build import build_store
+    from flowrl.train.prompts import load_prompts
+    from flowrl.train.rollouts.flat import training_spec
+    from rewards import MultiReward
+
+    config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    if args.run:
+        cfg, policy, ckpt = _load_run_policy(Path(args.run), overrides, args.checkpoint)
+        model = {"model": cfg.model.path, "checkpoint": str(ckpt)}
+    else:
+        if args.checkpoint is not None:
+            raise UserError("--checkpoint picks a checkpoint of --run; without --run the base model samples")
+        cfg = load_config(config, overrides)
+        policy, model = load_policy(cfg.model), {"model": cfg.model.path, "checkpoint": None}
+    if args.shard_groups < 1 or (args.num_prompts is not None and args.num_prompts < 1):
+        raise UserError(f"--shard-groups and --num-prompts must be >= 1; got {args.shard_groups} and {args.num_prompts}")
+    prompts = load_prompts(cfg.data)
+    if args.num_prompts is not None:  # a seeded draw, cycling through the set when N exceeds it
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.trainer.seed)).tolist()
+        prompts = [prompts[order[j % len(order)]] for j in range(args.num_prompts)]
+    s = cfg.sampling
+    source = {**model, "sampler": s.sampler, "num_steps": s.num_steps, "schedule": s.schedule, "shift": s.shift,
+              "guidance_scale": cfg.model.guidance_scale, "height": cfg.model.height, "width": cfg.model.width}
+    store = build_store(policy, MultiReward.from_config(cfg.reward), prompts, args.out, training_spec(cfg, 0, policy),
+                        cfg.data.group_size, cfg.trainer.seed, s.batch_size, source, args.shard_groups, progress=cfg.run.progress)
+    print(f"wrote {args.out}: {len(store)} groups of {cfg.data.group_size} ({', '.join(store.channel_names)})")
+    return 0
+
+
 def cmd_rewards(args) -> int:
     from rewards import describe_rewards
 
@@ -280,7 +325,8 @@ def _is_first_process() -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "rewards": cmd_rewards, "serve-reward": cmd_serve_reward}[args.command]
+    handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "offline": cmd_offline, "rewards": cmd_rewards,
+               "serve-reward": cmd_serve_reward}[args.command]
     try:
         return handler(args)
     except UserError as exc:

@@ -161,6 +161,7 @@ class DataConfig:
     prompts_per_iteration: int = 2
     group_size: int = 8
     eval_prompts: list[str] = field(default_factory=list)  # sample grids; defaults to the first 4 prompts
+    offline: Optional[str] = None  # rollout.kind offline: a group store directory (`flowrl offline build`)
 
 
 @dataclass
@@ -246,13 +247,44 @@ class NFTConfig:
 
 
 @dataclass
+class DGPOConfig:
+    """objective.kind dgpo: group preference through the implicit reward, on online clean samples
+    (docs/algorithms.md section 10). Squared errors are means over dimensions, so beta does not
+    change with the resolution."""
+
+    beta: float = 100.0  # the implicit reward's scale, s = -beta (err_theta - err_ref) (DGPO's code: 100)
+    timesteps: int = 4  # sigmas per micro-batch and epoch, shared by its samples (DGPO: 4)
+    sigma_range: list[float] = field(default_factory=lambda: [0.5, 1.0])  # the training sigmas' range: the high-noise end
+    sigma_shift: float = 1.0  # > 1 crowds the sigmas toward the noisy end (as objective.nft.sigma_shift)
+    clip_range: float = 0.0  # > 0: stop a sample's pull once exp(err_old - err) leaves [1 - c, 1 + c] (DGPO's code: 0.01)
+    guidance_scale: Optional[float] = None  # the trained velocity's guidance (None: model.guidance_scale)
+
+
+@dataclass
+class GDROConfig:
+    """objective.kind gdro: listwise group loss on the implicit reward, offline from a group store
+    (data.offline) or online from clean samples (docs/algorithms.md section 10)."""
+
+    form: str = "top1"  # top1 | plackett_luce
+    tau: float = 0.05  # temperature of the reward's soft ranking softmax(r / tau) (GDRO: 0.05)
+    beta: float = 6.0  # s = -beta (err_theta - err_ref), errors means over dimensions (GDRO: 6 GenEval, 12 OCR)
+    gamma: float = 1.0  # weight of plain flow matching on each group's best sample (without it, collapse)
+    timesteps: int = 2  # sigmas per micro-batch and epoch, shared by its samples
+    sigma_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    sigma_shift: float = 1.0
+    guidance_scale: Optional[float] = None
+
+
+@dataclass
 class ObjectiveConfig:
     """What the loop optimises (flowrl/train/objectives): kind picks a registered objective; each
     built-in one has its options under its own name."""
 
-    kind: str = "grpo"  # grpo | nft, or any registered objective
+    kind: str = "grpo"  # grpo | nft | dgpo | gdro, or any registered objective
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
+    dgpo: DGPOConfig = field(default_factory=DGPOConfig)
+    gdro: GDROConfig = field(default_factory=GDROConfig)
 
 
 @dataclass

@@ -75,3 +75,16 @@ def dgpo_group_loss(delta: torch.Tensor, advantages: torch.Tensor, group_ids: to
     total = torch.zeros(g.ids.numel(), dtype=delta.dtype, device=delta.device)
     total = total.index_add(0, g.inverse, advantages.to(delta.dtype) * delta)
     return -torch.nn.functional.logsigmoid(-(beta / sizes) * total)
+
+
+def group_best(rewards: torch.Tensor, group_ids: torch.Tensor, tie_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """[G] the index of each group's highest reward (groups in sorted id order); among tied
+    rewards the lowest `tie_keys` value, then the lowest position."""
+    g = groups_of(group_ids)
+    keys = torch.zeros_like(rewards, dtype=torch.float64) if tie_keys is None else tie_keys.double()
+    best = []
+    for k in range(g.ids.numel()):
+        idx = (g.inverse == k).nonzero().squeeze(1)
+        top = idx[rewards[idx] == rewards[idx].max()]
+        best.append(top[torch.argmin(keys[top])])  # argmin returns the first of equal keys
+    return torch.stack(best)

@@ -183,6 +183,20 @@ class FlowPolicy:
         """Latents -> images [B, 3, H, W] in [0, 1], fp32."""
         raise NotImplementedError
 
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images [B, 3, H, W] in [0, 1] -> latents (the inverse of `decode`, the VAE's posterior
+        mean): for samples that arrive as images, such as a group store of a user's own images."""
+        return self._vae_encode(images)
+
+    def _vae_encode(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(self.device, torch.float32) * 2 - 1
+        if self.vae is None:  # pixel space
+            return x
+        vc = self.vae.config
+        with torch.no_grad():
+            latents = self.vae.encode(x.to(self.dtype)).latent_dist.mean.float()
+        return (latents - (vc.shift_factor or 0.0)) * vc.scaling_factor
+
     def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         if self.vae is None:  # pixel space
             return (latents.float() / 2 + 0.5).clamp(0, 1)

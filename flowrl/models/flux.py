@@ -69,6 +69,11 @@ class FluxPolicy(FlowPolicy):
         )[0]
         return v.float()
 
+    def encode_images(self, images):
+        latents = self._vae_encode(images)
+        b, c, h, w = latents.shape  # packed as FluxPipeline._pack_latents: 2x2 patches
+        return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
     def decode(self, latents):
         h, w = self._latent_hw()
         b, _, c = latents.shape

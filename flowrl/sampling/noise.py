@@ -12,6 +12,10 @@ INITIAL = -1  # the `step` key of the initial latent noise
 # sampling key (steps >= 0, INITIAL), so it never repeats a chain's noise; epoch e and training
 # sigma k of K use FORWARD_NOISING - e x K - k
 FORWARD_NOISING = -1_000
+# the `step` key of implicit-reward objectives' group-shared forward noise (DGPO, GDRO): keyed by a
+# group's seed, far below FORWARD_NOISING's range; epoch e and training sigma k of K use
+# GROUP_NOISING - e x K - k
+GROUP_NOISING = -2_000_000
 
 
 class Stream:
@@ -22,6 +26,8 @@ class Stream:
     NFT_ORDER = 999_979  # DiffusionNFT: order of the sample batches, and its training sigmas
     UPDATE_ORDER = 999_983  # the policy-gradient update: order of the micro-batch groups
     SELECTION = 777_767  # two-stage exploration: ties and the random selection
+    GROUP_SIGMAS = 999_961  # group objectives (DGPO, GDRO): the training sigmas of an iteration
+    TIE_BREAK = 999_953  # GDRO: the seeded order of tied rewards
 
 
 def sample_seed(base: int, iteration: int, index: int) -> int:

@@ -71,6 +71,7 @@ class Experience:
     weigh_by_transition: bool = False  # weigh micro-batches by their kept transitions (trees: sizes differ)
     samples: list[SampleBatch] | None = None
     metrics: dict = field(default_factory=dict)  # the rollout's own columns of the metrics row
+    reward_totals: torch.Tensor | None = None  # [N] the channel-weighted rewards the advantages came from
 
     def advantages_at(self, index: torch.Tensor) -> torch.Tensor:
         return advantages_at(self.advantages, index)

@@ -1,3 +1,3 @@
 """The registered objectives: importing this package registers every built-in one."""
 
-from flowrl.train.objectives import grpo, nft  # noqa: F401
+from flowrl.train.objectives import dgpo, gdro, grpo, nft  # noqa: F401

@@ -157,6 +157,7 @@ class FlatRollout(Rollout):
             "group_size_max": int(sizes.max()),
             "group_size_histogram": {str(int(k)): int(v) for k, v in zip(*torch.unique(sizes, return_counts=True))},
             "trained_steps": len(spec.trained_steps()),
+            "sampled": len(rewards),  # chains drawn by the sampler this iteration (an offline store draws none)
             # rewards run on a worker thread while later batches sample: time_reward overlaps the
             # sampling time, and only time_reward_wait (after the last batch) is not hidden
             "time_reward": sum(st.reward_time for st in stages),
@@ -190,4 +191,5 @@ def stage_experience(ctx, iteration: int, stages: list[Stage], spec: SamplerSpec
             ])
             samples.append(SampleBatch(traj.final[c], traj.prompts[c], traj.seeds[c], index[c]))
     return Experience(iteration, rewards, prompt_ids, valid, advantages, stages[0].traj.precision,
-                      transitions=transitions if with_transitions else None, samples=samples, metrics=metrics)
+                      transitions=transitions if with_transitions else None, samples=samples, metrics=metrics,
+                      reward_totals=rewards @ ctx.reward_fn.channel_weights)
