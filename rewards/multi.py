@@ -46,6 +46,17 @@ def check_scores(name: str, scores, n: int) -> torch.Tensor:
     return scores
 
 
+def weights_for_channels(channel_names: Sequence[str], weights: dict[str, float],
+                         channel_weights: dict[str, float] | None = None) -> torch.Tensor:
+    """The weight [K] of each channel ("name" or "name/channel"): its entry in `channel_weights`,
+    else its reward's weight in `weights`, else 0 (a channel scored but not trained on, as in a
+    group store that keeps every channel)."""
+    unknown = sorted(set(channel_weights or {}) - set(channel_names))
+    if unknown:
+        raise UserError(f"reward.channel_weights names {', '.join(unknown)}, which no reward returns; channels: {', '.join(channel_names)}")
+    return torch.tensor([(channel_weights or {}).get(c, weights.get(c.split("/")[0], 0.0)) for c in channel_names], dtype=torch.float32)
+
+
 class MultiReward:
     """Calls each named reward in batches and returns its channels side by side, [N, K].
 
@@ -73,7 +84,6 @@ class MultiReward:
         self.batch_sizes: dict[str, int] = {}
         self.channels: dict[str, tuple[str, ...]] = {}
         self.channel_names: list[str] = []
-        weights_per_channel: list[float] = []
         options = options or {}
         for name, weight in self.weights.items():
             if rewards and name in rewards:  # a plain function passed in directly
@@ -85,13 +95,7 @@ class MultiReward:
                 self.batch_sizes[name] = plan.batch_size or batch_size
             self.channels[name] = channels
             self.channel_names += [name if len(channels) == 1 else f"{name}/{c}" for c in channels]
-            weights_per_channel += [weight] * len(channels)
-        unknown = sorted(set(channel_weights or {}) - set(self.channel_names))
-        if unknown:
-            raise UserError(f"reward.channel_weights names {', '.join(unknown)}, which no reward returns; channels: {', '.join(self.channel_names)}")
-        for k, c in enumerate(self.channel_names):  # per-channel weights replace the reward's own
-            weights_per_channel[k] = (channel_weights or {}).get(c, weights_per_channel[k])
-        self.channel_weights = torch.tensor(weights_per_channel, dtype=torch.float32)
+        self.channel_weights = weights_for_channels(self.channel_names, self.weights, channel_weights)
 
     @classmethod
     def from_config(cls, reward_cfg, rewards: dict[str, Callable] | None = None) -> "MultiReward":
