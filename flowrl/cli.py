@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("-n", type=int, default=1, help="images per prompt")
     e.add_argument("--per-category", type=int, default=150, help="built-in prompt sets: images per category (default 150)")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--judge", metavar="REWARD", help="an auxiliary judge reward for GDRO's corrected score next to each channel "
+                   "(default: reward.judge); its scores map from reward.judge_range onto 1-5")
     e.add_argument("overrides", nargs="*", help="dot-list overrides of the config (model.guidance_scale=3.0 ...)")
 
     o = sub.add_parser("offline", help="group stores for offline training (objective.kind gdro, rollout.kind offline)")
@@ -236,13 +238,24 @@ def cmd_eval(args) -> int:
         cfg = load_config(args.config, args.overrides)
         policy, what = load_policy(cfg.model), f"base model {cfg.model.path}"
     reward = MultiReward.from_config(cfg.reward)
+    judge_name = args.judge or cfg.reward.judge
+    judge = None
+    if judge_name:
+        if args.judge:
+            from flowrl.config import validate
+
+            cfg.reward.judge = args.judge
+            validate(cfg, validate_paths=False)  # one sentence for an unknown judge
+        judge = MultiReward({judge_name: 1.0}, options={k: v for k, v in cfg.reward.options.items() if k == judge_name})
+        if len(judge.channel_names) != 1:
+            raise UserError(f"reward.judge '{judge_name}' returns {len(judge.channel_names)} channels; a judge must return one")
     if prompts is None:
         if "shapes" not in reward.channels:
             raise UserError("--prompts is required unless the config's reward is shapes (then builtin:shapes-heldout is the default)")
         source = "builtin:shapes-heldout"
         prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category)
     expanded = [p for p in prompts for _ in range(args.n)]
-    result = evaluate(cfg, policy, reward, expanded, seed=args.seed, progress=True)
+    result = evaluate(cfg, policy, reward, expanded, seed=args.seed, progress=True, judge=judge)
     print(f"eval of {what} on {len(prompts)} prompts x {args.n} images ({source})")
     means = result.means()
     width = max(len(c) for c in means)

@@ -173,6 +173,10 @@ class RewardConfig:
     on_invalid: str = "error"  # error: stop on NaN / inf / wrong shape | drop: mark those samples invalid
     # per channel ("shapes/partial": 0.5): replaces the reward's weight for that channel only
     channel_weights: dict[str, float] = field(default_factory=dict)
+    # an auxiliary judge for GDRO's corrected score in `flowrl eval` (r * (u - 3) + 0.2, u the judge's
+    # score mapped from judge_range onto [1, 5]); never trained on. Options under reward.options.NAME.
+    judge: Optional[str] = None
+    judge_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
 
 
 @dataclass
@@ -541,7 +545,11 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
         raise ConfigError("reward.weights is empty; name at least one reward, for example jpeg_compressibility: 1.0")
     from rewards import check_reward_config  # late: rewards imports heavy optional models lazily
 
-    check_reward_config(cfg.reward.weights, cfg.reward.options, validate_paths=validate_paths)
+    judge = {cfg.reward.judge: 0.0} if cfg.reward.judge else {}
+    check_reward_config({**cfg.reward.weights, **judge}, cfg.reward.options, validate_paths=validate_paths)
+    jr = cfg.reward.judge_range
+    if len(jr) != 2 or not jr[0] < jr[1]:
+        raise ConfigError(f"reward.judge_range must be [low, high] with low < high (the judge's scores mapped onto 1-5); got {list(jr)}")
     check_positive("reward.batch_size", cfg.reward.batch_size)
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
 

@@ -270,6 +270,21 @@ def quality_batch(images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
     return torch.tensor([_quality(s, objs, arr.shape[1]) for s, objs in zip(scenes, analyse_batch(arr))], dtype=torch.float32)
 
 
+CLEAN_DISTANCE = 40.0  # RGB units: a pixel this close to a palette colour or the background is clean
+
+
+def cleanliness_batch(images: torch.Tensor) -> torch.Tensor:
+    """[N, 3, H, W] in [0, 1] -> [N] float32: the fraction of pixels within CLEAN_DISTANCE of the
+    background or a palette colour. The renderer draws only such pixels (its blurred edges aside),
+    while shapes and shapes_quality accept anything within MAX_COLOR_DISTANCE: a judge of
+    artefacts (off-palette tints, noise, smears) that the trained rewards do not see."""
+    arr = np.stack([_as_uint8_hwc(im) for im in images]).astype(np.int32)
+    dist = np.full(arr.shape[:3], np.iinfo(np.int32).max, dtype=np.int64)
+    for colour in _PALETTE:
+        dist = np.minimum(dist, ((arr - colour) ** 2).sum(-1))
+    return torch.from_numpy((dist <= CLEAN_DISTANCE**2).reshape(len(arr), -1).mean(1).astype(np.float32))
+
+
 def category_table(prompts: Sequence[str], strict: Sequence[float], partial: Sequence[float] | None = None) -> dict[str, dict[str, float]]:
     """Mean strict (and partial) per category, plus `overall`: the mean over the categories
     present, each weighted equally, as GenEval reports it."""
@@ -303,3 +318,9 @@ def shapes(images, prompts, metadata=None):
           "diluted by extra objects (a dense companion of shapes/strict for GRPO)")
 def shapes_quality(images, prompts, metadata=None):
     return quality_batch(images, prompts)
+
+
+@register("shapes_clean", "fraction of pixels within 40 RGB units of the shapes palette or background: an artefact judge that "
+          "shapes and shapes_quality do not see (for the corrected score of `flowrl eval`)")
+def shapes_clean(images, prompts, metadata=None):
+    return cleanliness_batch(images)

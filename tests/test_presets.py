@@ -13,8 +13,9 @@ from flowrl.errors import UserError
 
 PRESETS = sorted(CONFIG_DIR.glob("*.yaml"))
 MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8}
-SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu")
-FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu")
+SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu")
+FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu")
+GROUP_OBJECTIVE_PRESETS = ("sd35_medium_dgpo_1gpu", "flux1_dev_gdro_1gpu")
 
 
 def _preset(name: str) -> Path:
@@ -56,7 +57,7 @@ def test_accumulation_closes_exactly_on_one_process(name):
     assert batches % cfg.trainer.gradient_accumulation_steps == 0
 
 
-@pytest.mark.parametrize("name", (*SD3_PRESETS, *FLUX_PRESETS))
+@pytest.mark.parametrize("name", [n for n in (*SD3_PRESETS, *FLUX_PRESETS) if n not in GROUP_OBJECTIVE_PRESETS])
 def test_reference_settings(name):
     cfg = load_config(_preset(name), validate_paths=False)
     assert cfg.model.dtype == "bf16" and cfg.model.height % 16 == 0
@@ -75,6 +76,19 @@ def test_reference_settings(name):
         assert (cfg.sampling.sampler, cfg.sampling.noise_level, cfg.sampling.num_steps) == ("dance_grpo", 0.3, 16)
         assert cfg.data.group_size == 12
         assert _yaml_reward_weights(name) == {"hpsv2": 1.0}
+
+
+def test_group_objective_presets_keep_their_papers_settings():
+    dgpo = load_config(_preset("sd35_medium_dgpo_1gpu"), validate_paths=False)
+    assert (dgpo.objective.kind, dgpo.rollout.kind, dgpo.sampling.sampler) == ("dgpo", "flat", "ode")
+    assert (dgpo.model.height, dgpo.model.guidance_scale, dgpo.sampling.num_steps, dgpo.data.group_size) == (512, 4.5, 10, 16)
+    o = dgpo.objective.dgpo
+    assert (o.beta, o.timesteps, o.clip_range, o.guidance_scale, dgpo.trainer.kl_beta) == (100.0, 4, 0.01, 1.0, 0.02)
+    assert o.sigma_range[0] >= 0.7 and dgpo.sampling.batch_size % dgpo.data.group_size == 0  # whole groups per micro-batch
+    gdro = load_config(_preset("flux1_dev_gdro_1gpu"), validate_paths=False)
+    assert (gdro.objective.kind, gdro.rollout.kind, gdro.data.group_size) == ("gdro", "offline", 6)
+    g = gdro.objective.gdro
+    assert (g.form, g.tau, g.beta, g.gamma, gdro.trainer.lr, gdro.lora.rank) == ("top1", 0.05, 6.0, 1.0, 3e-4, 32)
 
 
 def _yaml_reward_weights(name: str) -> dict:

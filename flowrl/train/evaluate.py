@@ -16,15 +16,30 @@ class EvalResult(NamedTuple):
     scores: torch.Tensor  # [N, K]
     channel_names: list[str]
     channel_weights: torch.Tensor  # [K]
+    judge: torch.Tensor | None = None  # [N] the auxiliary judge's scores on the same images (reward.judge)
+    judge_range: tuple[float, float] = (0.0, 1.0)
 
     def means(self) -> dict[str, float]:
         out = {name: self.scores[:, k].mean().item() for k, name in enumerate(self.channel_names)}
         out["weighted sum"] = (self.scores @ self.channel_weights).mean().item()
+        if self.judge is not None:
+            out["judge"] = self.judge.mean().item()
+            for k, name in enumerate(self.channel_names):
+                out[f"corrected {name}"] = corrected_score(self.scores[:, k], self.judge, self.judge_range).mean().item()
         return out
 
     def category_table(self) -> dict[str, dict[str, float]] | None:
         """Per-category strict/partial means when a shapes reward was scored, else None."""
         return shapes_category_table(self.prompts, self.channel_names, self.scores)
+
+
+def corrected_score(reward: torch.Tensor, judge: torch.Tensor, judge_range=(0.0, 1.0)) -> torch.Tensor:
+    """GDRO's corrected score (arXiv 2601.02036): r * (u - 3) + 0.2, with u the judge's score
+    mapped linearly from judge_range onto the 1-5 scale of its judge (docs/algorithms.md section
+    10). A reward gained with samples the judge scores low (below 3) counts against the model."""
+    low, high = judge_range
+    u = 1 + 4 * (judge.float() - low) / (high - low)
+    return reward.float() * (u - 3) + 0.2
 
 
 def shapes_category_table(prompts: list[str], channel_names: list[str], scores: torch.Tensor) -> dict[str, dict[str, float]] | None:
@@ -50,13 +65,16 @@ def ode_images(policy, prompts: list[str], seeds: list[int], sigmas: torch.Tenso
 
 
 def evaluate(cfg, policy, reward, prompts: list[str], seed: int = 0, num_steps: int | None = None,
-             progress: bool = False) -> EvalResult:
-    """Score one ODE sample per prompt (seed + index) with `reward` (a MultiReward)."""
+             progress: bool = False, judge=None) -> EvalResult:
+    """Score one ODE sample per prompt (seed + index) with `reward` (a MultiReward), and with
+    `judge` (a one-channel MultiReward) for the corrected score."""
     seeds = [seed + j for j in range(len(prompts))]
     s = cfg.sampling
     images = ode_images(policy, prompts, seeds, policy.sigmas(num_steps or s.eval_num_steps, s.schedule, s.shift), s.batch_size,
                         progress=progress)
-    return EvalResult(list(prompts), reward(images, prompts), list(reward.channel_names), reward.channel_weights)
+    judged = None if judge is None else judge(images, prompts)[:, 0]
+    return EvalResult(list(prompts), reward(images, prompts), list(reward.channel_names), reward.channel_weights, judged,
+                      tuple(cfg.reward.judge_range))
 
 
 def format_category_table(tables: dict[str, dict[str, dict[str, float]]]) -> str:
