@@ -546,7 +546,8 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     from rewards import check_reward_config  # late: rewards imports heavy optional models lazily
 
     judge = {cfg.reward.judge: 0.0} if cfg.reward.judge else {}
-    check_reward_config({**cfg.reward.weights, **judge}, cfg.reward.options, validate_paths=validate_paths)
+    scored = cfg.reward.weights if rollout.needs_rewards else {}  # an offline store's channels need no registered reward
+    check_reward_config({**scored, **judge}, cfg.reward.options, validate_paths=validate_paths)
     jr = cfg.reward.judge_range
     if len(jr) != 2 or not jr[0] < jr[1]:
         raise ConfigError(f"reward.judge_range must be [low, high] with low < high (the judge's scores mapped onto 1-5); got {list(jr)}")

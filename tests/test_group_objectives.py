@@ -188,3 +188,19 @@ def test_group_batches_pack_whole_groups_and_refuse_a_split_group():
     split = _experience([0, 0, 1, 1], torch.tensor([0, 1, 2]))  # the other process holds sample 3 of group 1
     with pytest.raises(UserError, match="group 1 is split across 2 processes"):
         group_batches(split, _Acc(2), batch_size=4)
+
+
+def test_a_store_of_ones_own_images_trains(tmp_path, tiny_sd3_dir):
+    store = tmp_path / "mine"
+    writer = StoreWriter(store, data="images", shape=[3, 64, 64], channel_names=["my_score"], source={"origin": "test"})
+    images = torch.rand(8, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    writer.add_shard(images, [StoredGroup("a cat", 0, 0, 4, [0, 1, 2, 3], [[0.1], [0.7], [0.4], [0.9]], [True] * 4),
+                              StoredGroup("a dog", 0, 4, 4, [4, 5, 6, 7], [[0.3], [0.2], [0.8], [0.5]], [True] * 4)])
+    writer.finish()
+    run = tmp_path / "run"
+    assert main(["train", "tiny_jpeg", *TINY, f"model.path={tiny_sd3_dir}", "rollout.kind=offline", f"data.offline={store}",
+                 "reward.weights={my_score: 1.0}", "trainer.iterations=2", "data.prompts_per_iteration=1", "--run-dir", str(run)]) == 0
+    rows = run_metrics(run)
+    assert [r["trained_groups"] for r in rows] == [1, 1] and all(math.isfinite(r["loss"]) for r in rows)
+    assert main(["train", "tiny_jpeg", *TINY, f"model.path={tiny_sd3_dir}", "rollout.kind=offline", f"data.offline={store}",
+                 "reward.weights={pickscore: 1.0}", "--run-dir", str(tmp_path / "other")]) == 2  # a channel the store lacks
