@@ -204,3 +204,16 @@ def test_a_store_of_ones_own_images_trains(tmp_path, tiny_sd3_dir):
     assert [r["trained_groups"] for r in rows] == [1, 1] and all(math.isfinite(r["loss"]) for r in rows)
     assert main(["train", "tiny_jpeg", *TINY, f"model.path={tiny_sd3_dir}", "rollout.kind=offline", f"data.offline={store}",
                  "reward.weights={pickscore: 1.0}", "--run-dir", str(tmp_path / "other")]) == 2  # a channel the store lacks
+
+
+def test_the_corrected_score_follows_gdro_and_the_judge_sees_artefacts():
+    from flowrl.train.evaluate import corrected_score
+    from rewards.shapes import cleanliness_batch
+
+    r = torch.tensor([1.0, 1.0, 0.0])
+    # u on 1-5: judge 1.0 -> 5, 0.5 -> 3, 0.0 -> 1
+    torch.testing.assert_close(corrected_score(r, torch.tensor([1.0, 0.5, 0.0])), torch.tensor([2.2, 0.2, 0.2]))
+    torch.testing.assert_close(corrected_score(r, torch.tensor([0.99, 0.98, 1.0]), (0.98, 1.0)), torch.tensor([0.2, -1.8, 0.2]))
+    clean = torch.ones(2, 3, 8, 8)  # the background
+    clean[1, :, 2:6, 2:6] = torch.tensor([0.5, 0.5, 0.5])[:, None, None]  # a grey smear, on no palette colour
+    torch.testing.assert_close(cleanliness_batch(clean), torch.tensor([1.0, 0.75]))
