@@ -25,7 +25,7 @@ import torch
 
 # each method: the overrides of the default preset that make it (docs/algorithms.md section 10)
 DGPO = ["objective.kind=dgpo", "trainer.iterations=90", "trainer.kl_beta=0.02"]
-GDRO = ["objective.kind=gdro", "rollout.kind=offline", "trainer.iterations=150", "trainer.kl_beta=0.02"]
+GDRO = ["objective.kind=gdro", "rollout.kind=offline", "trainer.iterations=150", "trainer.kl_beta=0"]
 
 
 def main(argv=None) -> int:
@@ -70,11 +70,11 @@ def main(argv=None) -> int:
             build_minutes = 0.0
             if method == "gdro":
                 store = root / f"store-s{seed}"
+                overrides.append(f"data.offline={store}")  # the training config names the store the build writes
                 t0 = time.perf_counter()
                 if cli_main(["offline", "build", *overrides, "-o", str(store), "--num-prompts", str(args.store_prompts)]) != 0:
                     raise SystemExit(f"bench_offline: building the store {store} failed")
                 build_minutes = (time.perf_counter() - t0) / 60
-                overrides.append(f"data.offline={store}")
             t0 = time.perf_counter()
             if cli_main(["train", *overrides, "--run-dir", str(run)]) != 0:
                 raise SystemExit(f"bench_offline: training {run} failed")
