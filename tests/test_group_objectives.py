@@ -217,3 +217,15 @@ def test_the_corrected_score_follows_gdro_and_the_judge_sees_artefacts():
     clean = torch.ones(2, 3, 8, 8)  # the background
     clean[1, :, 2:6, 2:6] = torch.tensor([0.5, 0.5, 0.5])[:, None, None]  # a grey smear, on no palette colour
     torch.testing.assert_close(cleanliness_batch(clean), torch.tensor([1.0, 0.75]))
+
+
+def test_eval_prints_the_corrected_score_next_to_each_channel(tmp_path, tiny_sd3_dir, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle\na blue square\n")
+    assert main(["eval", "--config", "tiny_jpeg", "--prompts", str(prompts), "--judge", "brightness", f"model.path={tiny_sd3_dir}",
+                 "sampling.eval_num_steps=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("judge ") for line in lines)
+    assert any(line.startswith("corrected jpeg_compressibility ") for line in lines)
+    assert main(["eval", "--config", "tiny_jpeg", "--prompts", str(prompts), "--judge", "no_such_judge",
+                 f"model.path={tiny_sd3_dir}"]) == 2
