@@ -85,7 +85,7 @@ class MultiReward:
         self.channels: dict[str, tuple[str, ...]] = {}
         self.channel_names: list[str] = []
         options = options or {}
-        for name, weight in self.weights.items():
+        for name in self.weights:
             if rewards and name in rewards:  # a plain function passed in directly
                 self.fns[name], channels = rewards[name], (name,)
                 self.batch_sizes[name] = batch_size
