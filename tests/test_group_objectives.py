@@ -20,9 +20,8 @@ from flowrl.models import load_policy
 from flowrl.offline.store import GroupStore, StoredGroup, StoreWriter
 from flowrl.train.experience import Experience, SampleBatch
 from flowrl.sampling.noise import sample_seed
-from flowrl.train.objectives.dgpo import draw_sigmas
 from flowrl.train.rollouts.offline import STORE_ORDER
-from flowrl.train.objectives.implicit import flow_errors, group_batches, group_noise
+from flowrl.train.objectives.implicit import draw_sigmas, flow_errors, group_batches, group_noise
 from run_checks import run_metrics, trainable
 
 TINY = ["run.tracker=none", "run.progress=false", "run.sample_every=0", "lora.rank=4", "lora.alpha=8", "trainer.kl_beta=0",
@@ -159,7 +158,7 @@ def test_dgpo_trains_online_with_its_clip_and_kl(tmp_path, tiny_sd3_dir):
     rows = run_metrics(run)
     assert [r["iteration"] for r in rows] == [0, 1]
     assert all(math.isfinite(r["loss"]) and r["sampled"] == 8 and r["optimizer_steps"] == 1 for r in rows)
-    assert rows[0]["loss"] == pytest.approx(math.log(2) * 1, rel=1e-4)  # delta = 0 at the first forward: log 2 per group
+    assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-4)  # delta = 0 at the first forward: log 2 per group
     assert rows[1]["kl"] > 0 and 0 <= rows[1]["clip_fraction"] <= 1
     assert any(v.abs().sum() > 0 for k, v in trainable(run, 2).items() if "lora_B" in k)
 
@@ -172,11 +171,12 @@ class _Acc:
         return t
 
 
-def _experience(prompt_ids, local_index):
+def _experience(prompt_ids, local_index, advantages=None):
     n = len(prompt_ids)
+    advantages = torch.tensor([1.0, -1.0] * n)[:n] if advantages is None else torch.tensor(advantages)
     x0 = torch.arange(len(local_index), dtype=torch.float32)[:, None].expand(-1, 2)
     batch = SampleBatch(x0, [f"p{i}" for i in local_index.tolist()], torch.zeros(len(local_index), dtype=torch.long), local_index)
-    return Experience(0, torch.zeros(n, 1), torch.tensor(prompt_ids), torch.ones(n, dtype=torch.bool), torch.zeros(n), "float32",
+    return Experience(0, torch.zeros(n, 1), torch.tensor(prompt_ids), torch.ones(n, dtype=torch.bool), advantages, "float32",
                       samples=[batch])
 
 
@@ -185,6 +185,8 @@ def test_group_batches_pack_whole_groups_and_refuse_a_split_group():
     packs = group_batches(exp, _Acc(), batch_size=4)
     assert [p.groups.tolist() for p in packs] == [[0, 0], [1, 1, 1], [2, 2]]  # packing never splits a group
     assert all(p.weight == 1.0 for p in packs)
+    tied = _experience([0, 0, 1, 1], torch.tensor([0, 1, 2, 3]), advantages=[0.0, 0.0, 1.0, -1.0])
+    assert [p.groups.tolist() for p in group_batches(tied, _Acc(), batch_size=4)] == [[1, 1]]  # no preference, not trained
     split = _experience([0, 0, 1, 1], torch.tensor([0, 1, 2]))  # the other process holds sample 3 of group 1
     with pytest.raises(UserError, match="group 1 is split across 2 processes"):
         group_batches(split, _Acc(2), batch_size=4)

@@ -17,10 +17,18 @@ from typing import NamedTuple
 
 import torch
 
-from flowrl.errors import UserError
-from flowrl.sampling.noise import GROUP_NOISING, sample_seed, seeded_noise
+import contextlib
+from collections import defaultdict
+from typing import ClassVar
+
+from tqdm.auto import tqdm
+
+from flowrl.errors import ConfigError, UserError, check_positive
+from flowrl.sampling.noise import GROUP_NOISING, Stream, sample_seed, seeded_noise
+from flowrl.sampling.schedules import stratified_sigma
 from flowrl.sampling.steps import flow_matching_target, forward_noise
 from flowrl.train.experience import Experience
+from flowrl.train.parts import Objective
 
 
 class GroupBatch(NamedTuple):
@@ -45,7 +53,8 @@ def group_batches(experience: Experience, accelerator, batch_size: int) -> list[
     packing up to `batch_size` samples; a larger group is a batch of its own), padded to the
     number of rounds of the busiest process. A group split across processes cannot be trained:
     every member's implicit reward must be in one loss. Invalid samples (reward.on_invalid: drop)
-    leave their group."""
+    leave their group, and groups whose advantages are all 0 (all rewards tied: no preference)
+    are left out."""
     n = len(experience.advantages)
     x0s, prompts, index = [], [], []
     for b in experience.samples:
@@ -62,6 +71,9 @@ def group_batches(experience: Experience, accelerator, batch_size: int) -> list[
         raise UserError(f"the group objective needs each group's samples on one process, but group {int(split[0])} is split "
                         f"across {accelerator.num_processes} processes; make data.prompts_per_iteration a multiple of the "
                         "number of processes and use allocator.kind uniform")
+    preferring = groups[experience.advantages[index] != 0].unique()
+    live = torch.isin(groups, preferring)
+    x0, prompts, groups, index = x0[live], [p for p, k in zip(prompts, live.tolist()) if k], groups[live], index[live]
     packs: list[GroupBatch] = []
     current: list[int] = []
     for g in groups.unique().tolist():
@@ -73,7 +85,7 @@ def group_batches(experience: Experience, accelerator, batch_size: int) -> list[
     if current:
         packs.append(_pack(x0, prompts, groups, index, current))
     rounds = int(accelerator.gather(torch.tensor([len(packs)], device=accelerator.device)).max())
-    if not packs and rounds:  # every local sample was dropped: train nothing, but keep DDP in step
+    if not packs and rounds:  # no local group to train: train nothing, but keep DDP in step
         b = experience.samples[0]
         packs = [GroupBatch(b.x0[:1].float(), b.prompts[:1], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0.0)]
     return packs + [packs[-1]._replace(weight=0.0)] * (rounds - len(packs))
@@ -99,3 +111,94 @@ def flow_errors(policy, x0: torch.Tensor, eps: torch.Tensor, sigma: float, cond)
         v_ref = policy.velocity(x_t, sigma, cond)
     v = policy.velocity(x_t, sigma, cond)
     return FlowErrors(((v - target) ** 2).mean(dims), ((v_ref - target) ** 2).mean(dims), v, v_ref)
+
+
+def draw_sigmas(seed: int, iteration: int, count: int, sigma_range, shift: float) -> list[float]:
+    """`count` training sigmas, stratified inside sigma_range (one per stratum, crowding toward the
+    noisy end when shift > 1), keyed by (run seed, iteration)."""
+    gen = torch.Generator().manual_seed(sample_seed(seed, iteration, Stream.GROUP_SIGMAS))
+    return [stratified_sigma(k, count, sigma_range[0], sigma_range[1], shift, gen) for k in range(count)]
+
+
+class ImplicitRewardObjective(Objective):
+    """The training loop DGPO and GDRO share: whole-group micro-batches, per epoch `timesteps`
+    sigmas, per sigma the group-shared noise, the trained and reference errors (`flow_errors`),
+    the objective's own `loss`, the optional KL (trainer.kl_beta x the mean squared velocity gap
+    to the reference), and one optimizer step per micro-batch. A subclass names its config
+    section and writes `loss` (and, if it needs one, `prepare` for per-iteration state)."""
+
+    section: ClassVar[str]  # objective.<section>: beta, timesteps, sigma_range, sigma_shift, guidance_scale
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        o, field = getattr(cfg.objective, cls.section), f"objective.{cls.section}"
+        check_positive(f"{field}.beta", o.beta)
+        check_positive(f"{field}.timesteps", o.timesteps)
+        check_positive(f"{field}.sigma_shift", o.sigma_shift)
+        r = o.sigma_range
+        if len(r) != 2 or not 0.0 <= r[0] < r[1] <= 1.0:
+            raise ConfigError(f"{field}.sigma_range must be [low, high] with 0 <= low < high <= 1; got {list(r)}")
+        low, high = cfg.lora.sigma_range
+        if r[0] < low or r[1] > high:
+            raise ConfigError(f"{field}.sigma_range {list(r)} must lie inside lora.sigma_range {list(cfg.lora.sigma_range)} "
+                              "(where the adapter acts)")
+        if not cfg.lora.enabled:
+            raise ConfigError(f"objective.kind {cls.section} needs lora.enabled=true: its implicit reward compares the policy with "
+                              "the network with the adapter disabled")
+        if o.guidance_scale is not None and not o.guidance_scale >= 1.0:
+            raise ConfigError(f"{field}.guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
+                              f"(model.guidance_scale); got {o.guidance_scale}")
+
+    @property
+    def opts(self):
+        return getattr(self.ctx.cfg.objective, self.section)
+
+    def prepare(self, experience: Experience) -> None:
+        """Per-iteration state before any micro-batch (default: none)."""
+
+    def before_forward(self, batch: GroupBatch, x0: torch.Tensor, eps: torch.Tensor, sigma: float, cond):
+        """Anything computed before the forward with grad (default: nothing), passed to `loss`.
+        Forwards under swapped-in weights belong here: the swap writes the weights in place."""
+        return None
+
+    def loss(self, experience: Experience, batch: GroupBatch, errors: FlowErrors, before) -> tuple[torch.Tensor, dict[str, float]]:
+        """The objective's loss on one micro-batch at one sigma, and its statistics."""
+        raise NotImplementedError
+
+    def update(self, experience: Experience) -> dict:
+        ctx, t, o = self.ctx, self.ctx.cfg.trainer, self.opts
+        acc, policy = ctx.accelerator, ctx.policy
+        self.prepare(experience)
+        batches = group_batches(experience, acc, ctx.cfg.sampling.batch_size)
+        stats, grad_norms, trained_groups = defaultdict(list), [], 0
+        policy.transformer.train()
+        bar = tqdm(total=t.inner_epochs * len(batches) * o.timesteps, desc=f"iter {experience.iteration} training", leave=False,
+                   disable=not ctx.progress, unit="step")
+        with policy.guidance(o.guidance_scale):
+            for epoch in range(t.inner_epochs):
+                sigmas = draw_sigmas(t.seed, experience.iteration * t.inner_epochs + epoch, o.timesteps, o.sigma_range, o.sigma_shift)
+                for batch in batches:
+                    x0 = batch.x0.to(acc.device)
+                    cond = policy.encode(batch.prompts)
+                    trained_groups += int(batch.groups.unique().numel()) if batch.weight else 0
+                    for k, sigma in enumerate(sigmas):
+                        eps = group_noise(batch.groups, t.seed, experience.iteration, epoch * o.timesteps + k, x0.shape[1:], acc.device)
+                        before = self.before_forward(batch, x0, eps, sigma, cond)
+                        with contextlib.nullcontext() if k == len(sigmas) - 1 else acc.no_sync(policy.net):
+                            errors = flow_errors(policy, x0, eps, sigma, cond)
+                            loss, own = self.loss(experience, batch, errors, before)
+                            if t.kl_beta > 0:
+                                kl = ((errors.v - errors.v_ref) ** 2).mean()
+                                own["kl"] = kl.item()
+                                loss = loss + t.kl_beta * kl
+                            acc.backward(batch.weight * loss / len(sigmas))
+                        for key, value in {"loss": loss.item(), **own}.items():
+                            stats[key].append(value)
+                        bar.update(1)
+                    grad_norms.append(ctx.optimizer_step())
+        bar.close()
+        policy.transformer.eval()
+        mean = lambda xs: sum(xs) / max(len(xs), 1)
+        return {"loss": 0.0, "kl": 0.0, **{k: mean(v) for k, v in stats.items()}, "grad_norm": mean(grad_norms),
+                "optimizer_steps": len(grad_norms), "trained_transitions": len(stats["loss"]),
+                "lr": ctx.optimizer.param_groups[0]["lr"], "trained_groups": trained_groups}
