@@ -293,10 +293,15 @@ class ObjectiveConfig:
 
 @dataclass
 class TrainerConfig:
+    # the iteration count, and the length every iteration-based schedule is written for
     iterations: int = 40
+    # > 0: time the first budget_probe iterations, then fix the count (at most trainer.iterations) that fits
+    # this many minutes from the trainer's start, with the schedules fitted onto it (flowrl/train/budget.py, plan.json)
+    budget_minutes: float = 0.0
+    budget_probe: int = 5
     max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time
     lr: float = 3e-4
-    # constant, or decayed to 0 over trainer.iterations (cosine or linear), set at each iteration's start;
+    # constant, or decayed to 0 over the run's iterations (cosine or linear), set at each iteration's start;
     # resuming with more iterations stretches the rest of the curve, and a max_minutes stop cuts it short
     lr_schedule: str = "constant"
     weight_decay: float = 1e-4
@@ -579,6 +584,8 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     check_positive("trainer.lr", t.lr)
     check_choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     check_positive("trainer.max_minutes", t.max_minutes, strict=False)
+    check_positive("trainer.budget_minutes", t.budget_minutes, strict=False)
+    check_positive("trainer.budget_probe", t.budget_probe)
     check_positive("trainer.weight_decay", t.weight_decay, strict=False)
     check_positive("trainer.inner_epochs", t.inner_epochs)
     check_positive("trainer.gradient_accumulation_steps", t.gradient_accumulation_steps)

@@ -1,6 +1,8 @@
 """User-facing errors: one sentence naming the field and what is allowed. The CLI prints
 them without a traceback and exits 2."""
 
+import math
+
 
 class UserError(Exception):
     """A mistake in what the user gave us (config, prompt file, checkpoint, reward output)."""
@@ -17,5 +19,6 @@ def check_choice(key: str, value, allowed) -> None:
 
 
 def check_positive(key: str, value, strict: bool = True) -> None:
-    if (value <= 0) if strict else (value < 0):
-        raise ConfigError(f"{key} must be {'> 0' if strict else '>= 0'}; got {value}")
+    # NaN fails every comparison and inf passes `> 0`: both are refused by name
+    if not (math.isfinite(value) and ((value > 0) if strict else (value >= 0))):
+        raise ConfigError(f"{key} must be a finite number {'> 0' if strict else '>= 0'}; got {value}")

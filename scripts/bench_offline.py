@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from flowrl.train.budget import machine_name
+
 # each method: the overrides of the default preset that make it (docs/algorithms.md section 10)
 DGPO = ["objective.kind=dgpo", "trainer.iterations=90", "trainer.kl_beta=0.02"]
 GDRO = ["objective.kind=gdro", "rollout.kind=offline", "trainer.iterations=150", "trainer.kl_beta=0"]
@@ -56,7 +58,7 @@ def main(argv=None) -> int:
     prompts = builtin_prompts("builtin:shapes-heldout", "--prompts", per_category=args.per_category)
     reward = MultiReward.from_config(cfg.reward)
     print(f"bench_offline: {len(prompts)} held-out images per eval set, eval sets {args.eval_seeds}, training seeds {args.seeds}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads on {machine_name()}", flush=True)
     base_policy = load_policy(cfg.model)
     base = {s: evaluate(cfg, base_policy, reward, prompts, seed=s).category_table()["overall"]["strict"] for s in args.eval_seeds}
     del base_policy

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from flowrl.train.budget import machine_name
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 # diffusers SD3Transformer2DModel config of stabilityai/stable-diffusion-3.5-medium (transformer/config.json)
@@ -368,7 +370,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.gpu_iteration:
         return run_gpu_iteration(args)
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, python {platform.python_version()}")
+    print(f"machine: {machine_name()}, python {platform.python_version()}")
     bench_rollout(args)
     return 0
 

@@ -39,6 +39,7 @@ def main(argv=None) -> int:
     from flowrl.cli import main as cli_main
     from flowrl.config import load_config
     from flowrl.models import load_policy
+    from flowrl.train.budget import PLAN_FILE, machine_name
     from flowrl.train.evaluate import evaluate, format_category_table
     from flowrl.train.prompts import builtin_prompts
     from flowrl.train.run_dir import RunDir
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
         raise SystemExit("bench_shapes needs a config whose reward includes shapes")
     print(f"bench_shapes: {cfg.model.path}, {len(prompts)} held-out images ({args.per_category} per category), "
           f"{cfg.sampling.eval_num_steps}-step ODE, guidance {cfg.model.guidance_scale}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads", flush=True)
+          f"{torch.get_num_threads()} threads on {machine_name()}", flush=True)
 
     t0 = time.perf_counter()
     base_policy = load_policy(cfg.model)
@@ -81,11 +82,16 @@ def main(argv=None) -> int:
         per_seed[seed] = {"base": base[seed], "trained": trained, "gain": gains[seed]}
     gain = sum(gains.values()) / len(gains)
     first = per_seed[args.seed[0]]
+    plan = json.loads((run_dir / PLAN_FILE).read_text()) if (run_dir / PLAN_FILE).is_file() else None
     summary = {"iterations": len(history), "rollouts": rollouts, "explored": explored, "train_minutes": t_train / 60, "run_dir": str(run_dir),
+               "machine": machine_name(), "plan": plan,
                "base": first["base"], "trained": first["trained"], "gain": gain, "eval_sets": {str(s): v for s, v in per_seed.items()}}
     (run_dir / "bench_shapes.json").write_text(json.dumps(summary, indent=1))
     pool = f" ({explored} candidates explored)" if explored != rollouts else ""
     print(f"{len(history)} iterations, {rollouts} rollouts trained on{pool}, {t_train / 60:.1f} min of training (run {run_dir})")
+    if plan is not None:
+        print(f"budget plan: {plan['planned']} iterations for {plan['budget_minutes']:g} minutes at "
+              f"{plan['seconds_per_iteration']:.2f} s per iteration (schedules written for {plan['nominal']})")
     sets = f" (mean of {len(gains)} eval sets: " + ", ".join(f"{s} {g:+.3f}" for s, g in gains.items()) + ")" if len(gains) > 1 else ""
     print(f"held-out strict gain {gain:+.3f}{sets}")
     return 0

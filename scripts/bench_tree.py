@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from flowrl.train.budget import machine_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_rollout's SD3.5-Medium config
@@ -120,7 +121,7 @@ def run_in(args, root: Path) -> int:
     cfg = first.cfg
     print(f"bench_tree: {args.model} ({type(first.policy.transformer).__name__}, {n_params / 1e6:.2f}M params), "
           f"reward {args.reward}, device {first.policy.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{platform.processor() or platform.machine()} with {os.cpu_count()} CPUs")
+          f"{machine_name()}")
     print(f"workload: {cfg.data.prompts_per_iteration} prompt(s) x {cfg.data.group_size} samples per iteration, "
           f"{cfg.sampling.num_steps} steps, dance_grpo SDE noise {cfg.sampling.noise_level}, batch {cfg.sampling.batch_size}; "
           f"tree splits at {args.split_steps} (branching 2); depth pruning {args.prune_depths}; mix window {args.mix_window} "

@@ -4,10 +4,11 @@ run continues the same curve without a scheduler state to save)."""
 import math
 
 
-def lr_factor(schedule: str, iteration: int, total: int) -> float:
+def lr_factor(schedule: str, iteration: float, total: int) -> float:
     """The factor on the base learning rate at `iteration` (0-based) of `total`: 1 for constant;
     cosine (0.5 (1 + cos(pi p))) or linear (1 - p) decay with p = iteration / total, so the last
-    iteration still trains (p < 1)."""
+    iteration still trains (p < 1). A fractional `iteration` is a point between two (a wall-clock
+    budget's plan maps its iterations onto the nominal count)."""
     if schedule == "constant":
         return 1.0
     p = min(max(iteration / max(total, 1), 0.0), 1.0)

@@ -34,12 +34,15 @@ def stratified_sigma(k: int, num: int, low: float, high: float, shift: float, ge
     return max(high - (high - low) * w, low + 1e-6)
 
 
-def window_start(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10) -> int:
+def window_start(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10,
+                 schedule_step: int | None = None) -> int:
     """First step of the SDE window for this iteration (MixGRPO / Flow-GRPO-Fast).
 
     fixed: always `start`. random: uniform in [0, num_steps // 2 - 1] clipped so the window
     fits, keyed by (seed, iteration). progressive: `start` moved one step later every
-    `shift_every` iterations, until the window touches the end of the schedule.
+    `shift_every` iterations of the schedule's clock (`schedule_step`, by default the iteration
+    itself; a wall-clock budget maps it onto trainer.iterations), until the window touches the end
+    of the schedule.
     """
     last = num_steps - size
     if strategy == "all":
@@ -50,15 +53,16 @@ def window_start(strategy: str, num_steps: int, size: int, start: int, iteration
         hi = max(0, min(num_steps // 2 - 1, last))
         return random.Random(seed * 1_000_003 + iteration).randint(0, hi)
     if strategy == "progressive":
-        return min(start + iteration // max(shift_every, 1), last)
+        return min(start + (iteration if schedule_step is None else schedule_step) // max(shift_every, 1), last)
     raise ValueError(f"sampling.window.strategy must be one of {WINDOW_STRATEGIES}, got {strategy!r}")
 
 
-def window_mask(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10) -> torch.Tensor:
+def window_mask(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10,
+                schedule_step: int | None = None) -> torch.Tensor:
     """Boolean [num_steps]: True where the step is an SDE step (and so trainable)."""
     if strategy == "all":
         return torch.ones(num_steps, dtype=torch.bool)
-    s = window_start(strategy, num_steps, size, start, iteration, seed, shift_every)
+    s = window_start(strategy, num_steps, size, start, iteration, seed, shift_every, schedule_step)
     mask = torch.zeros(num_steps, dtype=torch.bool)
     mask[s : s + size] = True
     return mask

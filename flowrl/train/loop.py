@@ -27,6 +27,7 @@ from flowrl.models import load_policy
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
+from flowrl.train.budget import SchedulePlan, machine_name, plan_iterations, probe_speed, write_plan
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
@@ -60,7 +61,11 @@ def flat_config(cfg: Config) -> dict:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
+        self.started = time.perf_counter()  # a wall-clock budget counts from here
         self.cfg, t = cfg, cfg.trainer
+        # fixed at the start without a budget; with one, after the probe iterations (or from the checkpoint)
+        self.plan = SchedulePlan(nominal=t.iterations, planned=t.iterations, fixed=not t.budget_minutes,
+                                 budget_minutes=t.budget_minutes)
         self.accelerator = acc = self._accelerator(run_dir)
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
         self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
@@ -80,7 +85,7 @@ class Trainer:
         self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards) if rollout_cls.needs_rewards else None
         self.reward_runner = AsyncRewardRunner(self.reward_fn)
         ctx = TrainContext(cfg, acc, self.policy, self.params, self.prompts, self.reward_fn, self.reward_runner, self.allocator,
-                           self.optimizer_step, self.optimizer, objective_cls.needs)
+                           self.optimizer_step, self.optimizer, objective_cls.needs, self.plan)
         self.objective = objective_cls(ctx)
         self.rollout = rollout_cls(ctx)
         self.iteration = 0
@@ -153,16 +158,25 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------
     def train(self) -> list[dict]:
         cfg, acc, r, t = self.cfg, self.accelerator, self.cfg.run, self.cfg.trainer
-        bar = tqdm(total=t.iterations, initial=self.iteration, desc="flowrl train", unit="iter",
+        bar = tqdm(total=self.plan.planned, initial=self.iteration, desc="flowrl train", unit="iter",
                    disable=not (r.progress and acc.is_local_main_process))
+        grid_s = 0.0
         if self.iteration == 0 and r.sample_every:
+            t0 = time.perf_counter()
             self.save_samples("iter_000000_before")
-        started, out_of_time = time.perf_counter(), False
-        while self.iteration < t.iterations and not out_of_time:
+            grid_s = time.perf_counter() - t0
+        started, out_of_time, probe = time.perf_counter(), False, []
+        while self.iteration < self.plan.planned and not out_of_time:
             for group in self.optimizer.param_groups:
-                group["lr"] = t.lr * lr_factor(t.lr_schedule, self.iteration, t.iterations)
+                group["lr"] = t.lr * lr_factor(t.lr_schedule, self.plan.progress(self.iteration), self.plan.nominal)
             row = self.train_iteration()
             self.history.append(row)
+            if not self.plan.fixed:
+                probe.append(row["time_iteration"])
+                if len(probe) >= t.budget_probe:
+                    self.fix_plan(probe, grid_s)
+                    bar.total = self.plan.planned
+                    bar.refresh()
             acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
             if acc.is_main_process:
                 self.run.append_metrics(row)
@@ -172,7 +186,7 @@ class Trainer:
                 from accelerate.utils import broadcast_object_list
 
                 out_of_time = bool(broadcast_object_list([time.perf_counter() - started >= t.max_minutes * 60])[0])
-            done = self.iteration >= t.iterations or out_of_time
+            done = self.iteration >= self.plan.planned or out_of_time
             if r.sample_every and (self.iteration % r.sample_every == 0 or done):
                 self.save_samples(f"iter_{self.iteration:06d}")
             if done or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
@@ -182,6 +196,27 @@ class Trainer:
         self.reward_runner.close()
         acc.end_training()
         return self.history
+
+    def fix_plan(self, probe: list[float], grid_s: float) -> None:
+        """Fix the iteration count that fits trainer.budget_minutes from the probe's speed (rank 0's
+        clock decides for every process) and record it in the run directory."""
+        from accelerate.utils import broadcast_object_list
+
+        t, r = self.cfg.trainer, self.cfg.run
+        speed = probe_speed(probe)
+        # the periodic grids and checkpoints, each costed at one sample grid's measured time
+        overhead = grid_s * ((1 / r.sample_every if r.sample_every else 0) + (1 / r.checkpoint_every if r.checkpoint_every else 0))
+        # never more than trainer.iterations: a budget squeezes the schedule onto a slow machine, and a fast one
+        # ends early (set trainer.iterations high to fill the budget instead)
+        planned = min(t.iterations, plan_iterations(t.budget_minutes * 60, time.perf_counter() - self.started, self.iteration,
+                                                    speed, overhead_per_iteration=overhead, reserve_s=2 * grid_s))
+        planned, speed = broadcast_object_list([planned, speed])
+        self.plan.planned, self.plan.seconds_per_iteration, self.plan.fixed = planned, speed, True
+        self.plan.machine = machine_name()
+        if self.accelerator.is_main_process:
+            write_plan(self.run.path, self.plan)
+            tqdm.write(f"budget: {speed:.2f} s per iteration over the first {len(probe)}; {planned} iterations of "
+                       f"trainer.iterations {self.plan.nominal} fit trainer.budget_minutes {t.budget_minutes:g}")
 
     # ---- outputs ------------------------------------------------------------------------
     def eval_spec(self) -> SamplerSpec:
@@ -214,7 +249,9 @@ class Trainer:
 
             path = save_checkpoint(self.run.checkpoints, self.iteration, self.params, self.optimizer.state_dict(),
                                    self.ema.shadow if self.ema is not None else None,
-                                   {"policy_version": self.iteration, "num_processes": acc.num_processes}, export=export,
+                                   {"policy_version": self.iteration, "num_processes": acc.num_processes,
+                                    "plan": self.plan.to_state() if self.plan.fixed and self.plan.budget_minutes else None},
+                                   export=export,
                                    allocator=self.allocator.state_dict(), **self.objective.state_dict())
             self.run.plot_reward_curve(self.run.read_metrics())
         acc.wait_for_everyone()
@@ -239,6 +276,8 @@ class Trainer:
         self.objective.load_state_dict(data, str(ckpt))
         restore_rng(data["rng"], data["state"]["python_random"])
         self.iteration = int(data["state"]["iteration"])
+        if self.cfg.trainer.budget_minutes and data["state"].get("plan"):  # the count this run fixed, not a new one
+            vars(self.plan).update(vars(SchedulePlan.from_state(data["state"]["plan"])))  # in place: the parts hold it
         if self.accelerator.is_main_process:
             self.history = self.run.truncate_metrics(self.iteration)
         else:

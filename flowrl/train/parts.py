@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 import torch
 
+from flowrl.train.budget import SchedulePlan
 from flowrl.train.experience import Experience
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ class TrainContext:
     optimizer_step: Callable[[], float]
     optimizer: Any
     objective_needs: str  # the training data the objective consumes (experience.TRANSITIONS or SAMPLES)
+    # maps a real iteration onto the nominal clock of trainer.iterations for iteration-based
+    # schedules (identity without a budget; flowrl/train/budget.py)
+    plan: SchedulePlan
 
     @property
     def progress(self) -> bool:

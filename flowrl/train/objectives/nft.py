@@ -121,7 +121,7 @@ class NFT(Objective):
         bar.close()
         policy.transformer.eval()
         if self.old is not None:
-            self.old.update(ctx.params, decay=min(o.old_decay, o.old_decay_rate * experience.iteration))
+            self.old.update(ctx.params, decay=min(o.old_decay, o.old_decay_rate * ctx.plan.progress(experience.iteration)))
         return {"loss": sum(losses) / max(len(losses), 1), "kl": sum(kls) / max(len(kls), 1),
                 "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": len(grad_norms),
                 "trained_transitions": len(losses), "lr": ctx.optimizer.param_groups[0]["lr"],

@@ -34,11 +34,12 @@ class Stage(NamedTuple):
     valid: torch.Tensor  # [n] bool: False where the reward output was invalid (reward.on_invalid: drop)
 
 
-def training_spec(cfg, iteration: int, policy) -> SamplerSpec:
+def training_spec(cfg, iteration: int, policy, plan=None) -> SamplerSpec:
     """The training sampler of `iteration`: the policy's sigmas under sampling.schedule and this
-    iteration's SDE window."""
+    iteration's SDE window (a progressive window moves on the run's schedule plan, ctx.plan)."""
     s, w = cfg.sampling, cfg.sampling.window
-    mask = window_mask(w.strategy, s.num_steps, w.size, w.start, iteration, cfg.trainer.seed, w.shift_every)
+    mask = window_mask(w.strategy, s.num_steps, w.size, w.start, iteration, cfg.trainer.seed, w.shift_every,
+                       None if plan is None else plan.step(iteration))
     return SamplerSpec(policy.sigmas(s.num_steps, s.schedule, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction,
                        s.cps_logprob)
 
@@ -140,7 +141,7 @@ class FlatRollout(Rollout):
 
     def collect(self, iteration: int) -> Experience:
         ctx = self.ctx
-        spec = training_spec(ctx.cfg, iteration, ctx.policy)
+        spec = training_spec(ctx.cfg, iteration, ctx.policy, ctx.plan)
         weights = ctx.reward_fn.channel_weights
         stages = self.sample_allocated(iteration, spec)
         rewards = torch.cat([st.rewards for st in stages])

@@ -62,7 +62,7 @@ class TreeRollout(Rollout):
     def spec(self, iteration: int) -> SamplerSpec:
         """between=sde: every step stochastic; window (BranchGRPO-Mix): the flat SDE window of
         this iteration; ode: none. Split steps are stochastic in every case."""
-        spec = training_spec(self.ctx.cfg, iteration, self.ctx.policy)  # sampling.window is 'all' unless between=window (validated)
+        spec = training_spec(self.ctx.cfg, iteration, self.ctx.policy, self.ctx.plan)  # sampling.window is 'all' unless between=window (validated)
         if self.ctx.cfg.rollout.tree.between == "ode":
             spec.sde_steps = torch.zeros_like(spec.sde_steps)
         return tree_spec(spec, self.ctx.cfg.rollout.splits())
@@ -131,7 +131,8 @@ class TreeRollout(Rollout):
         largest |A| (the split edges of the last split and every edge after it)."""
         tr = self.ctx.cfg.rollout.tree
         depths = len(tree.splits)
-        trained = trained_depths(depths, tr.prune_depths, tr.depth_window, tr.depth_window_shift_every, iteration)
+        trained = trained_depths(depths, tr.prune_depths, tr.depth_window, tr.depth_window_shift_every,
+                                 self.ctx.plan.step(iteration))
         width = width_prune(advantages[-1], tree.tree_ids[-1], tr.width_keep) if tr.width_keep < 1 else None
         keep: list[torch.Tensor | None] = []
         for t in range(tree.num_steps):

@@ -140,7 +140,7 @@ class TwoStageRollout(Rollout):
     def collect(self, iteration: int) -> Experience:
         ctx, ts, it = self.ctx, self.ts, iteration
         cfg, acc = ctx.cfg, ctx.accelerator
-        spec, weights = training_spec(cfg, it, ctx.policy), ctx.reward_fn.channel_weights
+        spec, weights = training_spec(cfg, it, ctx.policy, ctx.plan), ctx.reward_fn.channel_weights
         counts = ctx.allocator.first_stage(it)  # uniform (validated): K per chosen prompt
         pool_ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), counts // cfg.data.group_size * ts.candidates).tolist()
         seeds = [sample_seed(cfg.trainer.seed, it, j) for j in range(len(pool_ids))]
