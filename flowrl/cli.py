@@ -1,23 +1,50 @@
-"""`flowrl train | sample | eval | offline build | rewards | serve-reward`: parse, build, call. User mistakes print one
+"""`flowrl train | sample | eval | offline build | config show | rewards | serve-reward`: parse, build, call. User mistakes print one
 sentence on stderr and exit 2, without a traceback."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
 
 from flowrl.errors import UserError
+from flowrl.presets import preset_names
+from flowrl.quiet import silence_known_messages
 
 EXIT_USER_ERROR = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """A command-line mistake is a user error like any other: one sentence, exit 2."""
+
+    def error(self, message: str):
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def _int(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high], the range declared with the argument."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be an integer {f'in {low}-{high}' if high is not None else f'>= {low}'}; "
+                                             f"got '{text}'")
+        return value
+
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowrl", description="RL alignment of rectified-flow text-to-image models")
+    p = _Parser(prog="flowrl", description="RL alignment of rectified-flow text-to-image models")
+    p.add_argument("--version", action="version", version=f"flowrl {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="run RL training, GRPO or DiffusionNFT (no CONFIG: the default preset)")
+    t = sub.add_parser("train", help="run RL training, GRPO or DiffusionNFT (no CONFIG: the default preset)",
+                       epilog=f"presets (CONFIG): {', '.join(preset_names())}. Overrides may come anywhere on the line.")
     t.add_argument("config", nargs="?", help="a YAML file or a preset name from configs/")
     t.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. trainer.lr=1e-5")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
@@ -26,21 +53,21 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sample", help="sample a PNG grid from a run's latest checkpoint (EMA weights when present)")
     s.add_argument("--run", required=True, metavar="DIR")
     s.add_argument("--prompt", required=True, action="append", help="repeat for several prompts")
-    s.add_argument("-n", type=int, default=4, help="images per prompt")
+    s.add_argument("-n", type=_int(1), default=4, help="images per prompt")
     s.add_argument("--out", help="output PNG (default: RUN/samples/sample.png)")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--steps", type=int, help="ODE steps (default: sampling.eval_num_steps)")
-    s.add_argument("--checkpoint", type=int, metavar="ITER", help="the checkpoint of this iteration (default: the latest)")
+    s.add_argument("--steps", type=_int(1), help="ODE steps (default: sampling.eval_num_steps)")
+    s.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="the checkpoint of this iteration (default: the latest)")
 
     e = sub.add_parser("eval", help="mean reward per channel on a prompt file")
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", metavar="DIR", help="a run directory (its latest checkpoint)")
     src.add_argument("--config", help="a config or preset: evaluate its base model")
-    e.add_argument("--checkpoint", type=int, metavar="ITER", help="with --run: the checkpoint of this iteration (default: the latest)")
+    e.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="with --run: the checkpoint of this iteration (default: the latest)")
     e.add_argument("--prompts", metavar="FILE", help="one prompt per line, or builtin:shapes-heldout "
                    "(the default when the reward is shapes: a GenEval-style per-category table)")
-    e.add_argument("-n", type=int, default=1, help="images per prompt")
-    e.add_argument("--per-category", type=int, default=150, help="built-in prompt sets: images per category (default 150)")
+    e.add_argument("-n", type=_int(1), default=1, help="images per prompt")
+    e.add_argument("--per-category", type=_int(1), default=150, help="built-in prompt sets: images per category (default 150)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--judge", metavar="REWARD", help="an auxiliary judge reward for GDRO's corrected score next to each channel "
                    "(default: reward.judge); its scores map from reward.judge_range onto 1-5")
@@ -53,20 +80,49 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. data.group_size=6")
     b.add_argument("-o", "--out", required=True, metavar="DIR", help="the store directory (run again to finish a partial one)")
     b.add_argument("--run", metavar="DIR", help="sample with this run's checkpoint instead of the base model")
-    b.add_argument("--checkpoint", type=int, metavar="ITER", help="with --run: the checkpoint of this iteration (default: the latest)")
-    b.add_argument("--num-prompts", type=int, metavar="N", help="N prompts drawn from the prompt set (default: all of it)")
-    b.add_argument("--shard-groups", type=int, default=32, metavar="G", help="groups per shard file (default 32)")
+    b.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="with --run: the checkpoint of this iteration (default: the latest)")
+    b.add_argument("--num-prompts", type=_int(1), metavar="N", help="N prompts drawn from the prompt set (default: all of it)")
+    b.add_argument("--shard-groups", type=_int(1), default=32, metavar="G", help="groups per shard file (default 32)")
+
+    c = sub.add_parser("config", help="print a resolved config")
+    csub = c.add_subparsers(dest="config_command", required=True)
+    show = csub.add_parser("show", help="the resolved config as YAML, each key with its description",
+                           epilog=f"presets (CONFIG): {', '.join(preset_names())}")
+    show.add_argument("config", nargs="?", help="a YAML file or a preset name (default: the default preset)")
+    show.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. trainer.lr=1e-5")
 
     sub.add_parser("rewards", help="list the registered rewards")
 
     r = sub.add_parser("serve-reward", help="serve a registered reward over HTTP for remote clients (reward `remote`)")
     r.add_argument("name", help="a reward listed by `flowrl rewards`")
     r.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    r.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    r.add_argument("--port", type=_int(0, 65535), default=8000, help="port to listen on (default 8000; 0: any free port)")
     r.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a reward option, as under reward.options.NAME (repeat), e.g. -o device=cuda -o batch_size=16")
     r.add_argument("--verbose", action="store_true", help="log every request")
     return p
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flowrl")
+    except PackageNotFoundError:  # a source checkout that was never installed
+        return "unknown (not installed)"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """argparse, but a dot-list override (key=value) is accepted after an option too:
+    `flowrl train --run-dir runs/a trainer.lr=1e-4`."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    if len(overrides) < len(extra) or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
 
 
 def _split_config_and_overrides(config, overrides):
@@ -78,8 +134,8 @@ def _split_config_and_overrides(config, overrides):
 
 def cmd_train(args) -> int:
     from flowrl.config import load_config
-    from flowrl.train.run_dir import CONFIG_FILE
     from flowrl.train.loop import Trainer
+    from flowrl.train.run_dir import CONFIG_FILE, default_run_dir
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)
     if args.resume:
@@ -91,17 +147,25 @@ def cmd_train(args) -> int:
         cfg = load_config(run / CONFIG_FILE, overrides)
     else:
         cfg = load_config(config, overrides)
+    # fixed here, so that the processes of a relaunch and an interrupted run's message name the same directory
+    run_dir = run if args.resume else Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+    for folder in (run_dir, *run_dir.parents):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"the run directory '{run_dir}' cannot be made: '{folder}' is a file (see --run-dir, run.output_dir)")
     if _launches_cpu_processes(cfg):
-        return _relaunch(cfg.run.cpu_processes, args.argv)
-    if args.resume:
-        trainer = Trainer(cfg, run_dir=run, resume=True)
-    else:
-        trainer = Trainer(cfg, run_dir=args.run_dir)
-    if trainer.accelerator.is_main_process:
-        print(f"run directory: {trainer.run.path}", file=sys.stderr)
-        if cfg.trainer.mixed_precision == "auto":
-            print(f"trainer.mixed_precision auto: {trainer.mixed_precision} on this device", file=sys.stderr)
-    history = trainer.train()
+        argv = args.argv if args.resume or args.run_dir else [*args.argv, "--run-dir", str(run_dir)]
+        return _relaunch(cfg.run.cpu_processes, argv, run_dir)
+    try:
+        trainer = Trainer(cfg, run_dir=run_dir, resume=bool(args.resume))
+        if trainer.accelerator.is_main_process:
+            print(f"run directory: {trainer.run.path}", file=sys.stderr)
+            if cfg.trainer.mixed_precision == "auto":
+                print(f"trainer.mixed_precision auto: {trainer.mixed_precision} on this device", file=sys.stderr)
+        history = trainer.train()
+    except KeyboardInterrupt:
+        if _is_first_process() and LAUNCHED_ENV not in os.environ:  # a relaunched run: its launcher says it
+            print(_interrupted(run_dir), file=sys.stderr)
+        return EXIT_INTERRUPTED
     if history and trainer.accelerator.is_main_process:
         if "reward_mean" in history[0]:
             print(f"reward {history[0]['reward_mean']:.4g} -> {history[-1]['reward_mean']:.4g} over {len(history)} iterations; "
@@ -112,6 +176,13 @@ def cmd_train(args) -> int:
 
 
 LAUNCHED_ENV = "FLOWRL_LAUNCHED"  # set for the processes a relaunch starts, so they never relaunch again
+LAUNCHER_PID_ENV = "FLOWRL_LAUNCHER_PID"  # the launcher's pid: its processes end when it does
+EXIT_INTERRUPTED = 130
+
+
+def _interrupted(run_dir: Path) -> str:
+    return (f"flowrl: interrupted; `flowrl train --resume {run_dir}` continues from its last checkpoint "
+            "(or trains it again from the start if it has none yet)")
 
 
 def _launches_cpu_processes(cfg) -> bool:
@@ -125,7 +196,7 @@ def _launches_cpu_processes(cfg) -> bool:
     return cfg.run.cpu_processes > 1 and not inside and pick_device(cfg.model.device) == torch.device("cpu")
 
 
-def _relaunch(processes: int, argv: list[str]) -> int:
+def _relaunch(processes: int, argv: list[str], run_dir: Path) -> int:
     """The same command as `processes` processes joined by gloo, in torchrun's environment
     (accelerate reads it): rank 0 writes the run directory, the processes split every
     iteration's rollouts, and the cores are split between them. Started here rather than by a
@@ -142,7 +213,7 @@ def _relaunch(processes: int, argv: list[str]) -> int:
         port = s.getsockname()[1]
     env = {**os.environ, LAUNCHED_ENV: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes), "OMP_NUM_THREADS": str(threads),
-           "CUDA_VISIBLE_DEVICES": ""}  # a CPU run
+           "CUDA_VISIBLE_DEVICES": "", LAUNCHER_PID_ENV: str(os.getpid())}  # a CPU run
     print(f"flowrl: launching {processes} CPU processes of {threads} thread(s) each (run.cpu_processes)", file=sys.stderr)
     procs = [subprocess.Popen([sys.executable, "-m", "flowrl.cli", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(processes)]
@@ -161,7 +232,24 @@ def _relaunch(processes: int, argv: list[str]) -> int:
     except KeyboardInterrupt:  # the processes got the same Ctrl-C and stop on their own
         for p in procs:
             p.wait()
-        raise
+        print(_interrupted(run_dir), file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _die_with_launcher() -> None:
+    """In a process a relaunch started: end when the launcher ends, however it ends (kill -9
+    included), instead of training on alone. Linux's parent-death signal; elsewhere a no-op."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # the launcher died before the signal was armed
+        os._exit(EXIT_INTERRUPTED)
 
 
 def _load_run_policy(run: Path, overrides=(), iteration: int | None = None):
@@ -199,21 +287,30 @@ def _ode_images(cfg, policy, prompts, seeds, steps=None):
     from flowrl.train.evaluate import ode_images
 
     s = cfg.sampling
-    return ode_images(policy, prompts, seeds, policy.sigmas(steps or s.eval_num_steps, s.schedule, s.shift), s.batch_size)
+    return ode_images(policy, prompts, seeds, policy.sigmas(s.eval_num_steps if steps is None else steps, s.schedule, s.shift),
+                      s.batch_size)
+
+
+def _writable_file(path: Path, flag: str) -> Path:
+    """An output file path whose folders can exist: no folder on the way is a file, and it is no folder itself."""
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"{flag} '{path}': '{parent}' is a file, not a folder")
+    if path.is_dir():
+        raise UserError(f"{flag} '{path}' is a folder; give a file name such as {path / 'sample.png'}")
+    return path
 
 
 def cmd_sample(args) -> int:
     from flowrl.train.images import save_grid
 
-    if args.n < 1:
-        raise UserError(f"-n must be >= 1; got {args.n}")
     run = Path(args.run)
+    out = _writable_file(Path(args.out) if args.out else run / "samples" / "sample.png", "--out")
     cfg, policy, ckpt = _load_run_policy(run, iteration=args.checkpoint)
     prompts = [p for p in args.prompt for _ in range(args.n)]
     seeds = [args.seed + j % args.n for j in range(len(prompts))]
     images = _ode_images(cfg, policy, prompts, seeds, args.steps)
-    out = Path(args.out) if args.out else run / "samples" / "sample.png"
-    save_grid(images, out, columns=args.n)
+    save_grid(images, out, columns=args.n, captions=prompts)
     print(f"wrote {out} ({len(prompts)} images from {ckpt.name})")
     return 0
 
@@ -225,8 +322,6 @@ def cmd_eval(args) -> int:
     from flowrl.train.prompts import read_prompt_file
     from rewards import MultiReward
 
-    if args.n < 1 or args.per_category < 1:
-        raise UserError(f"-n and --per-category must be >= 1; got {args.n} and {args.per_category}")
     source = args.prompts
     prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category) if source else None
     if args.checkpoint is not None and not args.run:
@@ -286,8 +381,6 @@ def cmd_offline(args) -> int:
             raise UserError("--checkpoint picks a checkpoint of --run; without --run the base model samples")
         cfg = load_config(config, overrides)
         policy, model = load_policy(cfg.model), {"model": cfg.model.path, "checkpoint": None}
-    if args.shard_groups < 1 or (args.num_prompts is not None and args.num_prompts < 1):
-        raise UserError(f"--shard-groups and --num-prompts must be >= 1; got {args.shard_groups} and {args.num_prompts}")
     prompts = load_prompts(cfg.data)
     if args.num_prompts is not None:  # a seeded draw, cycling through the set when N exceeds it
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.trainer.seed)).tolist()
@@ -298,6 +391,15 @@ def cmd_offline(args) -> int:
     store = build_store(policy, MultiReward.from_config(cfg.reward), prompts, args.out, training_spec(cfg, 0, policy),
                         cfg.data.group_size, cfg.trainer.seed, s.batch_size, source, args.shard_groups, progress=cfg.run.progress)
     print(f"wrote {args.out}: {len(store)} groups of {cfg.data.group_size} ({', '.join(store.channel_names)})")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from flowrl.config import load_config
+    from flowrl.config_help import describe
+
+    config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    print(describe(load_config(config, overrides, validate_paths=False)), end="")
     return 0
 
 
@@ -336,10 +438,16 @@ def _is_first_process() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    _die_with_launcher()
+    silence_known_messages()
+    try:
+        args = _parse(argv)
+    except UserError as exc:
+        print(f"flowrl: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     args.argv = list(sys.argv[1:] if argv is None else argv)
     handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "offline": cmd_offline, "rewards": cmd_rewards,
-               "serve-reward": cmd_serve_reward}[args.command]
+               "serve-reward": cmd_serve_reward, "config": cmd_config}[args.command]
     try:
         return handler(args)
     except UserError as exc:
@@ -347,9 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flowrl: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        if _is_first_process() and LAUNCHED_ENV not in os.environ:  # a relaunched run: its launcher says it
-            print("flowrl: interrupted; the last checkpoint is intact (resume with --resume RUN_DIR)", file=sys.stderr)
-        return 130
+        if _is_first_process() and LAUNCHED_ENV not in os.environ:
+            print("flowrl: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -6,26 +6,27 @@ impossible value raises `ConfigError` with one sentence naming the key and what 
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.selection import SELECTION_KINDS
-from flowrl.errors import ConfigError, check_choice, check_positive
+from flowrl.errors import ConfigError, check_choice
+from flowrl.presets import CONFIG_DIR, DEFAULT_PRESET, preset_names
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.sampling.precision import HIGH_PRECISION_LAYERS
 from flowrl.sampling.schedules import WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-DEFAULT_PRESET = "default"
 MODEL_KINDS = ("sd3", "flux")
 DTYPES = ("fp32", "bf16", "fp16")
 TRACKERS = ("tensorboard", "wandb", "none")
@@ -312,6 +313,8 @@ class TrainerConfig:
     gradient_accumulation_steps: int = 1  # sample batches per optimizer step
     kl_beta: float = 0.04  # grpo: x the exact Gaussian KL per step; nft: x the mean squared velocity gap to the reference
     max_grad_norm: float = 1.0
+    # an optimizer step whose gradient norm is NaN or inf is skipped (counted in skipped_steps); this many in a row stop the run
+    max_skipped_steps: int = 3
     ema: bool = True
     ema_decay: float = 0.9
     seed: int = 0
@@ -391,7 +394,7 @@ def preset_path(name_or_path: str | None) -> Path:
         return p
     candidate = CONFIG_DIR / f"{name_or_path}.yaml"
     if not candidate.is_file():
-        names = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.yaml")))
+        names = ", ".join(preset_names())
         raise ConfigError(f"config '{name_or_path}' is neither a YAML file nor a preset; presets: {names}")
     return candidate
 
@@ -404,6 +407,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         loaded = OmegaConf.load(src)
     except Exception as exc:  # YAML syntax errors
         raise ConfigError(f"config file '{src}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file '{src}' must hold a mapping of sections (model:, trainer:, ...) at its top level, "
+                          f"not a {type(loaded).__name__.removesuffix('Config').lower() or 'value'}")
     _refuse_moved_keys([k for k in MOVED_KEYS if OmegaConf.select(loaded, k, default=None) is not None], str(src))
     try:
         merged = OmegaConf.merge(schema, loaded)
@@ -489,8 +495,106 @@ def _validate_sigma_range(cfg: Config) -> None:
         check_trained_sigmas(cfg, shifted_sigmas(s.num_steps, s.shift))
 
 
+
+# The range of every numeric field with one, declared once: "> 0", ">= 2", "[0, 1)", "(0, 1]", and
+# optionally why. `check_numbers` checks them all, and that every float anywhere in the config (lists
+# and mappings too) is finite. A part's own section (objective.nft, rollout.tree, ...) is checked by
+# the part's validate.
+RANGES: dict[str, str | tuple[str, str]] = {
+    "model.guidance_scale": "> 0",
+    "model.max_sequence_length": ">= 0",
+    "lora.rank": ">= 1",
+    "lora.alpha": "> 0",
+    "sampling.noise_level": "> 0",
+    "sampling.num_steps": ">= 2",
+    "sampling.eval_num_steps": ">= 1",
+    "sampling.shift": "> 0",
+    "sampling.batch_size": ">= 1",
+    "sampling.window.shift_every": ">= 1",
+    "data.group_size": (">= 2", "GRPO compares samples within a group"),
+    "data.prompts_per_iteration": ">= 1",
+    "reward.batch_size": ">= 1",
+    "advantage.eps": "> 0",
+    "advantage.clip": "> 0",
+    "allocator.min_group": (">= 2", "a group of one has no baseline"),
+    "allocator.prior_a": "> 0",
+    "allocator.prior_b": "> 0",
+    "allocator.fast_decay": "(0, 1]",
+    "allocator.slow_decay": "(0, 1]",
+    "allocator.first_fraction": "(0, 1]",
+    "allocator.hard_accuracy": "(0, 1]",
+    "allocator.target_positives": ">= 1",
+    "allocator.round_size": ">= 1",
+    "allocator.cap": ">= 0",
+    "trainer.iterations": ">= 1",
+    "trainer.budget_minutes": ">= 0",
+    "trainer.budget_probe": ">= 1",
+    "trainer.max_minutes": ">= 0",
+    "trainer.lr": "> 0",
+    "trainer.weight_decay": ">= 0",
+    "trainer.adam_beta1": "[0, 1)",
+    "trainer.adam_beta2": "[0, 1)",
+    "trainer.adam_eps": "> 0",
+    "trainer.inner_epochs": ">= 1",
+    "trainer.gradient_accumulation_steps": ">= 1",
+    "trainer.kl_beta": ">= 0",
+    "trainer.max_grad_norm": "> 0",
+    "trainer.max_skipped_steps": ">= 1",
+    "trainer.ema_decay": "[0, 1)",
+    "run.sample_every": ">= 0",
+    "run.checkpoint_every": ">= 0",
+    "run.cpu_processes": ">= 1",
+}
+_BOUND = re.compile(r"^(>=|>)\s*(-?[\d.]+)$")
+_INTERVAL = re.compile(r"^([\[(])\s*(-?[\d.]+),\s*(-?[\d.]+)\s*([\])])$")
+
+
+def in_range(value: float, spec: str) -> bool:
+    """Whether `value` lies in `spec` ("> 0", ">= 2", "[0, 1)", ...); NaN and inf never do."""
+    if not math.isfinite(value):
+        return False
+    if m := _BOUND.match(spec):
+        return value >= float(m[2]) if m[1] == ">=" else value > float(m[2])
+    m = _INTERVAL.match(spec)
+    if m is None:
+        raise ValueError(f"not a range: {spec!r}")
+    lo, hi = float(m[2]), float(m[3])
+    return (lo <= value if m[1] == "[" else lo < value) and (value <= hi if m[4] == "]" else value < hi)
+
+
+def _floats(node, key: str = ""):
+    """(dotted key, value) of every float in the config: fields, list items and mapping values."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            yield from _floats(getattr(node, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _floats(v, f"{key}.{k}")
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _floats(v, f"{key}[{i}]")
+    elif isinstance(node, float):
+        yield key, node
+
+
+def check_numbers(cfg: Config) -> None:
+    """Every float finite, every field of RANGES in its range: one sentence naming the first that is not."""
+    for key, value in _floats(cfg):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number; got {value}")
+    for key, spec in RANGES.items():
+        spec, why = (spec, "") if isinstance(spec, str) else spec
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if not in_range(value, spec):
+            shown = f"a finite number {spec}" if spec[0] == ">" else f"in {spec}"
+            raise ConfigError(f"{key} must be {shown}" + (f" ({why})" if why else "") + f"; got {value}")
+
+
 def validate(cfg: Config, validate_paths: bool = True) -> None:
     m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.trainer
+    check_numbers(cfg)
     check_choice("model.kind", m.kind, MODEL_KINDS)
     check_choice("model.dtype", m.dtype, DTYPES)
     if validate_paths:
@@ -499,25 +603,16 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
         value = getattr(m, key)
         if value <= 0 or value % 16:
             raise ConfigError(f"model.{key} must be a positive multiple of 16; got {value}")
-    check_positive("model.guidance_scale", m.guidance_scale)
     if cfg.lora.enabled:
-        check_positive("lora.rank", cfg.lora.rank)
-        check_positive("lora.alpha", cfg.lora.alpha)
         if not cfg.lora.target_modules:
             raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
     elif t.kl_beta > 0:
         raise ConfigError("trainer.kl_beta > 0 needs lora.enabled=true: the reference policy is the network with the adapter disabled")
 
     check_choice("sampling.sampler", s.sampler, SAMPLERS)
-    check_positive("sampling.noise_level", s.noise_level)
-    if s.num_steps < 2:
-        raise ConfigError(f"sampling.num_steps must be >= 2; got {s.num_steps}")
-    check_positive("sampling.eval_num_steps", s.eval_num_steps)
-    check_positive("sampling.shift", s.shift)
     check_choice("sampling.logprob_reduction", s.logprob_reduction, LOGPROB_REDUCTIONS)
     check_choice("sampling.schedule", s.schedule, SCHEDULES)
     check_choice("sampling.cps_logprob", s.cps_logprob, CPS_LOGPROBS)
-    check_positive("sampling.batch_size", s.batch_size)
     w = s.window
     check_choice("sampling.window.strategy", w.strategy, WINDOW_STRATEGIES)
     if w.strategy != "all":
@@ -534,17 +629,16 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     rollout = rollout_class(cfg.rollout.kind)  # one sentence for an unknown kind, before anything checks its options
     check_compatible(cfg)  # each part's own checks, and the objective's data from the rollout
     _validate_sigma_range(cfg)
-    if d.group_size < 2:
-        raise ConfigError(f"data.group_size must be >= 2 (GRPO compares samples within a group); got {d.group_size}")
-    check_positive("data.prompts_per_iteration", d.prompts_per_iteration)
     if rollout.needs_prompts and not d.prompts and not d.prompt_file:
         raise ConfigError("data.prompts is empty and data.prompt_file is not set; give prompts or a prompt file")
     if d.prompt_file and d.prompt_file.startswith("builtin:"):
         from flowrl.train.prompts import BUILTIN_PROMPT_SETS
 
         check_choice("data.prompt_file", d.prompt_file, BUILTIN_PROMPT_SETS)
-    elif d.prompt_file and validate_paths and not Path(d.prompt_file).expanduser().is_file():
-        raise ConfigError(f"data.prompt_file '{d.prompt_file}' does not exist; give a text file with one prompt per line")
+    elif d.prompt_file and not d.prompts and validate_paths and not Path(d.prompt_file).expanduser().is_file():
+        # data.prompts, when given, wins over the file: a preset's file need not exist then
+        raise ConfigError(f"data.prompt_file '{d.prompt_file}' does not exist; give a text file with one prompt per line "
+                          "(the GPU presets' files: README, Presets) or data.prompts")
 
     if rollout.needs_rewards and not cfg.reward.weights:
         raise ConfigError("reward.weights is empty; name at least one reward, for example jpeg_compressibility: 1.0")
@@ -556,46 +650,17 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     jr = cfg.reward.judge_range
     if len(jr) != 2 or not jr[0] < jr[1]:
         raise ConfigError(f"reward.judge_range must be [low, high] with low < high (the judge's scores mapped onto 1-5); got {list(jr)}")
-    check_positive("reward.batch_size", cfg.reward.batch_size)
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
 
     check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
     check_choice("advantage.std", cfg.advantage.std, ("group", "global"))
-    check_positive("advantage.eps", cfg.advantage.eps)
-    check_positive("advantage.clip", cfg.advantage.clip)
     al = cfg.allocator
     check_choice("allocator.kind", al.kind, ALLOCATOR_KINDS)
-    if al.min_group < 2:
-        raise ConfigError(f"allocator.min_group must be >= 2 (a group of one has no baseline); got {al.min_group}")
     if d.group_size < al.min_group:
         raise ConfigError(f"data.group_size ({d.group_size}) must be >= allocator.min_group ({al.min_group})")
-    check_positive("allocator.prior_a", al.prior_a)
-    check_positive("allocator.prior_b", al.prior_b)
-    for key in ("fast_decay", "slow_decay", "first_fraction", "hard_accuracy"):
-        value = getattr(al, key)
-        if not 0 < value <= 1:
-            raise ConfigError(f"allocator.{key} must be in (0, 1]; got {value}")
-    check_positive("allocator.target_positives", al.target_positives)
-    check_positive("allocator.round_size", al.round_size)
-    check_positive("allocator.cap", al.cap, strict=False)
     check_choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
 
-    check_positive("trainer.iterations", t.iterations)
-    check_positive("trainer.lr", t.lr)
     check_choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
-    check_positive("trainer.max_minutes", t.max_minutes, strict=False)
-    check_positive("trainer.budget_minutes", t.budget_minutes, strict=False)
-    check_positive("trainer.budget_probe", t.budget_probe)
-    check_positive("trainer.weight_decay", t.weight_decay, strict=False)
-    check_positive("trainer.inner_epochs", t.inner_epochs)
-    check_positive("trainer.gradient_accumulation_steps", t.gradient_accumulation_steps)
-    check_positive("trainer.kl_beta", t.kl_beta, strict=False)
-    check_positive("trainer.max_grad_norm", t.max_grad_norm)
-    if not 0 <= t.ema_decay < 1:
-        raise ConfigError(f"trainer.ema_decay must be in [0, 1); got {t.ema_decay}")
     check_choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
 
     check_choice("run.tracker", cfg.run.tracker, TRACKERS)
-    check_positive("run.sample_every", cfg.run.sample_every, strict=False)
-    check_positive("run.checkpoint_every", cfg.run.checkpoint_every, strict=False)
-    check_positive("run.cpu_processes", cfg.run.cpu_processes)

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Simulated benchmark of flowrl's rollout allocators (docs/algorithms.md section 7).
 
 A pool of --prompts prompts (default 512) with pass/fail outcomes. Prompt i's initial success

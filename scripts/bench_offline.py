@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Group objectives on the embedded shapes task: DGPO online and GDRO offline (with its store's
 build time), judged as the default's recipes are (held-out strict, GenEval-style).
 

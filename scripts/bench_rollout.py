@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Benchmark the overhead of flowrl's rollout loop over the bare transformer forwards.
 
 Default (CPU or GPU): build a tiny random SD3 pipeline whose SD3Transformer2DModel has about

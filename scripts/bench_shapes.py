@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Base vs RL-trained held-out accuracy of the embedded shapes model, GenEval-style.
 
     python scripts/bench_shapes.py                      # the default preset, its own budget

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Benchmark BranchGRPO trees against flat GRPO, side by side in one run on the same model.
 
 Four trainers (each its own Trainer, same model, reward, prompts, seed and batch size):

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Benchmark Sol-RL two-stage exploration ("FP4 explore, BF16 train") on one model, side by side.
 
 Three parts:

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Do refactors leave training bit for bit where it was? The first iterations of five runs,
 compared with metrics recorded on an earlier commit.
 

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Convert the LAION improved-aesthetic-predictor head (a pickled .pth state dict, e.g.
 sac+logos+ava1-l14-linearMSE.pth from github.com/christophschuhmann/improved-aesthetic-predictor)
 to safetensors for the `aesthetic` reward.

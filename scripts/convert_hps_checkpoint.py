@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Convert an HPSv2 checkpoint (the pickled HPS_v2.1_compressed.pt or HPS_v2_compressed.pt
 of the hub repo xswu/HPSv2) to safetensors for the `hpsv2` reward.
 

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Pretrain the embedded default model on the shapes world by rectified-flow matching.
 
     python scripts/pretrain_shapes.py --work runs/pretrain-shapes --steps 9000 --threads 2   # the shipped model

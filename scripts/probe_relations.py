@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Does a shapes model condition on the relation word? Two measures on held-out position prompts.
 
     python scripts/probe_relations.py                       # the shipped model

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """The README's pictures of a finished run: the sample grid before RL beside the last one, and the
 reward curve.
 

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Screen recipe changes of the shapes preset: many bench_shapes runs at once, on one GPU or a large CPU box.
 
     python scripts/screen_shapes.py recipes.txt --seeds 0 1 2 --parallel 13 --minutes 8 \\

@@ -82,10 +82,23 @@ def absent_components(path: str) -> dict[str, None]:
     return {k: None for k, v in entries.items() if isinstance(v, list) and len(v) == 2 and v[0] is None}
 
 
+PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}  # model_index.json's class -> model.kind
+
+
 def pick_device(name: str) -> torch.device:
+    """model.device as a torch device: auto is CUDA where there is one, else the CPU. A device
+    that torch cannot name, or CUDA on a machine without it, is refused rather than replaced."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"model.device must be auto, cpu, cuda or cuda:N; got '{name}'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"model.device is '{name}' but torch sees no CUDA device here; use model.device=cpu or auto")
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"model.device must be auto, cpu, cuda or cuda:N; got '{name}'")
+    return device
 
 
 class FlowPolicy:
@@ -123,11 +136,28 @@ class FlowPolicy:
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
         path = resolve_model_path(cfg.path)
+        cls._check_pipeline_class(cfg.path, path)
         try:
             pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path))
         except (OSError, ValueError) as exc:
             raise UserError(f"model.path '{cfg.path}' could not be loaded as a {cls.pipeline_class.__name__}: {str(exc).splitlines()[0]}") from None
         return cls(pipe, cfg, device if device is not None else pick_device(cfg.device))
+
+    @classmethod
+    def _check_pipeline_class(cls, given: str, path: str) -> None:
+        """The pipeline's own model_index.json names its class: refuse another kind's pipeline with
+        the kind to set, before diffusers fails on it somewhere deeper."""
+        from diffusers import DiffusionPipeline
+
+        try:
+            found = DiffusionPipeline.load_config(path).get("_class_name")
+        except Exception:  # no index to read (yet): from_pretrained gives its own sentence
+            return
+        expected = cls.pipeline_class.__name__
+        if found and found != expected:
+            kind = PIPELINE_KINDS.get(found)
+            fix = f"set model.kind={kind}" if kind else f"flowrl loads {' and '.join(PIPELINE_KINDS)} pipelines"
+            raise UserError(f"model.path '{given}' holds a {found}, not the {expected} that model.kind needs; {fix}")
 
     def _modules(self):
         names = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
@@ -288,8 +318,12 @@ class FlowPolicy:
         f = Path(directory) / "pytorch_lora_weights.safetensors"
         if not f.is_file():
             raise UserError(f"checkpoint '{directory}' has no pytorch_lora_weights.safetensors")
-        state = {k.removeprefix("transformer."): v for k, v in load_file(str(f)).items()}
-        result = set_peft_model_state_dict(self.transformer, state)
+        try:
+            state = {k.removeprefix("transformer."): v for k, v in load_file(str(f)).items()}
+            result = set_peft_model_state_dict(self.transformer, state)
+        except Exception as exc:  # a truncated file, or tensors of another rank
+            raise UserError(f"checkpoint '{directory}' holds an unreadable or mismatched LoRA "
+                            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
         unexpected = getattr(result, "unexpected_keys", None)
         if unexpected:
             raise UserError(f"checkpoint '{directory}' does not match this model's LoRA layout ({len(unexpected)} unexpected keys)")

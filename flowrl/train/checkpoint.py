@@ -56,13 +56,18 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor],
     (the diffusers-format LoRA) inside the temporary directory before it is renamed.
     `state_tensors` (allocator=..., nft_old=...) go to NAME.safetensors when not None."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(iteration)
+    opt_tensors, opt_meta = _optimizer_to_flat(optimizer_state)
+    for key, tensors in {"trainable": params, "optimizer": opt_tensors, "ema": ema_shadow, **state_tensors}.items():
+        bad = next((n for n, t in (tensors or {}).items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
+        if bad is not None:  # checked before anything is written: the last checkpoint stays the newest
+            raise UserError(f"checkpoint {name} was not written: {key} tensor '{bad}' holds NaN or inf; "
+                            f"the last checkpoint is {latest_checkpoint(root) or 'none'}")
+    root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file({n: p.detach().cpu().contiguous() for n, p in params.items()}, str(tmp / "trainable.safetensors"))
-    opt_tensors, opt_meta = _optimizer_to_flat(optimizer_state)
     save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     for key, tensors in {"ema": ema_shadow, **state_tensors}.items():
         if key in REQUIRED_TENSORS or not key.isidentifier():
@@ -89,11 +94,16 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor],
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    pointer = Path(root) / LATEST
-    if not pointer.is_file():
-        return None
-    path = Path(root) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    """The checkpoint `latest` names; where that pointer is missing or names no checkpoint, the
+    newest one there is (every iter_* directory is complete: each is renamed into place whole)."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        if path.name.startswith("iter_") and path.is_dir():
+            return path
+    done = checkpoint_iterations(root) if root.is_dir() else []
+    return root / checkpoint_name(done[-1]) if done else None
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -12,8 +12,9 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import contextlib
+import math
+import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ from flowrl.core.allocation import make_allocator
 from flowrl.core.lr_schedule import lr_factor
 from flowrl.errors import UserError
 from flowrl.models import load_policy
+from flowrl.models.base import pick_device
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
@@ -35,7 +37,7 @@ from flowrl.train.metrics import iteration_row
 from flowrl.train.parts import TrainContext
 from flowrl.train.registry import objective_class, rollout_class
 from flowrl.train.prompts import load_prompts
-from flowrl.train.run_dir import RunDir
+from flowrl.train.run_dir import RunDir, default_run_dir
 from rewards import AsyncRewardRunner, MultiReward
 
 if TYPE_CHECKING:  # the config module imports the training parts to validate against them
@@ -90,6 +92,7 @@ class Trainer:
         self.rollout = rollout_cls(ctx)
         self.iteration = 0
         self.history: list[dict] = []
+        self.skipped_steps, self.skipped_in_a_row = 0, 0  # optimizer steps skipped for a non-finite gradient norm
 
         if resume:
             self._resume()
@@ -107,10 +110,10 @@ class Trainer:
         from accelerate.utils import broadcast_object_list
 
         cfg = self.cfg
-        cpu = cfg.model.device == "cpu" or not torch.cuda.is_available()
+        cpu = pick_device(cfg.model.device).type == "cpu"  # refuses a device that is not there
         PartialState(cpu=cpu)  # start the process group so every process can agree on one run directory
         if run_dir is None:
-            run_dir = Path(cfg.run.output_dir) / (cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S"))
+            run_dir = default_run_dir(cfg)
         self.run = RunDir(broadcast_object_list([str(run_dir)])[0])
         self.mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
         return Accelerator(
@@ -138,17 +141,35 @@ class Trainer:
         with self.objective.behaviour_weights():
             experience = self.rollout.collect(self.iteration)
         t_collected = time.perf_counter()
+        self.skipped_steps = 0
         stats = self.objective.update(experience)
         t_updated = time.perf_counter()
         row = iteration_row(experience, stats, self.reward_fn, self.prompts)
+        row["skipped_steps"] = self.skipped_steps
         row.update(time_sampling=t_collected - t0, time_training=t_updated - t_collected)
         self.iteration += 1
         row["time_iteration"] = time.perf_counter() - t0
         return row
 
     def optimizer_step(self) -> float:
-        """Clip, step, zero, update the EMA; returns the gradient norm before clipping."""
+        """Clip, step, zero, update the EMA; returns the gradient norm before clipping.
+
+        A NaN or inf anywhere in the loss or the gradients makes the norm non-finite (on every
+        process alike: it is taken after the all-reduce). That step is skipped: the gradients are
+        dropped, and the weights, the optimizer's moments and the EMA stay as they were.
+        trainer.max_skipped_steps such steps in a row stop the run."""
         norm = float(self.accelerator.clip_grad_norm_(list(self.params.values()), self.cfg.trainer.max_grad_norm))
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row >= self.cfg.trainer.max_skipped_steps:
+                last = latest_checkpoint(self.run.checkpoints)
+                raise UserError(f"iteration {self.iteration}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
+                                f"gradient norm ({norm}), so the run stopped; the last checkpoint, all finite, is "
+                                f"{last if last is not None else 'none (no checkpoint yet)'}; try a lower trainer.lr")
+            return norm
+        self.skipped_in_a_row = 0
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
@@ -218,6 +239,23 @@ class Trainer:
             tqdm.write(f"budget: {speed:.2f} s per iteration over the first {len(probe)}; {planned} iterations of "
                        f"trainer.iterations {self.plan.nominal} fit trainer.budget_minutes {t.budget_minutes:g}")
 
+    def _start_over(self) -> None:
+        """`--resume` of a run that has no checkpoint yet: every draw is keyed by (seed, iteration),
+        so training again from iteration 0 repeats what was lost. What the run wrote (metrics,
+        sample grids) moves to RUN/restart-N first, so nothing is deleted."""
+        acc = self.accelerator
+        if acc.is_main_process:
+            written = [p for p in (self.run.metrics_file, self.run.samples) if p.exists()]
+            if written:
+                n = 1 + sum(1 for _ in self.run.path.glob("restart-*"))
+                backup = self.run.path / f"restart-{n}"
+                backup.mkdir()
+                for p in written:
+                    p.rename(backup / p.name)
+                print(f"flowrl: '{self.run.path}' has no checkpoint yet; training it again from iteration 0 (what it wrote "
+                      f"is kept in {backup})", file=sys.stderr)
+        acc.wait_for_everyone()
+
     # ---- outputs ------------------------------------------------------------------------
     def eval_spec(self) -> SamplerSpec:
         s = self.cfg.sampling
@@ -233,7 +271,7 @@ class Trainer:
         with self.ema.swapped_in(self.params) if self.ema is not None else contextlib.nullcontext():
             traj = rollout(self.policy, prompts, seeds, self.eval_spec(), self.cfg.sampling.batch_size)
             images = self.policy.decode(traj.final)
-        return save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2)
+        return save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2, captions=prompts)
 
     def save(self) -> Path | None:
         acc = self.accelerator
@@ -259,12 +297,18 @@ class Trainer:
 
     def _resume(self) -> None:
         ckpt = latest_checkpoint(self.run.checkpoints)
-        if ckpt is None:
-            raise UserError(f"--resume: '{self.run.path}' has no checkpoint to resume from (expected {self.run.checkpoints}/latest)")
+        if ckpt is None:  # stopped before its first checkpoint: start over in place, keeping what it wrote
+            self._start_over()
+            return
         data = load_checkpoint(ckpt)
-        mismatched = set(self.params) ^ set(data["params"])
+        mismatched = sorted(set(self.params) ^ set(data["params"]))
         if mismatched:
-            raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model ({len(mismatched)} mismatched weights)")
+            raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model ({len(mismatched)} mismatched "
+                            f"weights, e.g. '{mismatched[0]}')")
+        for n, p in self.params.items():
+            if tuple(data["params"][n].shape) != tuple(p.shape):
+                raise UserError(f"--resume: checkpoint '{ckpt}' holds '{n}' of shape {tuple(data['params'][n].shape)} where the "
+                                f"configured model has {tuple(p.shape)}; resume with the run's own lora settings")
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(data["params"][n])

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from flowrl.errors import UserError
 
 if TYPE_CHECKING:  # the config module imports the training parts to validate against them
     from flowrl.config import Config
@@ -13,6 +16,13 @@ if TYPE_CHECKING:  # the config module imports the training parts to validate ag
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
+
+
+def default_run_dir(cfg: Config) -> Path:
+    """run.output_dir/run.name, or a timestamp where run.name is empty."""
+    from datetime import datetime
+
+    return Path(cfg.run.output_dir) / (cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
 class RunDir:
@@ -43,9 +53,21 @@ class RunDir:
             f.flush()
 
     def read_metrics(self) -> list[dict]:
+        """The rows of metrics.jsonl. A last row cut short by a crash is left out (a resume
+        writes it again); a bad row before the last is an error naming its line."""
         if not self.metrics_file.is_file():
             return []
-        return [json.loads(line) for line in self.metrics_file.read_text().splitlines() if line.strip()]
+        lines = [line for line in self.metrics_file.read_text().splitlines() if line.strip()]
+        rows = []
+        for number, line in enumerate(lines, 1):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number < len(lines):
+                    raise UserError(f"{self.metrics_file} line {number} is not a JSON row; fix or remove that line") from None
+                print(f"flowrl: the last row of {self.metrics_file} was cut short (a crash while writing it); left out",
+                      file=sys.stderr)
+        return rows
 
     def truncate_metrics(self, before_iteration: int) -> list[dict]:
         """Drop rows logged after the checkpoint we resume from (they will be logged again)."""

@@ -1,0 +1,72 @@
+"""`flowrl config show`: a resolved config as YAML, each key with its description.
+
+The descriptions are the comments written beside (or just above) each field in flowrl/config.py,
+read from its source, so the help cannot drift from the code that defines the field."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import io
+import json
+import tokenize
+from functools import lru_cache
+
+from omegaconf import OmegaConf
+
+
+@lru_cache(maxsize=1)
+def field_comments() -> dict[tuple[str, str], str]:
+    """(dataclass name, field name) -> the comment on the field's line, or the comment lines
+    directly above it, from flowrl/config.py."""
+    from flowrl import config
+
+    source = inspect.getsource(config)
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    out = {}
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                text = comments.get(item.end_lineno)
+                if text is None:  # a comment block right above the field
+                    above, row = [], item.lineno - 1
+                    while row in comments and lines[row - 1].lstrip().startswith("#"):
+                        above.insert(0, comments[row])
+                        row -= 1
+                    text = " ".join(above) or None
+                if text:
+                    out[(node.name, item.target.id)] = text
+    return out
+
+
+def _value_yaml(value) -> str:
+    """One line of YAML: lists and mappings in flow style (JSON is YAML), scalars as OmegaConf writes them."""
+    if isinstance(value, (list, tuple, dict)):
+        return json.dumps(value)
+    return OmegaConf.to_yaml({"v": value}).strip().removeprefix("v:").strip()
+
+
+def describe(cfg) -> str:
+    """The config as YAML with each field's description as a comment."""
+    notes, out = field_comments(), []
+
+    def walk(obj, indent: str) -> None:
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            note = notes.get((type(obj).__name__, f.name))
+            if dataclasses.is_dataclass(value):
+                doc = (inspect.getdoc(type(value)) or "").split("\n\n")[0].replace("\n", " ")
+                out.append(f"{indent}{f.name}:" + (f"  # {doc}" if doc and not indent else ""))
+                walk(value, indent + "  ")
+                continue
+            out.append(f"{indent}{f.name}: {_value_yaml(value)}" + (f"  # {note}" if note else ""))
+
+    walk(cfg, "")
+    return "\n".join(out) + "\n"
