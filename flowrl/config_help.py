@@ -63,6 +63,8 @@ def describe(cfg) -> str:
             note = notes.get((type(obj).__name__, f.name))
             if dataclasses.is_dataclass(value):
                 doc = (inspect.getdoc(type(value)) or "").split("\n\n")[0].replace("\n", " ")
+                if doc.startswith(f"{type(value).__name__}("):  # the signature dataclass writes where there is no docstring
+                    doc = ""
                 out.append(f"{indent}{f.name}:" + (f"  # {doc}" if doc and not indent else ""))
                 walk(value, indent + "  ")
                 continue
