@@ -149,9 +149,7 @@ def cmd_train(args) -> int:
         cfg = load_config(config, overrides)
     # fixed here, so that the processes of a relaunch and an interrupted run's message name the same directory
     run_dir = run if args.resume else Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-    for folder in (run_dir, *run_dir.parents):
-        if folder.exists() and not folder.is_dir():
-            raise UserError(f"the run directory '{run_dir}' cannot be made: '{folder}' is a file (see --run-dir, run.output_dir)")
+    _no_file_on_the_way(run_dir, "the run directory (--run-dir, run.output_dir)")
     if _launches_cpu_processes(cfg):
         argv = args.argv if args.resume or args.run_dir else [*args.argv, "--run-dir", str(run_dir)]
         return _relaunch(cfg.run.cpu_processes, argv, run_dir)
@@ -291,11 +289,16 @@ def _ode_images(cfg, policy, prompts, seeds, steps=None):
                       s.batch_size)
 
 
+def _no_file_on_the_way(path: Path, what: str) -> None:
+    """Refuse a path that cannot be made because a folder on the way (or the path itself) is a file."""
+    for folder in (path, *path.parents):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"{what} '{path}' cannot be made: '{folder}' is a file, not a folder")
+
+
 def _writable_file(path: Path, flag: str) -> Path:
-    """An output file path whose folders can exist: no folder on the way is a file, and it is no folder itself."""
-    for parent in path.parents:
-        if parent.exists() and not parent.is_dir():
-            raise UserError(f"{flag} '{path}': '{parent}' is a file, not a folder")
+    """An output file path whose folders can exist, and that is no folder itself."""
+    _no_file_on_the_way(path.parent, flag)
     if path.is_dir():
         raise UserError(f"{flag} '{path}' is a folder; give a file name such as {path / 'sample.png'}")
     return path

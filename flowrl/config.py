@@ -20,7 +20,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.selection import SELECTION_KINDS
-from flowrl.errors import ConfigError, check_choice
+from flowrl.errors import ConfigError, check_choice, check_range
 from flowrl.presets import CONFIG_DIR, DEFAULT_PRESET, preset_names
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.sampling.precision import HIGH_PRECISION_LAYERS
@@ -545,23 +545,6 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "run.checkpoint_every": ">= 0",
     "run.cpu_processes": ">= 1",
 }
-_BOUND = re.compile(r"^(>=|>)\s*(-?[\d.]+)$")
-_INTERVAL = re.compile(r"^([\[(])\s*(-?[\d.]+),\s*(-?[\d.]+)\s*([\])])$")
-
-
-def in_range(value: float, spec: str) -> bool:
-    """Whether `value` lies in `spec` ("> 0", ">= 2", "[0, 1)", ...); NaN and inf never do."""
-    if not math.isfinite(value):
-        return False
-    if m := _BOUND.match(spec):
-        return value >= float(m[2]) if m[1] == ">=" else value > float(m[2])
-    m = _INTERVAL.match(spec)
-    if m is None:
-        raise ValueError(f"not a range: {spec!r}")
-    lo, hi = float(m[2]), float(m[3])
-    return (lo <= value if m[1] == "[" else lo < value) and (value <= hi if m[4] == "]" else value < hi)
-
-
 def _floats(node, key: str = ""):
     """(dotted key, value) of every float in the config: fields, list items and mapping values."""
     if dataclasses.is_dataclass(node):
@@ -587,9 +570,7 @@ def check_numbers(cfg: Config) -> None:
         value = cfg
         for part in key.split("."):
             value = getattr(value, part)
-        if not in_range(value, spec):
-            shown = f"a finite number {spec}" if spec[0] == ">" else f"in {spec}"
-            raise ConfigError(f"{key} must be {shown}" + (f" ({why})" if why else "") + f"; got {value}")
+        check_range(key, value, spec, why)
 
 
 def validate(cfg: Config, validate_paths: bool = True) -> None:
@@ -638,7 +619,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     elif d.prompt_file and not d.prompts and validate_paths and not Path(d.prompt_file).expanduser().is_file():
         # data.prompts, when given, wins over the file: a preset's file need not exist then
         raise ConfigError(f"data.prompt_file '{d.prompt_file}' does not exist; give a text file with one prompt per line "
-                          "(the GPU presets' files: README, Presets) or data.prompts")
+                          "(the GPU presets' files: docs/usage.md) or data.prompts")
 
     if rollout.needs_rewards and not cfg.reward.weights:
         raise ConfigError("reward.weights is empty; name at least one reward, for example jpeg_compressibility: 1.0")

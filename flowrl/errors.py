@@ -2,6 +2,7 @@
 them without a traceback and exits 2."""
 
 import math
+import re
 
 
 class UserError(Exception):
@@ -18,7 +19,29 @@ def check_choice(key: str, value, allowed) -> None:
         raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got '{value}'")
 
 
+_BOUND = re.compile(r"^(>=|>)\s*(-?[\d.]+)$")
+_INTERVAL = re.compile(r"^([\[(])\s*(-?[\d.]+),\s*(-?[\d.]+)\s*([\])])$")
+
+
+def in_range(value: float, spec: str) -> bool:
+    """Whether `value` lies in `spec` ("> 0", ">= 2", "[0, 1)", ...); NaN and inf never do."""
+    if not math.isfinite(value):
+        return False
+    if m := _BOUND.match(spec):
+        return value >= float(m[2]) if m[1] == ">=" else value > float(m[2])
+    m = _INTERVAL.match(spec)
+    if m is None:
+        raise ValueError(f"not a range: {spec!r}")
+    lo, hi = float(m[2]), float(m[3])
+    return (lo <= value if m[1] == "[" else lo < value) and (value <= hi if m[4] == "]" else value < hi)
+
+
+def check_range(key: str, value, spec: str, why: str = "") -> None:
+    """`value` of config key `key` must lie in `spec` (see in_range), finite."""
+    if not in_range(value, spec):
+        shown = f"a finite number {spec}" if spec[0] == ">" else f"in {spec}"
+        raise ConfigError(f"{key} must be {shown}" + (f" ({why})" if why else "") + f"; got {value}")
+
+
 def check_positive(key: str, value, strict: bool = True) -> None:
-    # NaN fails every comparison and inf passes `> 0`: both are refused by name
-    if not (math.isfinite(value) and ((value > 0) if strict else (value >= 0))):
-        raise ConfigError(f"{key} must be a finite number {'> 0' if strict else '>= 0'}; got {value}")
+    check_range(key, value, "> 0" if strict else ">= 0")
