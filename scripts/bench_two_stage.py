@@ -251,11 +251,11 @@ def gpu(args) -> None:
                 block.compile()
         fn = module
         with torch.no_grad():
-            t0 = time.perf_counter()
-            for _ in range(3):  # warm-up (and compilation)
+            for call in range(3):  # warm-up (and compilation), each call timed so that a time limit still tells which one was slow
+                t0 = time.perf_counter()
                 fn(**inputs)
-            torch.cuda.synchronize()
-            print(f"    warm-up{' and compilation' if args.compile else ''}: {time.perf_counter() - t0:.1f} s", flush=True)
+                torch.cuda.synchronize()
+                print(f"    warm-up{' and compilation' if args.compile else ''} call {call + 1}: {time.perf_counter() - t0:.1f} s", flush=True)
             t0 = time.perf_counter()
             for _ in range(args.gpu_steps):
                 fn(**inputs)
