@@ -50,14 +50,19 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     t.add_argument("--run-dir", metavar="DIR", help="write the run here instead of run.output_dir/run.name")
 
-    s = sub.add_parser("sample", help="sample a PNG grid from a run's latest checkpoint (EMA weights when present)")
-    s.add_argument("--run", required=True, metavar="DIR")
+    s = sub.add_parser("sample", help="sample a PNG grid from a run's latest checkpoint (EMA weights when present) or a base model; "
+                       "--search aligns the samples at inference time")
+    src = s.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", metavar="DIR", help="a run directory (its latest checkpoint)")
+    src.add_argument("--config", help="a config or preset: sample its base model")
     s.add_argument("--prompt", required=True, action="append", help="repeat for several prompts")
     s.add_argument("-n", type=_int(1), default=4, help="images per prompt")
     s.add_argument("--out", help="output PNG (default: RUN/samples/sample.png)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=_int(1), help="ODE steps (default: sampling.eval_num_steps)")
     s.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="the checkpoint of this iteration (default: the latest)")
+    _search_arguments(s)
+    s.add_argument("overrides", nargs="*", help="dot-list overrides of the config (search.lam=20 ...)")
 
     e = sub.add_parser("eval", help="mean reward per channel on a prompt file")
     src = e.add_mutually_exclusive_group(required=True)
@@ -71,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--judge", metavar="REWARD", help="an auxiliary judge reward for GDRO's corrected score next to each channel "
                    "(default: reward.judge); its scores map from reward.judge_range onto 1-5")
+    _search_arguments(e)
     e.add_argument("overrides", nargs="*", help="dot-list overrides of the config (model.guidance_scale=3.0 ...)")
 
     o = sub.add_parser("offline", help="group stores for offline training (objective.kind gdro, rollout.kind offline)")
@@ -101,6 +107,30 @@ def _parser() -> argparse.ArgumentParser:
                    help="a reward option, as under reward.options.NAME (repeat), e.g. -o device=cuda -o batch_size=16")
     r.add_argument("--verbose", action="store_true", help="log every request")
     return p
+
+
+def _search_arguments(p: argparse.ArgumentParser) -> None:
+    from flowrl.search import SEARCH_METHODS
+
+    p.add_argument("--search", choices=tuple(SEARCH_METHODS), help="inference-time search (search.method): best-of-N, SMC "
+                   "steering, tree sampling or greedy tree search, on search.num_steps SDE steps (docs/search.md)")
+    p.add_argument("--budget", type=_int(1), metavar="NFE", help="with --search: network evaluations per image, one per sample per "
+                   "step (search.budget; default four samples' worth)")
+    p.add_argument("--reward", metavar="NAME", help="with --search: the searched reward (search.reward; default: reward.weights)")
+
+
+def _search_overrides(args) -> list[str]:
+    """--search, --budget and --reward as config overrides (they win over the positional ones)."""
+    if args.search is None:
+        if args.budget is not None or args.reward is not None:
+            raise UserError("--budget and --reward set up a search; add --search bon|smc|dts|dts_star")
+        return []
+    out = [f"search.method={args.search}"]
+    if args.budget is not None:
+        out.append(f"search.budget={args.budget}")
+    if args.reward is not None:
+        out.append(f"search.reward={args.reward}")
+    return out
 
 
 def _version() -> str:
@@ -304,37 +334,59 @@ def _writable_file(path: Path, flag: str) -> Path:
     return path
 
 
+def _policy_for(args, overrides):
+    """The policy of --run (its checkpoint) or of --config's base model, with its config."""
+    from flowrl.config import load_config
+    from flowrl.models import load_policy
+
+    if args.run:
+        cfg, policy, ckpt = _load_run_policy(Path(args.run), overrides, args.checkpoint)
+        return cfg, policy, f"{args.run} ({ckpt.name})", ckpt.name
+    if args.checkpoint is not None:
+        raise UserError("--checkpoint picks a checkpoint of --run; with --config there is none")
+    cfg = load_config(args.config, overrides)
+    return cfg, load_policy(cfg.model), f"base model {cfg.model.path}", "base model"
+
+
 def cmd_sample(args) -> int:
     from flowrl.train.images import save_grid
 
-    run = Path(args.run)
-    out = _writable_file(Path(args.out) if args.out else run / "samples" / "sample.png", "--out")
-    cfg, policy, ckpt = _load_run_policy(run, iteration=args.checkpoint)
+    search = _search_overrides(args)
+    default_out = (Path(args.run) / "samples" if args.run else Path("samples")) / (f"search-{args.search}.png" if search else "sample.png")
+    out = _writable_file(Path(args.out) if args.out else default_out, "--out")
+    cfg, policy, what, source = _policy_for(args, list(args.overrides) + search)
     prompts = [p for p in args.prompt for _ in range(args.n)]
     seeds = [args.seed + j % args.n for j in range(len(prompts))]
-    images = _ode_images(cfg, policy, prompts, seeds, args.steps)
-    save_grid(images, out, columns=args.n, captions=prompts)
-    print(f"wrote {out} ({len(prompts)} images from {ckpt.name})")
+    if not search:
+        images = _ode_images(cfg, policy, prompts, seeds, args.steps)
+        save_grid(images, out, columns=args.n, captions=prompts)
+        print(f"wrote {out} ({len(prompts)} images from {source})")
+        return 0
+    if args.steps is not None:
+        raise UserError("--steps sets the ODE steps of plain samples; a search takes search.num_steps=N")
+    from flowrl.search.policy import search_policy
+    from flowrl.search.report import write_search_report
+
+    result, problem = search_policy(cfg, policy, prompts, seeds, progress=True)
+    images = problem.images(result.latents[-1])
+    save_grid(images, out, columns=args.n, captions=[f"{p} | {r:.3f}" for p, r in zip(prompts, result.rewards[-1].tolist())])
+    report = write_search_report(out.with_suffix(".json"), cfg, result, prompts, seeds, what)
+    t = report["total"]
+    print(f"wrote {out} and {out.with_suffix('.json').name}: {len(prompts)} images from {source} by {cfg.search.method}, "
+          f"mean searched reward {report['mean_reward']:.4f}; spent {t['nfe']} network evaluations, {t['decodes']} decodes, "
+          f"{t['reward_calls']} reward calls in {result.seconds[-1]:.1f} s")
     return 0
 
 
 def cmd_eval(args) -> int:
-    from flowrl.config import load_config
-    from flowrl.models import load_policy
     from flowrl.train.evaluate import evaluate, format_category_table
     from flowrl.train.prompts import read_prompt_file
     from rewards import MultiReward
 
     source = args.prompts
     prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category) if source else None
-    if args.checkpoint is not None and not args.run:
-        raise UserError("--checkpoint picks a checkpoint of --run; with --config there is none")
-    if args.run:
-        cfg, policy, ckpt = _load_run_policy(Path(args.run), args.overrides, args.checkpoint)
-        what = f"{args.run} ({ckpt.name})"
-    else:
-        cfg = load_config(args.config, args.overrides)
-        policy, what = load_policy(cfg.model), f"base model {cfg.model.path}"
+    search = _search_overrides(args)
+    cfg, policy, what, _ = _policy_for(args, list(args.overrides) + search)
     reward = MultiReward.from_config(cfg.reward)
     judge_name = args.judge or cfg.reward.judge
     judge = None
@@ -353,7 +405,18 @@ def cmd_eval(args) -> int:
         source = "builtin:shapes-heldout"
         prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category)
     expanded = [p for p in prompts for _ in range(args.n)]
-    result = evaluate(cfg, policy, reward, expanded, seed=args.seed, progress=True, judge=judge)
+    if search:
+        from flowrl.search.policy import search_policy
+        from flowrl.train.evaluate import score_images
+
+        found, problem = search_policy(cfg, policy, expanded, [args.seed + j for j in range(len(expanded))], progress=True)
+        result = score_images(cfg, reward, problem.images(found.latents[-1]), expanded, judge)
+        t = found.totals()
+        what += (f", {cfg.search.method} search on {cfg.search.reward or 'reward.weights'} (mean {found.rewards[-1].mean():.4f}), "
+                 f"{t['nfe'] / len(expanded):.0f} network evaluations, {t['decodes'] / len(expanded):.0f} decodes and "
+                 f"{t['reward_calls'] / len(expanded):.0f} reward calls per image")
+    else:
+        result = evaluate(cfg, policy, reward, expanded, seed=args.seed, progress=True, judge=judge)
     print(f"eval of {what} on {len(prompts)} prompts x {args.n} images ({source})")
     means = result.means()
     width = max(len(c) for c in means)

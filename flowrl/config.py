@@ -339,6 +339,33 @@ class RunConfig:
 
 
 @dataclass
+class SearchConfig:
+    """Inference-time search (`flowrl sample --search`, `flowrl eval --search`; docs/search.md): samples of
+    the model tilted by exp(lam x reward), found without training. Every method stops at `budget`."""
+
+    method: str = "bon"  # bon (best-of-N) | smc (FK steering) | dts (tree sampling) | dts_star (tree search, greedy)
+    budget: int = 0  # network evaluations per prompt, one per sample per step; 0: four samples' worth (4 x num_steps)
+    reward: str = ""  # the searched reward, a registered name; "": reward.weights (their weighted channel sum)
+    num_steps: int = 0  # denoising steps of one sample; 0: sampling.num_steps
+    sampler: str = "flow_grpo"  # the proposal p_theta(x' | x): an SDE of sampling.sampler's list (ode: bon only)
+    noise_level: float = 0.7
+    lam: float = 10.0  # the tilt: weights and values are exp(lam x reward); 0 samples the base model
+    # smc: potential max | add | diff | rt; resample adaptive (when the effective sample size < k / 2) | every
+    potential: str = "max"
+    resample: str = "adaptive"
+    resample_every: int = 2  # steps between potentials (each scores the particles' predicted x0)
+    resampling: str = "systematic"  # systematic | multinomial
+    final: str = "best"  # smc: best (the highest-reward particle) | sample (one drawn by the final weights)
+    # dts, dts_star: a branch level every `branch_every` steps; a node may have ceil(width_c x visits^width_alpha) children
+    branch_every: int = 2
+    width_c: float = 1.0
+    width_alpha: float = 0.5
+    uct_c: float = 0.1  # dts_star: the UCT exploration weight, in reward units
+    backup: str = "soft"  # soft ((1/lam) log mean exp(lam v)) | max
+    in_flight: int = 4  # iterations per tree rolled out together
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -352,6 +379,7 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
 
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.structured(self))
@@ -544,6 +572,16 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "run.sample_every": ">= 0",
     "run.checkpoint_every": ">= 0",
     "run.cpu_processes": ">= 1",
+    "search.budget": ">= 0",
+    "search.num_steps": ">= 0",
+    "search.noise_level": "> 0",
+    "search.lam": ">= 0",
+    "search.resample_every": ">= 1",
+    "search.branch_every": ">= 1",
+    "search.width_c": "> 0",
+    "search.width_alpha": ">= 0",
+    "search.uct_c": ">= 0",
+    "search.in_flight": ">= 1",
 }
 def _floats(node, key: str = ""):
     """(dotted key, value) of every float in the config: fields, list items and mapping values."""
@@ -571,6 +609,32 @@ def check_numbers(cfg: Config) -> None:
         for part in key.split("."):
             value = getattr(value, part)
         check_range(key, value, spec, why)
+
+
+def _validate_search(cfg: Config) -> None:
+    from flowrl.core.search import BACKUPS, POTENTIALS, RESAMPLINGS
+    from flowrl.search import SEARCH_METHODS
+
+    q = cfg.search
+    check_choice("search.method", q.method, tuple(SEARCH_METHODS))
+    check_choice("search.sampler", q.sampler, SAMPLERS)
+    if q.sampler == "ode" and q.method != "bon":
+        raise ConfigError(f"search.sampler=ode draws no noise after the first step, so {q.method} has nothing to choose among; "
+                          "use an SDE sampler (flow_grpo, dance_grpo, cps) or search.method=bon")
+    check_choice("search.potential", q.potential, POTENTIALS)
+    check_choice("search.resample", q.resample, ("adaptive", "every"))
+    check_choice("search.resampling", q.resampling, RESAMPLINGS)
+    check_choice("search.final", q.final, ("best", "sample"))
+    check_choice("search.backup", q.backup, BACKUPS)
+    if q.num_steps == 1:
+        raise ConfigError("search.num_steps must be 0 (sampling.num_steps) or at least 2; got 1")
+    steps = q.num_steps or cfg.sampling.num_steps
+    if 0 < q.budget < steps:
+        raise ConfigError(f"search.budget must be at least one sample's worth ({steps} network evaluations, one per step); got {q.budget}")
+    if q.reward:
+        from rewards import available_rewards
+
+        check_choice("search.reward", q.reward, tuple(available_rewards()))
 
 
 def validate(cfg: Config, validate_paths: bool = True) -> None:
@@ -632,6 +696,8 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     if len(jr) != 2 or not jr[0] < jr[1]:
         raise ConfigError(f"reward.judge_range must be [low, high] with low < high (the judge's scores mapped onto 1-5); got {list(jr)}")
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
+
+    _validate_search(cfg)
 
     check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
     check_choice("advantage.std", cfg.advantage.std, ("group", "global"))

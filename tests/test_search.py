@@ -172,3 +172,49 @@ def test_branch_steps_stop_before_the_last_step():
     assert branch_steps(10, 1) == list(range(9))
     with pytest.raises(ValueError):
         branch_steps(10, 0)
+
+
+# ---- the CLI -------------------------------------------------------------------------------------------
+def test_sample_with_search_writes_images_rewards_and_the_ledger(tmp_path, capsys):
+    import json
+
+    from PIL import Image
+
+    from flowrl.cli import main
+
+    out = tmp_path / "found.png"
+    argv = ["sample", "--config", "default", "--prompt", "a red circle above a blue square", "--prompt", "a green triangle",
+            "-n", "2", "--search", "dts_star", "--budget", "25", "--reward", "shapes_quality", "--out", str(out), "search.num_steps=5"]
+    assert main(argv) == 0
+    assert Image.open(out).size[0] > 2 * 32
+    report = json.loads(out.with_suffix(".json").read_text())
+    assert report["search"]["method"] == "dts_star" and report["searched_reward"] == "shapes_quality"
+    assert [im["prompt"] for im in report["images"]] == ["a red circle above a blue square"] * 2 + ["a green triangle"] * 2
+    assert all(im["ledger"]["nfe"] <= 25 and 0 <= im["reward"] <= 1 for im in report["images"])
+    assert report["total"]["nfe"] == sum(im["ledger"]["nfe"] for im in report["images"])
+    assert "network evaluations" in capsys.readouterr().out
+
+
+def test_eval_with_search_prints_the_held_out_table(capsys):
+    from flowrl.cli import main
+
+    argv = ["eval", "--config", "default", "--per-category", "1", "--search", "bon", "--budget", "10", "--reward", "shapes_quality",
+            "search.num_steps=5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "bon search on shapes_quality" in out and "10 network evaluations" in out and "overall" in out
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["sample", "--config", "default", "--prompt", "x", "--budget", "20"], "add --search"),
+    (["sample", "--config", "default", "--prompt", "x", "--search", "dts", "--budget", "3"], "search.budget must be at least one sample"),
+    (["sample", "--config", "default", "--prompt", "x", "--search", "smc", "search.sampler=ode"], "search.sampler=ode"),
+    (["sample", "--config", "default", "--prompt", "x", "--search", "bon", "--reward", "nope"], "search.reward must be one of"),
+    (["sample", "--config", "default", "--prompt", "x", "--search", "beam"], "invalid choice: 'beam'"),
+])
+def test_search_arguments_are_checked(capsys, argv, fragment):
+    from flowrl.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and fragment in err, err

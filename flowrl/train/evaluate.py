@@ -72,6 +72,11 @@ def evaluate(cfg, policy, reward, prompts: list[str], seed: int = 0, num_steps: 
     s = cfg.sampling
     images = ode_images(policy, prompts, seeds, policy.sigmas(num_steps or s.eval_num_steps, s.schedule, s.shift), s.batch_size,
                         progress=progress)
+    return score_images(cfg, reward, images, prompts, judge)
+
+
+def score_images(cfg, reward, images: torch.Tensor, prompts: list[str], judge=None) -> EvalResult:
+    """Score images [N, 3, H, W] of `prompts` with `reward`, and with `judge` when given."""
     judged = None if judge is None else judge(images, prompts)[:, 0]
     return EvalResult(list(prompts), reward(images, prompts), list(reward.channel_names), reward.channel_weights, judged,
                       tuple(cfg.reward.judge_range))
