@@ -352,7 +352,7 @@ class SearchConfig:
     lam: float = 10.0  # the tilt: weights and values are exp(lam x reward); 0 samples the base model
     # smc: potential max | add | diff | rt; resample adaptive (when the effective sample size < k / 2) | every
     potential: str = "max"
-    resample: str = "adaptive"
+    resample: str = "every"
     resample_every: int = 2  # steps between potentials (each scores the particles' predicted x0)
     resampling: str = "systematic"  # systematic | multinomial
     final: str = "best"  # smc: best (the highest-reward particle) | sample (one drawn by the final weights)
@@ -362,7 +362,7 @@ class SearchConfig:
     width_alpha: float = 0.5
     uct_c: float = 0.1  # dts_star: the UCT exploration weight, in reward units
     backup: str = "soft"  # soft ((1/lam) log mean exp(lam v)) | max
-    in_flight: int = 4  # iterations per tree rolled out together
+    in_flight: int = 2  # iterations per tree rolled out together (prompts searched together share batches too)
 
 
 @dataclass

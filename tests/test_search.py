@@ -218,3 +218,22 @@ def test_search_arguments_are_checked(capsys, argv, fragment):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and fragment in err, err
+
+
+@pytest.mark.parametrize("kind", ["sd3", "flux"])
+def test_search_runs_on_tiny_sd3_and_flux_pipelines(kind, tmp_path):
+    """The same search through the real diffusers pipelines (model.path to a saved directory)."""
+    from flowrl.config import load_config
+    from flowrl.models import load_policy
+    from flowrl.models.tiny import build_tiny_flux, build_tiny_sd3
+    from flowrl.search.policy import search_policy
+
+    path = (build_tiny_sd3 if kind == "sd3" else build_tiny_flux)(tmp_path / "pipe")
+    cfg = load_config("tiny_jpeg", [f"model.kind={kind}", f"model.path={path}", "search.method=smc", "search.budget=8",
+                                    "search.resample=every", "model.height=32", "model.width=32"])
+    policy = load_policy(cfg.model)
+    result, problem = search_policy(cfg, policy, ["a red circle", "a blue square"], [0, 1])
+    assert [lg["nfe"] for lg in result.ledgers[0]] == [8, 8]  # 2 particles x 4 steps
+    assert result.ledgers[0][0]["resamples_per_prompt"] > 0
+    images = problem.images(result.latents[0])
+    assert images.shape[:2] == (2, 3) and bool(torch.isfinite(images).all())
