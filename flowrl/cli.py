@@ -369,7 +369,7 @@ def cmd_sample(args) -> int:
 
     result, problem = search_policy(cfg, policy, prompts, seeds, progress=True)
     images = problem.images(result.latents[-1])
-    save_grid(images, out, columns=args.n, captions=[f"{p} | {r:.3f}" for p, r in zip(prompts, result.rewards[-1].tolist())])
+    save_grid(images, out, columns=args.n, captions=[f"{p} (r={r:.3f})" for p, r in zip(prompts, result.rewards[-1].tolist())])
     report = write_search_report(out.with_suffix(".json"), cfg, result, prompts, seeds, what)
     t = report["total"]
     print(f"wrote {out} and {out.with_suffix('.json').name}: {len(prompts)} images from {source} by {cfg.search.method}, "

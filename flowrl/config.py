@@ -350,9 +350,8 @@ class SearchConfig:
     sampler: str = "flow_grpo"  # the proposal p_theta(x' | x): an SDE of sampling.sampler's list (ode: bon only)
     noise_level: float = 0.7
     lam: float = 10.0  # the tilt: weights and values are exp(lam x reward); 0 samples the base model
-    # smc: potential max | add | diff | rt; resample adaptive (when the effective sample size < k / 2) | every
-    potential: str = "max"
-    resample: str = "every"
+    potential: str = "max"  # smc: max | add | diff | rt (docs/algorithms.md section 11)
+    resample: str = "every"  # smc: every (after each potential) | adaptive (when the effective sample size < k / 2)
     resample_every: int = 2  # steps between potentials (each scores the particles' predicted x0)
     resampling: str = "systematic"  # systematic | multinomial
     final: str = "best"  # smc: best (the highest-reward particle) | sample (one drawn by the final weights)
