@@ -141,12 +141,28 @@ class TwoStageConfig:
 
 
 @dataclass
+class GranularConfig:
+    """G2RPO (rollout.kind: granular; docs/algorithms.md section 12): per prompt one ODE anchor, at
+    each branch step data.group_size one-step SDE branches from it, each finished by ODE tails at
+    every granularity; advantages normalised per (prompt, branch step, granularity, channel) and
+    summed. Only the branch transitions are trained."""
+
+    branch_steps: list[int] = field(default_factory=list)  # empty: the first half of sampling.num_steps
+    granularities: list[int] = field(default_factory=lambda: [1, 2])  # ODE tail strides (the paper reports [1, 2, 3])
+    clip: float = 5.0  # the multi-granularity advantage is clipped to +-clip after the sum
+    # true: one optimizer step per branch step, as the reference | false: one per iteration
+    step_per_branch: bool = True
+
+
+@dataclass
 class RolloutConfig:
     # flat: G independent chains per prompt | tree: BranchGRPO trees (rollout.tree) |
-    # two_stage: low-precision exploration, selection, regeneration (rollout.two_stage)
+    # two_stage: low-precision exploration, selection, regeneration (rollout.two_stage) |
+    # granular: G2RPO's singular branches with multi-granularity tails (rollout.granular)
     kind: str = "flat"
     tree: TreeConfig = field(default_factory=TreeConfig)
     two_stage: TwoStageConfig = field(default_factory=TwoStageConfig)
+    granular: GranularConfig = field(default_factory=GranularConfig)
 
     def splits(self) -> dict[int, int]:
         """split step -> branching factor."""
@@ -571,6 +587,7 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "run.sample_every": ">= 0",
     "run.checkpoint_every": ">= 0",
     "run.cpu_processes": ">= 1",
+    "rollout.granular.clip": "> 0",
     "search.budget": ">= 0",
     "search.num_steps": ">= 0",
     "search.noise_level": "> 0",

@@ -179,6 +179,34 @@ def reinforce_ada_advantages(rewards, group_ids, weights=None, std=None, eps=1e-
     return grpo_advantages(rewards, group_ids, weights, std="global", eps=eps, clip=clip)
 
 
+def multi_granularity_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, weights: torch.Tensor | None = None,
+                                 eps: float = 1e-8, clip: float | None = 5.0) -> AdvantageOutput:
+    """G2RPO's multi-granularity advantage (arXiv 2510.01982, MGAI): a sample has one reward per
+    (granularity, channel), rewards [N, L, K]. Each (group, granularity, channel) is normalised
+    over its samples with the unbiased std, (r - mean) / (std + eps); the normalised values are
+    summed over granularities and (weighted) channels, in advantage space, never as raw
+    rewards; the clip applies after the sum. A group equal in every granularity and channel is
+    degenerate (A = 0, no gradient); a flat column adds 0 to the sum."""
+    r = rewards.float()
+    if r.ndim == 2:
+        r = r[:, :, None]
+    n, levels, channels = r.shape
+    w = torch.ones(channels) if weights is None else weights.float()
+    g = groups_of(group_ids)
+    unbiased = (g.counts / (g.counts - 1).clamp(min=1)).sqrt()
+    total = torch.zeros(n, dtype=torch.float32, device=r.device)
+    degenerate = torch.ones(g.ids.numel(), dtype=torch.bool, device=r.device)
+    for level in range(levels):
+        for k in range(channels):
+            column = r[:, level, k]
+            mean, pop_std = group_mean_std(column, g)
+            flat = group_degenerate(column, g)
+            a = (column - mean[g.inverse]) / (pop_std[g.inverse] * unbiased[g.inverse] + eps)
+            total = total + w[k] * torch.where(flat[g.inverse], torch.zeros_like(a), a)
+            degenerate &= flat
+    return _finish(total, degenerate, g, clip)
+
+
 ESTIMATORS = {
     "grpo": grpo_advantages,
     "mc_grpo": mc_grpo_advantages,

@@ -1,0 +1,163 @@
+"""rollout.kind granular: G2RPO (arXiv 2510.01982; docs/algorithms.md section 12).
+
+Each prompt the allocator picks (uniform, validated) gets one anchor, data.group_size branches at
+every branch step and an ODE tail per granularity (flowrl/sampling/granular.py). Prompts are split
+across processes and padded with copies of the last one (zero advantage). The tails are scored on
+the one reward path; the core's multi-granularity estimator turns a sample's rewards at every
+granularity into one advantage per (prompt, branch step, sample); and only the branch transitions
+are trained, each branch step's prompts in the anchor's sampling batches (one forward per batch,
+the G samples share it), so the first importance ratio is exactly 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flowrl.core.advantages import multi_granularity_advantages
+from flowrl.errors import ConfigError, UserError
+from flowrl.sampling.granular import (GranularBatch, branch_edges, default_branch_steps, granular_nfe, granular_rollout,
+                                      sequential_calls)
+from flowrl.sampling.noise import sample_seed
+from flowrl.sampling.rollout import SamplerSpec, policy_precision
+from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.sampling.steps import transition_std
+from flowrl.sampling.tree import parent_batches
+from flowrl.train.experience import TRANSITIONS, Experience, ProcessShard, TransitionBatch, gather_real
+from flowrl.train.parts import Rollout, register_rollout
+from flowrl.train.rollouts.flat import step_kl, successes, training_spec
+from flowrl.train.scoring import Scoring
+
+
+def branch_steps_of(cfg) -> list[int]:
+    return list(cfg.rollout.granular.branch_steps) or default_branch_steps(cfg.sampling.num_steps)
+
+
+@register_rollout
+class GranularRollout(Rollout):
+    name = "granular"
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.scoring = Scoring(ctx.policy, ctx.reward_runner, ctx.accelerator)
+
+    @classmethod
+    def provides(cls, cfg) -> set[str]:
+        return {TRANSITIONS}
+
+    @classmethod
+    def missing_reason(cls, cfg, data: str) -> str:
+        return "(its training data are the branch transitions, not whole samples)"
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        validate_granular(cfg)
+
+    def spec(self, iteration: int) -> SamplerSpec:
+        """The SDE on the branch steps only (the anchor and the tails are ODE)."""
+        spec = training_spec(self.ctx.cfg, iteration, self.ctx.policy, self.ctx.plan)
+        spec.sde_steps = torch.zeros_like(spec.sde_steps)
+        spec.sde_steps[branch_steps_of(self.ctx.cfg)] = True
+        return spec
+
+    def collect(self, iteration: int) -> Experience:
+        ctx = self.ctx
+        cfg, acc, weights = ctx.cfg, ctx.accelerator, ctx.reward_fn.channel_weights
+        G, bs, gr = cfg.data.group_size, cfg.sampling.batch_size, cfg.rollout.granular
+        ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), ctx.allocator.first_stage(iteration) // G).tolist()
+        n = len(ids)
+        seeds = [sample_seed(cfg.trainer.seed, iteration, k * G) for k in range(n)]
+        shard = ProcessShard(n, acc.num_processes, acc.process_index)
+        local_ids = shard.take(ids)
+        spec = self.spec(iteration)
+        batch = granular_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), spec, branch_steps_of(cfg),
+                                 list(gr.granularities), G, bs, prompt_ids=local_ids, progress=ctx.progress,
+                                 desc=f"iter {iteration} granular sampling")
+        P, M, L = len(local_ids), len(batch.branch_steps), len(batch.granularities)
+        shape = batch.finals.shape[4:]
+        flat_finals = batch.finals.reshape(-1, *shape)  # (p, m, l, i) order
+        tail_prompts = [batch.prompts[p] for p in range(P) for _ in range(M * L * G)]
+        on_batch = self.scoring.start(tail_prompts)
+        for b in parent_batches(len(flat_finals), bs):
+            on_batch(b, flat_finals[b])
+        scores = self.scoring.finish(n * M * L * G)  # process-major = prompt order; padding last
+        if not scores.valid.any():
+            raise UserError(f"every reward output of iteration {iteration} was invalid (NaN, inf or misshapen); see reward.on_invalid")
+
+        K = scores.rewards.shape[1]
+        # samples are (prompt, branch step, i); each has a reward per (granularity, channel)
+        rewards = scores.rewards.view(n, M, L, G, K).permute(0, 1, 3, 2, 4).reshape(n * M * G, L, K)
+        valid = scores.valid.view(n, M, L, G).all(2).reshape(-1)  # a sample with any invalid tail is left out
+        cells = torch.arange(n * M).repeat_interleave(G)  # the group of a sample: its (prompt, branch step)
+        advantages = torch.zeros(n * M * G)
+        adv = multi_granularity_advantages(rewards[valid], cells[valid], weights, clip=gr.clip)
+        advantages[valid] = adv.advantages
+        real = shard.positions < n
+        local = torch.zeros(P, M, G)
+        mine = shard.positions[real]
+        local[real] = advantages.view(n, M, G)[mine]
+        groups = self.micro_batches(batch, spec, local, real)
+
+        prompt_ids = torch.tensor(ids[:n]).repeat_interleave(M * G)
+        mean_rewards = rewards.mean(1)  # [N, K]: each sample's reward averaged over its granularities
+        ctx.allocator.observe(prompt_ids[valid], successes(cfg, mean_rewards[valid] @ weights))
+        T = spec.num_steps
+        metrics = {
+            "adv_abs_mean": advantages[valid].abs().mean().item(),
+            "degenerate_groups": adv.degenerate.float().mean().item(),
+            "prompts": n,
+            "nfe_per_prompt": granular_nfe(T, batch.branch_steps, batch.granularities, G),
+            "sequential_calls_per_prompt": sequential_calls(T, batch.branch_steps, batch.granularities),
+            "network_calls": batch.calls,  # batched calls on this process
+            "decodes": n * M * L * G,  # = reward calls (rows scored), all processes
+            "trained_steps": M,
+            "training_forwards": sum(len(g) for g in groups),  # micro-batches per inner epoch, this process
+            "time_reward": scores.reward_time,
+            "time_reward_wait": scores.reward_wait,
+        }
+        by_step = advantages.view(n, M, G)
+        for m, k in enumerate(batch.branch_steps):
+            metrics[f"adv_abs_mean/step{k}"] = by_step[:, m].abs().mean().item()
+            metrics[f"adv_std/step{k}"] = by_step[:, m].std(unbiased=False).item()
+        return Experience(iteration, mean_rewards, prompt_ids, valid, advantages, policy_precision(ctx.policy), transitions=groups,
+                          metrics=metrics, reward_totals=mean_rewards @ weights)
+
+    def micro_batches(self, batch: GranularBatch, spec: SamplerSpec, local_adv: torch.Tensor, real: torch.Tensor):
+        """One micro-batch per (branch step, sampling batch of anchors); accumulation groups of one
+        branch step each (rollout.granular.step_per_branch) or one group for the iteration."""
+        policy, bs, G = self.ctx.policy, self.ctx.cfg.sampling.batch_size, batch.group_size
+        kl = step_kl(spec.reduction)
+        per_step = []
+        for m in range(len(batch.branch_steps)):
+            step = []
+            for b in parent_batches(len(batch.prompts), bs):
+                step.append(TransitionBatch(lambda m=m, b=b: branch_edges(policy, batch, spec, m, b),
+                                            batch.log_probs[b, m].reshape(-1), local_adv[b, m].reshape(-1), kl,
+                                            real[b].repeat_interleave(G)))
+            per_step.append(step)
+        if self.ctx.cfg.rollout.granular.step_per_branch:
+            return per_step
+        return [[mb for step in per_step for mb in step]]
+
+
+def validate_granular(cfg) -> None:
+    s, gr = cfg.sampling, cfg.rollout.granular
+    steps = branch_steps_of(cfg)
+    if sorted(set(steps)) != steps or steps[0] < 0 or steps[-1] >= s.num_steps:
+        raise ConfigError(f"rollout.granular.branch_steps must be strictly increasing steps in [0, {s.num_steps - 1}] "
+                          f"(sampling.num_steps is {s.num_steps}); got {list(gr.branch_steps)}")
+    if not gr.granularities or sorted(set(gr.granularities)) != list(gr.granularities) or gr.granularities[0] < 1:
+        raise ConfigError(f"rollout.granular.granularities must be strictly increasing strides >= 1; got {list(gr.granularities)}")
+    sigmas = shifted_sigmas(s.num_steps, s.shift).tolist()
+    flat_steps = [t for t in steps if transition_std(s.sampler, sigmas[t], sigmas[t + 1], s.noise_level, sigmas[1]) <= 0]
+    if flat_steps:
+        raise ConfigError(f"rollout.granular.branch_steps {flat_steps} have no noise under sampling.sampler '{s.sampler}' "
+                          "(a branch needs a stochastic step); choose flow_grpo, dance_grpo or cps, or earlier steps")
+    if s.window.strategy != "all":
+        raise ConfigError("sampling.window.strategy must be all when rollout.kind is granular (rollout.granular.branch_steps "
+                          "choose the stochastic steps)")
+    if cfg.allocator.kind != "uniform":
+        raise ConfigError(f"allocator.kind must be uniform when rollout.kind is granular (each prompt has one group per branch "
+                          f"step); got '{cfg.allocator.kind}'")
+    if cfg.advantage.kind != "grpo":
+        raise ConfigError(f"advantage.kind must be grpo when rollout.kind is granular (its advantage is the multi-granularity "
+                          f"sum of group-normalised rewards, rollout.granular.clip); got '{cfg.advantage.kind}'")
