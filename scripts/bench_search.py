@@ -31,8 +31,8 @@ METHODS = ("bon", "smc", "dts_star")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("overrides", nargs="*", help="dot-list overrides of the default preset (search.lam=20 ...)")
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=("bon", "smc", "dts", "dts_star"),
-                    help=f"search methods (default {' '.join(METHODS)}); put overrides before this option")
+    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=("bon", "smc", "dts", "dts_star"),
+                    help=f"search methods on the base model (default {' '.join(METHODS)}; none: only --run); put overrides before this option")
     ap.add_argument("--samples", type=int, nargs="+", default=[1, 4, 16, 64], help="budgets in samples' worth of NFE per prompt")
     ap.add_argument("--prompts", default="builtin:shapes-heldout")
     ap.add_argument("--per-category", type=int, default=16)
@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run-methods", nargs="+", default=None, choices=("bon", "smc", "dts", "dts_star"),
                     help="methods for --run (default: the last of --methods)")
     ap.add_argument("--out", default="bench_search_out", help="folder for search.json and search.png")
+    ap.add_argument("--merge", metavar="JSON", help="rows of an earlier run (its search.json) to report and plot with this one's")
     args = ap.parse_args(argv)
 
     from flowrl.cli import _load_run_policy
@@ -66,7 +67,13 @@ def main(argv=None) -> int:
           f"smc: {q.potential} potential every {q.resample_every} steps, {q.resample} {q.resampling} resampling; "
           f"dts: branch every {q.branch_every}, width {q.width_c} N^{q.width_alpha}, uct {q.uct_c}, {q.in_flight} in flight", flush=True)
 
-    rows = []
+    rows = json.loads(Path(args.merge).read_text())["rows"] if args.merge else []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every method, so a stopped run keeps what it measured
+        (out / "search.json").write_text(json.dumps({"machine": machine_name(), "overrides": overrides, "prompts": args.prompts,
+                                                     "num_prompts": len(prompts), "steps": T, "run": args.run, "rows": rows}, indent=1))
 
     def run(label: str, policy, method: str) -> None:
         cfg.search.method = method
@@ -89,19 +96,18 @@ def main(argv=None) -> int:
                   f"decodes {row['decodes_per_prompt']:>6.1f}  strict {row['strict']:.3f}  partial {row['partial']:.3f}  "
                   f"shapes_quality {row['searched_reward']:.3f}  {row['seconds']:>6.1f} s", flush=True)
         print(f"  ({method} on {label}: {time.perf_counter() - t0:.0f} s)", flush=True)
+        save()
 
-    base = load_policy(cfg.model)
-    for method in args.methods:
-        run("base", base, method)
+    if args.methods:
+        base = load_policy(cfg.model)
+        for method in args.methods:
+            run("base", base, method)
     if args.run:
         _, trained, ckpt = _load_run_policy(Path(args.run))
         for method in args.run_methods or args.methods[-1:]:
             run("trained", trained, method)
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "search.json").write_text(json.dumps({"machine": machine_name(), "overrides": overrides, "prompts": args.prompts,
-                                                 "num_prompts": len(prompts), "steps": T, "run": args.run, "rows": rows}, indent=1))
+    save()
     _plot(rows, out / "search.png", T)
     _goal(rows, T)
     print(f"wrote {out / 'search.json'} and {out / 'search.png'}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import torch
+
 from flowrl.search.dts import dts
 from flowrl.search.particles import best_of_n, smc
 from flowrl.search.problem import PolicyProblem, SearchProblem
@@ -40,7 +42,10 @@ SEARCH_METHODS: dict[str, Callable] = {"bon": _bon, "smc": _smc, "dts": _dts(Fal
 def run_search(method: str, problem, seeds: Sequence[int], budgets: Sequence[int], cfg, progress=None) -> SearchResult:
     if method not in SEARCH_METHODS:
         raise ValueError(f"search.method must be one of {tuple(SEARCH_METHODS)}, got {method!r}")
-    return SEARCH_METHODS[method](problem, list(seeds), list(budgets), cfg, progress)
+    # no autograd: a trained run's adapter weights require grad, and a graph kept through every
+    # step of every sample would grow until the machine runs out of memory
+    with torch.no_grad():
+        return SEARCH_METHODS[method](problem, list(seeds), list(budgets), cfg, progress)
 
 
 __all__ = ["SEARCH_METHODS", "PolicyProblem", "SearchProblem", "SearchResult", "best_of_n", "dts", "run_search", "smc"]

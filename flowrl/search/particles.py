@@ -74,13 +74,13 @@ def smc(problem, seeds: Sequence[int], budget: int, sampler: str = "flow_grpo", 
     ledgers = [Ledger(budget) for _ in range(P)]
     rows = [p for p in range(P) for _ in range(k)]
     row_seeds = [path_seed(seeds[p], i) for p in range(P) for i in range(k)]
-    gen = torch.Generator().manual_seed(int(seeds[0]) if len(seeds) else 0)
+    gens = [torch.Generator().manual_seed(int(s)) for s in seeds]  # per prompt: its draws do not depend on the others
     start = time.perf_counter()
     x = initial_noise(row_seeds, shape)
     log_w = torch.zeros(P, k, dtype=torch.float64)  # weights since the last resampling
     log_prod = torch.zeros(P, k, dtype=torch.float64)  # each lineage's product of potentials
     history = None
-    resamples = 0
+    resamples = [0] * P
     for t in range(T):
         v = problem.velocity(x, t, rows)
         charge(ledgers, rows, nfe=1)
@@ -92,12 +92,12 @@ def smc(problem, seeds: Sequence[int], budget: int, sampler: str = "flow_grpo", 
             log_w, log_prod = log_w + g, log_prod + g
             for p in range(P):
                 if resample == "every" or float(effective_sample_size(log_w[p])) < k / 2:
-                    idx = resample_indices(log_w[p], resampling, gen)
+                    idx = resample_indices(log_w[p], resampling, gens[p])
                     sl = slice(p * k, (p + 1) * k)
                     x[sl], v[sl] = x[sl][idx], v[sl][idx]
                     log_prod[p], history[p] = log_prod[p][idx], history[p][idx]
                     log_w[p] = 0.0
-                    resamples += 1
+                    resamples[p] += 1
         x = advance(spec, x, v, t, row_seeds)
         if progress is not None:
             progress.update(len(rows))
@@ -108,11 +108,11 @@ def smc(problem, seeds: Sequence[int], budget: int, sampler: str = "flow_grpo", 
     if final == "best":
         pick = torch.argmax(r, dim=1)
     elif final == "sample":
-        pick = torch.stack([torch.multinomial(torch.softmax(final_log_w[p], 0), 1, generator=gen)[0] for p in range(P)])
+        pick = torch.stack([torch.multinomial(torch.softmax(final_log_w[p], 0), 1, generator=gens[p])[0] for p in range(P)])
     else:
         raise ValueError(f"final must be 'best' or 'sample', got {final!r}")
     chosen = torch.arange(P) * k + pick
     out = SearchResult("smc")
     out.add(budget, x[chosen].clone(), r[torch.arange(P), pick].clone(),
-            [dict(lg.as_dict(), particles=k, resamples_per_prompt=resamples / max(P, 1)) for lg in ledgers], time.perf_counter() - start)
+            [dict(lg.as_dict(), particles=k, resamples=resamples[p]) for p, lg in enumerate(ledgers)], time.perf_counter() - start)
     return out

@@ -60,6 +60,7 @@ class PolicyProblem:
             out.append(self.policy.velocity(x[i : i + self.batch_size].to(self.policy.device), float(self.sigmas[t]), cond).float().cpu())
         return torch.cat(out)
 
+    @torch.no_grad()
     def images(self, x0: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.policy.decode(x0[i : i + self.batch_size].to(self.policy.device)).float().cpu()
                           for i in range(0, len(x0), self.batch_size)])
