@@ -16,6 +16,7 @@ MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8}
 SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu")
 FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu", "flux1_dev_g2rpo_1gpu")
 GROUP_OBJECTIVE_PRESETS = ("sd35_medium_dgpo_1gpu", "flux1_dev_gdro_1gpu")
+OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu")  # settings checked by their own tests
 
 
 def _preset(name: str) -> Path:
@@ -57,7 +58,7 @@ def test_accumulation_closes_exactly_on_one_process(name):
     assert batches % cfg.trainer.gradient_accumulation_steps == 0
 
 
-@pytest.mark.parametrize("name", [n for n in (*SD3_PRESETS, *FLUX_PRESETS) if n not in GROUP_OBJECTIVE_PRESETS])
+@pytest.mark.parametrize("name", [n for n in (*SD3_PRESETS, *FLUX_PRESETS) if n not in OWN_SAMPLER_PRESETS])
 def test_reference_settings(name):
     cfg = load_config(_preset(name), validate_paths=False)
     assert cfg.model.dtype == "bf16" and cfg.model.height % 16 == 0
@@ -76,6 +77,15 @@ def test_reference_settings(name):
         assert (cfg.sampling.sampler, cfg.sampling.noise_level, cfg.sampling.num_steps) == ("dance_grpo", 0.3, 16)
         assert cfg.data.group_size == 12
         assert _yaml_reward_weights(name) == {"hpsv2": 1.0}
+
+
+def test_g2rpo_preset_keeps_the_reference_settings():
+    cfg = load_config(_preset("flux1_dev_g2rpo_1gpu"), validate_paths=False)
+    gr = cfg.rollout.granular
+    assert (cfg.rollout.kind, cfg.objective.kind, cfg.model.kind) == ("granular", "grpo", "flux")
+    assert (cfg.sampling.sampler, cfg.sampling.noise_level, cfg.sampling.num_steps, cfg.sampling.shift) == ("flow_grpo", 0.7, 16, 3.0)
+    assert cfg.data.group_size == 12 and gr.branch_steps == list(range(8)) and gr.granularities == [1, 2, 3]
+    assert (gr.clip, gr.step_per_branch, cfg.objective.grpo.clip_range, cfg.trainer.kl_beta) == (5.0, True, 1e-4, 0.0)
 
 
 def test_group_objective_presets_keep_their_papers_settings():
