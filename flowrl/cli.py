@@ -396,7 +396,7 @@ def cmd_eval(args) -> int:
 
             cfg.reward.judge = args.judge
             validate(cfg, validate_paths=False)  # one sentence for an unknown judge
-        judge = MultiReward({judge_name: 1.0}, options={k: v for k, v in cfg.reward.options.items() if k == judge_name})
+        judge = MultiReward.single(judge_name, cfg.reward)
         if len(judge.channel_names) != 1:
             raise UserError(f"reward.judge '{judge_name}' returns {len(judge.channel_names)} channels; a judge must return one")
     if prompts is None:

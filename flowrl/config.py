@@ -701,19 +701,19 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
         raise ConfigError(f"data.prompt_file '{d.prompt_file}' does not exist; give a text file with one prompt per line "
                           "(the GPU presets' files: docs/usage.md) or data.prompts")
 
+    _validate_search(cfg)  # before the rewards' check, so that an unknown search.reward is named as such
     if rollout.needs_rewards and not cfg.reward.weights:
         raise ConfigError("reward.weights is empty; name at least one reward, for example jpeg_compressibility: 1.0")
     from rewards import check_reward_config  # late: rewards imports heavy optional models lazily
 
     judge = {cfg.reward.judge: 0.0} if cfg.reward.judge else {}
+    searched = {cfg.search.reward: 0.0} if cfg.search.reward else {}
     scored = cfg.reward.weights if rollout.needs_rewards else {}  # an offline store's channels need no registered reward
-    check_reward_config({**scored, **judge}, cfg.reward.options, validate_paths=validate_paths)
+    check_reward_config({**scored, **judge, **searched}, cfg.reward.options, validate_paths=validate_paths)
     jr = cfg.reward.judge_range
     if len(jr) != 2 or not jr[0] < jr[1]:
         raise ConfigError(f"reward.judge_range must be [low, high] with low < high (the judge's scores mapped onto 1-5); got {list(jr)}")
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
-
-    _validate_search(cfg)
 
     check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
     check_choice("advantage.std", cfg.advantage.std, ("group", "global"))

@@ -103,6 +103,13 @@ class MultiReward:
         return cls(reward_cfg.weights, reward_cfg.batch_size, rewards=rewards, options=reward_cfg.options,
                    on_invalid=reward_cfg.on_invalid, channel_weights=reward_cfg.channel_weights)
 
+    @classmethod
+    def single(cls, name: str, reward_cfg) -> "MultiReward":
+        """The registered reward `name` alone (weight 1) with its options from the reward config:
+        a judge, or the reward a search looks for."""
+        return cls({name: 1.0}, reward_cfg.batch_size, options={k: v for k, v in reward_cfg.options.items() if k == name},
+                   on_invalid=reward_cfg.on_invalid)
+
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> torch.Tensor:
         """Scores [N, K]; any invalid output raises UserError, whatever `on_invalid` says
         (a caller that drops samples uses `score_with_mask`)."""

@@ -55,7 +55,6 @@ def test_progressive_widening_and_selection_rules():
     tree = SearchTree(leaf_depth=3, lam=LAM, width_c=1.0, width_alpha=0.0, selection="uct", uct_c=0.0)
     good, bad = tree.add(0), tree.add(0)
     tree.value[good], tree.value[bad] = 1.0, -1.0
-    tree.visits[good] = tree.visits[bad] = 1
     assert tree.select(torch.Generator().manual_seed(0)) == good  # width 1 everywhere: good has no child yet
     assert tree.pending[good] == 1 and tree.visits[0] == 1 and tree.visits[good] == 2
     tree.cancel(good)

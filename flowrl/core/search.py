@@ -133,11 +133,12 @@ class SearchTree:
         return len(self.parent)
 
     def add(self, parent: int) -> int:
-        """A new node under `parent` (visits and value come with its backup)."""
+        """A new node under `parent`, with the visit of the rollout that adds it (its value comes
+        with that rollout's backup)."""
         self.parent.append(parent)
         self.depth.append(self.depth[parent] + 1)
         self.children.append([])
-        self.visits.append(0)
+        self.visits.append(1)
         self.value.append(float("nan"))
         self.pending.append(0)
         self.children[parent].append(len(self.parent) - 1)
@@ -193,7 +194,7 @@ class SearchTree:
 
     def backup(self, leaf: int, reward: float) -> None:
         """Set a finished sample's value to its reward and recompute each ancestor's value from
-        its children's (soft backup). Nodes on the rollout's own path get their visit here."""
+        its children's (soft backup)."""
         self.value[leaf] = float(reward)
         node = leaf
         while node >= 0:
@@ -202,9 +203,6 @@ class SearchTree:
                 self.value[node] = float(soft_value(torch.tensor([self.value[c] for c in kids], dtype=torch.float64),
                                                     self.lam, self.backup_rule))
             node = self.parent[node]
-
-    def count_visit(self, node: int) -> None:
-        self.visits[node] += 1
 
     def draw(self, generator: torch.Generator, lam: float | None = None) -> int:
         """A finished sample drawn from the built tree with no network call: from the root, a

@@ -15,6 +15,7 @@ Noise is keyed by (path_seed(group seed, i), k) for sample i at branch step k.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -22,9 +23,9 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.sampling.noise import INITIAL, seeded_noise
-from flowrl.sampling.rollout import SamplerSpec, StepOutput
+from flowrl.sampling.rollout import SamplerSpec, StepOutput, batched_velocity
 from flowrl.sampling.steps import ode_step
-from flowrl.sampling.tree import parent_batches, path_seed
+from flowrl.sampling.tree import path_seed
 
 
 def default_branch_steps(num_steps: int) -> list[int]:
@@ -72,14 +73,6 @@ class GranularBatch:
         return self.branch_next.shape[2]
 
 
-def _velocity(policy, x, sigma: float, prompts: list[str], batch_size: int) -> tuple[torch.Tensor, int]:
-    out, calls = [], 0
-    for b in parent_batches(len(x), batch_size):
-        out.append(policy.velocity(x[b].to(policy.device), sigma, policy.encode(prompts[b])).float())
-        calls += 1
-    return torch.cat(out), calls
-
-
 @torch.no_grad()
 def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec: SamplerSpec, branch_steps: Sequence[int],
                      granularities: Sequence[int], group_size: int, batch_size: int, prompt_ids: Sequence[int] | None = None,
@@ -101,8 +94,8 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
     branch_v = {}
     nfe = calls = 0
     for t in range(T):
-        v, c = _velocity(policy, x, float(sig[t]), prompts, batch_size)
-        nfe, calls = nfe + P, calls + c
+        v = batched_velocity(policy, x, float(sig[t]), prompts, batch_size)
+        nfe, calls = nfe + P, calls + math.ceil(P / batch_size)
         bar.update(P)
         if t in branch_steps:
             branch_v[t] = v
@@ -129,8 +122,8 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
         rows = state[:, ml[:, 0], ml[:, 1]]  # [P, n_ml, G, *latent]
         flat = rows.reshape(-1, *shape)
         row_prompts = [prompts[p] for p in range(P) for _ in range(len(ml) * G)]
-        v, c = _velocity(policy, flat.to(policy.device), float(sig[j]), row_prompts, batch_size)
-        nfe, calls = nfe + len(flat), calls + c
+        v = batched_velocity(policy, flat, float(sig[j]), row_prompts, batch_size)
+        nfe, calls = nfe + len(flat), calls + math.ceil(len(flat) / batch_size)
         bar.update(len(flat))
         nxt = torch.clamp(j + stride[ml[:, 1]], max=T)  # [n_ml]
         dt = (sig[nxt] - sig[j]).view(1, -1, 1, *([1] * len(shape)))

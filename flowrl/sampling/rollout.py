@@ -148,6 +148,16 @@ def rollout(
     )
 
 
+def batched_velocity(policy, x: torch.Tensor, sigma: float, prompts: Sequence[str], batch_size: int) -> torch.Tensor:
+    """v at one sigma for rows x [n, *latent], row i conditioned on prompts[i], through the
+    network in batches of `batch_size` rows; fp32 on the policy's device."""
+    out = []
+    for start in range(0, len(x), batch_size):
+        rows = slice(start, start + batch_size)
+        out.append(policy.velocity(x[rows].to(policy.device), float(sigma), policy.encode(list(prompts[rows]))).float())
+    return torch.cat(out)
+
+
 def transition(policy, traj: Trajectory, spec: SamplerSpec, idx: slice, t: int, cond) -> StepOutput:
     """Re-evaluate the stored transition latents[idx, t] -> latents[idx, t + 1] under the
     current policy (with grad): the same step function as sampling, given x_next."""

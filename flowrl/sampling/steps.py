@@ -30,6 +30,11 @@ def forward_noise(x0: torch.Tensor, eps: torch.Tensor, sigma) -> torch.Tensor:
     return (1 - sigma) * x0 + sigma * eps
 
 
+def predicted_x0(x: torch.Tensor, v: torch.Tensor, sigma) -> torch.Tensor:
+    """The network's guess of the clean sample from x_sigma: x - sigma v."""
+    return x - sigma * v
+
+
 def flow_matching_target(x0: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """The velocity the network learns at every sigma: d x_sigma / d sigma = eps - x0."""
     return eps - x0
@@ -114,7 +119,7 @@ def cps_step(x, v, sigma, sigma_next, noise=None, x_next=None, noise_level=0.3, 
     logprob "reference": Flow-GRPO's CPS log-prob -mean((x' - mean)^2) instead of the density."""
     x, v, sigma, sigma_next = _as_f32(x, v, sigma, sigma_next)
     std = sigma_next * math.sin(noise_level * math.pi / 2)
-    x0_hat = x - sigma * v
+    x0_hat = predicted_x0(x, v, sigma)
     x1_hat = x + (1 - sigma) * v
     mean = (1 - sigma_next) * x0_hat + math.sqrt(max(sigma_next**2 - std**2, 0.0)) * x1_hat
     out = _finish(x_next, mean, std, noise, reduction)

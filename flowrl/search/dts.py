@@ -23,7 +23,8 @@ import torch
 
 from flowrl.core.search import Ledger, SearchTree
 from flowrl.sampling.tree import path_seed
-from flowrl.search.problem import advance, initial_noise, proposal
+from flowrl.sampling.noise import INITIAL, seeded_noise
+from flowrl.search.problem import advance, proposal
 from flowrl.search.result import SearchResult
 
 
@@ -88,7 +89,7 @@ def dts(problem, seeds: Sequence[int], budgets: Sequence[int], sampler: str = "f
                     seed = path_seed(seeds[p], rollouts_done[p])
                     rollouts_done[p] += 1
                     if node == 0:
-                        batch.append(_Rollout(p, node, node, 0, 0, initial_noise([seed], shape)[0], None, seed))
+                        batch.append(_Rollout(p, node, node, 0, 0, seeded_noise([seed], INITIAL, shape)[0], None, seed))
                     else:
                         x, v = states[p][node]
                         t0 = steps[trees[p].depth[node] - 1]
@@ -100,7 +101,6 @@ def dts(problem, seeds: Sequence[int], budgets: Sequence[int], sampler: str = "f
                 for r, reward in zip(batch, rewards.tolist()):
                     ledgers[r.tree].charge(decodes=1, reward_calls=1)
                     leaf = trees[r.tree].add(r.node)
-                    trees[r.tree].count_visit(leaf)
                     states[r.tree][leaf] = (r.x, None)
                     trees[r.tree].backup(leaf, reward)
                     trees[r.tree].finish_expansion(r.start)
@@ -127,7 +127,6 @@ def _roll_out(problem, spec, T: int, batch: list[_Rollout], trees, states, depth
         for r in active:
             if t in depth_of_step and (r.start == 0 or t > r.t0):  # a node's own state is in the tree already
                 node = trees[r.tree].add(r.node)
-                trees[r.tree].count_visit(node)
                 states[r.tree][node] = (r.x, r.v)
                 r.node = node
         x_next = advance(spec, torch.stack([r.x for r in active]), torch.stack([r.v for r in active]), t, [r.seed for r in active])

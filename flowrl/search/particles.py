@@ -14,7 +14,9 @@ import torch
 
 from flowrl.core.search import Ledger, effective_sample_size, log_potential, resample_indices, update_history
 from flowrl.sampling.tree import path_seed
-from flowrl.search.problem import advance, charge, initial_noise, predicted_x0, proposal
+from flowrl.sampling.noise import INITIAL, seeded_noise
+from flowrl.sampling.steps import predicted_x0
+from flowrl.search.problem import advance, charge, proposal
 from flowrl.search.result import SearchResult
 
 
@@ -40,7 +42,7 @@ def best_of_n(problem, seeds: Sequence[int], budgets: Sequence[int], sampler: st
         rows = [p for p in range(P) for _ in range(done, n)]
         seeds_ = [path_seed(seeds[p], i) for p in range(P) for i in range(done, n)]
         if rows:
-            x = initial_noise(seeds_, shape)
+            x = seeded_noise(seeds_, INITIAL, shape)
             for t in range(T):
                 v = problem.velocity(x, t, rows)
                 charge(ledgers, rows, nfe=1)
@@ -49,11 +51,12 @@ def best_of_n(problem, seeds: Sequence[int], budgets: Sequence[int], sampler: st
                     progress.update(len(rows))
             r = problem.score(x, rows)
             charge(ledgers, rows, decodes=1, reward_calls=1)
-            for p in range(P):  # the first best on ties, so a larger budget never loses an earlier pick
-                mine = [j for j, q in enumerate(rows) if q == p]
-                j = mine[int(torch.argmax(r[mine]))]
-                if r[j] > best_r[p]:
-                    best_r[p], best_x[p] = r[j], x[j]
+            # rows are prompt-major; the first best on ties, so a larger budget never loses an earlier pick
+            stage_r, stage_x = r.view(P, n - done), x.view(P, n - done, *shape)
+            j = torch.argmax(stage_r, dim=1)
+            better = stage_r[torch.arange(P), j] > best_r
+            best_r = torch.where(better, stage_r[torch.arange(P), j], best_r)
+            best_x[better] = stage_x[torch.arange(P), j][better]
         done = n
         result.add(budget, best_x.clone(), best_r.clone(), [lg.as_dict() for lg in ledgers], time.perf_counter() - start)
     return result
@@ -76,7 +79,7 @@ def smc(problem, seeds: Sequence[int], budget: int, sampler: str = "flow_grpo", 
     row_seeds = [path_seed(seeds[p], i) for p in range(P) for i in range(k)]
     gens = [torch.Generator().manual_seed(int(s)) for s in seeds]  # per prompt: its draws do not depend on the others
     start = time.perf_counter()
-    x = initial_noise(row_seeds, shape)
+    x = seeded_noise(row_seeds, INITIAL, shape)
     log_w = torch.zeros(P, k, dtype=torch.float64)  # weights since the last resampling
     log_prod = torch.zeros(P, k, dtype=torch.float64)  # each lineage's product of potentials
     history = None

@@ -16,10 +16,7 @@ def searched_reward(cfg):
     from rewards import MultiReward
 
     name = cfg.search.reward
-    if not name:
-        return MultiReward.from_config(cfg.reward)
-    return MultiReward({name: 1.0}, cfg.reward.batch_size, options={k: v for k, v in cfg.reward.options.items() if k == name},
-                       on_invalid=cfg.reward.on_invalid)
+    return MultiReward.single(name, cfg.reward) if name else MultiReward.from_config(cfg.reward)
 
 
 def search_steps(cfg) -> int:

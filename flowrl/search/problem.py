@@ -11,8 +11,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from flowrl.sampling.noise import INITIAL, seeded_noise
-from flowrl.sampling.rollout import SamplerSpec
+from flowrl.sampling.noise import seeded_noise
+from flowrl.sampling.rollout import SamplerSpec, batched_velocity
 
 
 class SearchProblem(Protocol):
@@ -33,11 +33,6 @@ def proposal(sigmas: torch.Tensor, sampler: str, noise_level: float) -> SamplerS
     return SamplerSpec(sigmas, torch.ones(sigmas.numel() - 1, dtype=torch.bool), sampler, noise_level)
 
 
-def predicted_x0(x: torch.Tensor, v: torch.Tensor, sigma: float) -> torch.Tensor:
-    """The network's guess of the finished sample from x_sigma: x - sigma v."""
-    return x - sigma * v
-
-
 class PolicyProblem:
     """A flowrl policy (SD3, FLUX, the shapes model) with a MultiReward whose weighted channel sum
     is the searched reward. Velocities and rewards run in batches of `batch_size` rows."""
@@ -53,12 +48,7 @@ class PolicyProblem:
         return tuple(self.policy.latent_shape())
 
     def velocity(self, x, t, rows):
-        rows = list(rows)
-        out = []
-        for i in range(0, len(rows), self.batch_size):
-            cond = self.policy.encode([self.prompts[r] for r in rows[i : i + self.batch_size]])
-            out.append(self.policy.velocity(x[i : i + self.batch_size].to(self.policy.device), float(self.sigmas[t]), cond).float().cpu())
-        return torch.cat(out)
+        return batched_velocity(self.policy, x, float(self.sigmas[t]), [self.prompts[r] for r in rows], self.batch_size).cpu()
 
     @torch.no_grad()
     def images(self, x0: torch.Tensor) -> torch.Tensor:
@@ -69,10 +59,6 @@ class PolicyProblem:
         rows = list(rows)
         scores = self.reward(self.images(x0), [self.prompts[r] for r in rows])
         return scores.float() @ self.reward.channel_weights.float()
-
-
-def initial_noise(seeds: Sequence[int], shape: Sequence[int]) -> torch.Tensor:
-    return seeded_noise(list(seeds), INITIAL, shape)
 
 
 def advance(spec: SamplerSpec, x: torch.Tensor, v: torch.Tensor, t: int, seeds: Sequence[int]) -> torch.Tensor:

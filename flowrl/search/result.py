@@ -23,9 +23,6 @@ class SearchResult:
         self.ledgers.append(ledgers)
         self.seconds.append(float(seconds))
 
-    def mean_nfe(self, mark: int = -1) -> float:
-        return sum(entry["nfe"] for entry in self.ledgers[mark]) / len(self.ledgers[mark])
-
     def totals(self, mark: int = -1) -> dict:
         """The ledger of a mark summed over prompts."""
         keys = self.ledgers[mark][0].keys()

@@ -16,7 +16,8 @@ from flowrl.core.losses import gaussian_kl
 from flowrl.errors import ConfigError, UserError
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, rollout, transition
-from flowrl.sampling.schedules import window_mask
+from flowrl.sampling.schedules import shifted_sigmas, window_mask
+from flowrl.sampling.steps import transition_std
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience, ProcessShard, SampleBatch, TransitionBatch, advantages_at
 from flowrl.train.parts import Rollout, register_rollout
 from flowrl.train.scoring import Scoring
@@ -68,12 +69,34 @@ def successes(cfg, total_rewards: torch.Tensor) -> torch.Tensor:
     return total_rewards > (total_rewards.mean() if threshold is None else threshold)
 
 
+def require_some_valid(valid: torch.Tensor, iteration: int) -> None:
+    if not valid.any():
+        raise UserError(f"every reward output of iteration {iteration} was invalid (NaN, inf or misshapen); see reward.on_invalid")
+
+
+def one_group_per_prompt(ctx, iteration: int) -> tuple[list[int], list[int], ProcessShard]:
+    """For rollouts that fix each prompt's samples (trees, granular): the prompts the uniform
+    allocator picks, one group of data.group_size each; each group's seed (that of a flat group's
+    first sample, index k x G); and their split over processes."""
+    g = ctx.cfg.data.group_size
+    ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), ctx.allocator.first_stage(iteration) // g).tolist()
+    seeds = [sample_seed(ctx.cfg.trainer.seed, iteration, k * g) for k in range(len(ids))]
+    return ids, seeds, ProcessShard(len(ids), ctx.accelerator.num_processes, ctx.accelerator.process_index)
+
+
+def steps_without_noise(cfg, steps) -> list[int]:
+    """Those of `steps` whose transition has no noise under sampling.sampler (on the shifted grid,
+    which the config check can compute without loading the model)."""
+    s = cfg.sampling
+    sigmas = shifted_sigmas(s.num_steps, s.shift).tolist()
+    return [t for t in steps if transition_std(s.sampler, sigmas[t], sigmas[t + 1], s.noise_level, sigmas[1]) <= 0]
+
+
 def group_advantages(cfg, rewards: torch.Tensor, prompt_ids: torch.Tensor, valid: torch.Tensor,
                      weights: torch.Tensor, iteration: int) -> tuple[torch.Tensor, AdvantageOutput, dict]:
     """Advantages [N] of the valid samples by advantage.kind (0 for invalid ones: they take no
     part), the estimator's output, and its metrics columns."""
-    if not valid.any():
-        raise UserError(f"every reward output of iteration {iteration} was invalid (NaN, inf or misshapen); see reward.on_invalid")
+    require_some_valid(valid, iteration)
     a = cfg.advantage
     adv = estimate_advantages(a.kind, rewards[valid], prompt_ids[valid], weights, a.std, a.eps, a.clip)
     advantages = torch.zeros(len(valid))

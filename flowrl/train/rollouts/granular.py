@@ -14,17 +14,15 @@ from __future__ import annotations
 import torch
 
 from flowrl.core.advantages import multi_granularity_advantages
-from flowrl.errors import ConfigError, UserError
+from flowrl.errors import ConfigError
 from flowrl.sampling.granular import (GranularBatch, branch_edges, default_branch_steps, granular_nfe, granular_rollout,
                                       sequential_calls)
-from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
-from flowrl.sampling.schedules import shifted_sigmas
-from flowrl.sampling.steps import transition_std
 from flowrl.sampling.tree import parent_batches
-from flowrl.train.experience import TRANSITIONS, Experience, ProcessShard, TransitionBatch, gather_real
+from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.flat import step_kl, successes, training_spec
+from flowrl.train.rollouts.flat import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, successes,
+                                       training_spec)
 from flowrl.train.scoring import Scoring
 
 
@@ -61,12 +59,10 @@ class GranularRollout(Rollout):
 
     def collect(self, iteration: int) -> Experience:
         ctx = self.ctx
-        cfg, acc, weights = ctx.cfg, ctx.accelerator, ctx.reward_fn.channel_weights
+        cfg, weights = ctx.cfg, ctx.reward_fn.channel_weights
         G, bs, gr = cfg.data.group_size, cfg.sampling.batch_size, cfg.rollout.granular
-        ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), ctx.allocator.first_stage(iteration) // G).tolist()
+        ids, seeds, shard = one_group_per_prompt(ctx, iteration)
         n = len(ids)
-        seeds = [sample_seed(cfg.trainer.seed, iteration, k * G) for k in range(n)]
-        shard = ProcessShard(n, acc.num_processes, acc.process_index)
         local_ids = shard.take(ids)
         spec = self.spec(iteration)
         batch = granular_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), spec, branch_steps_of(cfg),
@@ -80,8 +76,7 @@ class GranularRollout(Rollout):
         for b in parent_batches(len(flat_finals), bs):
             on_batch(b, flat_finals[b])
         scores = self.scoring.finish(n * M * L * G)  # process-major = prompt order; padding last
-        if not scores.valid.any():
-            raise UserError(f"every reward output of iteration {iteration} was invalid (NaN, inf or misshapen); see reward.on_invalid")
+        require_some_valid(scores.valid, iteration)
 
         K = scores.rewards.shape[1]
         # samples are (prompt, branch step, i); each has a reward per (granularity, channel)
@@ -147,8 +142,7 @@ def validate_granular(cfg) -> None:
                           f"(sampling.num_steps is {s.num_steps}); got {list(gr.branch_steps)}")
     if not gr.granularities or sorted(set(gr.granularities)) != list(gr.granularities) or gr.granularities[0] < 1:
         raise ConfigError(f"rollout.granular.granularities must be strictly increasing strides >= 1; got {list(gr.granularities)}")
-    sigmas = shifted_sigmas(s.num_steps, s.shift).tolist()
-    flat_steps = [t for t in steps if transition_std(s.sampler, sigmas[t], sigmas[t + 1], s.noise_level, sigmas[1]) <= 0]
+    flat_steps = steps_without_noise(cfg, steps)
     if flat_steps:
         raise ConfigError(f"rollout.granular.branch_steps {flat_steps} have no noise under sampling.sampler '{s.sampler}' "
                           "(a branch needs a stochastic step); choose flow_grpo, dance_grpo or cps, or earlier steps")

@@ -15,15 +15,13 @@ from typing import NamedTuple
 import torch
 
 from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, trained_depths, valid_nodes, width_prune
-from flowrl.errors import ConfigError, UserError, check_choice, check_positive
-from flowrl.sampling.noise import sample_seed
+from flowrl.errors import ConfigError, check_choice, check_positive
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
-from flowrl.sampling.schedules import shifted_sigmas
-from flowrl.sampling.steps import transition_std
 from flowrl.sampling.tree import TreeTrajectory, edge_children, parent_batches, tree_edges, tree_rollout, tree_spec
-from flowrl.train.experience import TRANSITIONS, Experience, ProcessShard, TransitionBatch, gather_real
+from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch, gather_real
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.flat import step_kl, successes, training_spec
+from flowrl.train.rollouts.flat import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, successes,
+                                       training_spec)
 from flowrl.train.scoring import Scores, Scoring
 
 
@@ -72,11 +70,8 @@ class TreeRollout(Rollout):
         ctx = self.ctx
         cfg, acc = ctx.cfg, ctx.accelerator
         g, bs, tr = cfg.data.group_size, cfg.sampling.batch_size, cfg.rollout.tree
-        ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), ctx.allocator.first_stage(iteration) // g).tolist()
+        ids, seeds, shard = one_group_per_prompt(ctx, iteration)  # tree k's root noise: the flat group's first sample's
         n = len(ids)
-        # the root noise of tree k is that of the flat group's first sample (seed index k x G)
-        seeds = [sample_seed(cfg.trainer.seed, iteration, k * g) for k in range(n)]
-        shard = ProcessShard(n, acc.num_processes, acc.process_index)
         local_ids = shard.take(ids)
         spec = self.spec(iteration)
         tree = tree_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), spec,
@@ -85,8 +80,7 @@ class TreeRollout(Rollout):
         for batch in parent_batches(len(tree.leaves), bs):
             on_batch(batch, tree.leaves[batch])
         scores = self.scoring.finish(n * g)  # process-major = tree order; padding last
-        if not scores.valid.any():
-            raise UserError(f"every reward output of iteration {iteration} was invalid (NaN, inf or misshapen); see reward.on_invalid")
+        require_some_valid(scores.valid, iteration)
 
         real = shard.positions < n
         values = fuse_rewards(tree.parents, scores.local_rewards.float().cpu() @ ctx.reward_fn.channel_weights, tr.fusion,
@@ -191,8 +185,7 @@ def validate_tree(cfg) -> None:
     if cfg.data.group_size != leaves:
         raise ConfigError(f"data.group_size must equal the tree's leaves per prompt ({leaves}, the product of "
                           f"rollout.tree.branching over the splits) when rollout.kind is tree; got {cfg.data.group_size}")
-    sigmas = shifted_sigmas(s.num_steps, s.shift).tolist()
-    flat_steps = [t for t in steps if transition_std(s.sampler, sigmas[t], sigmas[t + 1], s.noise_level, sigmas[1]) <= 0]
+    flat_steps = steps_without_noise(cfg, steps)
     if flat_steps:
         raise ConfigError(f"rollout.tree.split_steps {flat_steps} have no noise under sampling.sampler '{s.sampler}' "
                           "(a split needs a stochastic step to branch); choose earlier steps")
