@@ -304,10 +304,14 @@ def _load_run_policy(run: Path, overrides=(), iteration: int | None = None):
         policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
         policy.load_lora(ckpt / ("ema_lora" if (ckpt / "ema_lora").is_dir() else "lora"))
     else:
-        from safetensors.torch import load_file
+        export = next((ckpt / name for name in ("ema_transformer", "transformer") if (ckpt / name).is_dir()), None)
+        if export is not None:  # the diffusers-format export (the only whole copy of a sharded checkpoint's weights)
+            policy.load_transformer(export)
+        else:  # a checkpoint from before the exports
+            from safetensors.torch import load_file
 
-        weights = load_file(str(ckpt / "trainable.safetensors"))
-        policy.transformer.load_state_dict(weights, strict=False)
+            weights = load_file(str(ckpt / "trainable.safetensors"))
+            policy.transformer.load_state_dict(weights, strict=False)
     return cfg, policy, ckpt
 
 

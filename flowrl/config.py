@@ -26,6 +26,7 @@ from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolv
 from flowrl.sampling.precision import HIGH_PRECISION_LAYERS
 from flowrl.sampling.schedules import WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
+from flowrl.train.sharding import DISTRIBUTED
 
 MODEL_KINDS = ("sd3", "flux")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -352,6 +353,9 @@ class RunConfig:
     # a CPU run with N > 1 relaunches itself as N processes (accelerate launch --cpu) that split
     # each iteration's rollouts and the cores: for small models one process per core beats threads
     cpu_processes: int = 1
+    # how the trained network is laid out over processes (docs/distributed.md): ddp (whole on every process,
+    # gradients all-reduced) | fsdp2 (weights, gradients, optimizer state and EMA sharded per transformer block)
+    distributed: str = "ddp"
 
 
 @dataclass
@@ -664,11 +668,8 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
         value = getattr(m, key)
         if value <= 0 or value % 16:
             raise ConfigError(f"model.{key} must be a positive multiple of 16; got {value}")
-    if cfg.lora.enabled:
-        if not cfg.lora.target_modules:
-            raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
-    elif t.kl_beta > 0:
-        raise ConfigError("trainer.kl_beta > 0 needs lora.enabled=true: the reference policy is the network with the adapter disabled")
+    if cfg.lora.enabled and not cfg.lora.target_modules:
+        raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
 
     check_choice("sampling.sampler", s.sampler, SAMPLERS)
     check_choice("sampling.logprob_reduction", s.logprob_reduction, LOGPROB_REDUCTIONS)
@@ -727,3 +728,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     check_choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
 
     check_choice("run.tracker", cfg.run.tracker, TRACKERS)
+    check_choice("run.distributed", cfg.run.distributed, DISTRIBUTED)
+    if cfg.run.distributed == "fsdp2" and t.mixed_precision == "fp16":
+        raise ConfigError("run.distributed fsdp2 computes in bf16 or fp32: trainer.mixed_precision must be no, bf16 or auto, "
+                          "not fp16 (its loss scaler does not take sharded gradients)")

@@ -1,5 +1,8 @@
-"""Run by test_training.py under `accelerate launch --num_processes 2`: trains briefly and
-writes this rank's trainable weights and metrics so the test can compare the processes."""
+"""Run by the tests under `accelerate launch --num_processes 2` (or alone, as one process):
+trains briefly and writes this rank's weights and metrics so the test can compare the
+processes. Usage: dist_worker.py OUT MODEL_DIR [OVERRIDE ...]. Rank 0 also writes the whole
+trained weights (full.safetensors, gathered from the shards under fsdp2) and an ODE sample of
+them (sample.safetensors)."""
 
 import json
 import sys
@@ -8,16 +11,26 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from flowrl.config import load_config
+from flowrl.sampling.rollout import rollout
 from flowrl.train.loop import Trainer
+from flowrl.train.sharding import local
 
-out, model_dir = Path(sys.argv[1]), sys.argv[2]
+out, model_dir, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 cfg = load_config("tiny_jpeg", [
     f"model.path={model_dir}", "trainer.iterations=2", "data.prompts_per_iteration=2", "data.group_size=4",
     "sampling.batch_size=2", "sampling.num_steps=3", "sampling.eval_num_steps=2", "run.tracker=none",
-    "run.progress=false", "run.sample_every=0", "run.checkpoint_every=0", "trainer.kl_beta=0.01",
+    "run.progress=false", "run.sample_every=0", "run.checkpoint_every=0", "trainer.kl_beta=0.01", *extra,
 ])
 trainer = Trainer(cfg, run_dir=out / "run")
+end_training, trainer.accelerator.end_training = trainer.accelerator.end_training, lambda: None  # collectives follow
 history = trainer.train()
 rank = trainer.accelerator.process_index
-save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, str(out / f"rank{rank}.safetensors"))
+save_file({n: local(p).detach().contiguous() for n, p in trainer.params.items()}, str(out / f"rank{rank}.safetensors"))
 (out / f"rank{rank}.json").write_text(json.dumps({"world": trainer.accelerator.num_processes, "history": history}))
+full = trainer.layout.full(trainer.params)  # every process takes part; rank 0 gets the weights
+with trainer.layout.gathered():
+    if rank == 0:
+        save_file({n: t.contiguous() for n, t in full.items()}, str(out / "full.safetensors"))
+        traj = rollout(trainer.policy, ["a red circle", "a blue square"], [7, 8], trainer.eval_spec(), 2)
+        save_file({"final": traj.final.contiguous()}, str(out / "sample.safetensors"))
+end_training()

@@ -113,6 +113,7 @@ class FlowPolicy:
         self.device = torch.device(device)
         self.dtype = DTYPES[cfg.dtype]
         self.transformer = pipe.transformer
+        self.transformer_class = type(pipe.transformer)  # before sharding swaps in a subclass (flowrl/train/sharding.py)
         self.vae = pipe.vae  # None: the transformer works in pixel space, images in [-1, 1]
         self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
         for module in self._modules():
@@ -124,6 +125,7 @@ class FlowPolicy:
         self.has_lora = False
         self.lora_sigma_range: tuple[float, float] | None = None  # None: the adapter acts at every sigma
         self._reference_depth = 0
+        self._reference_net = None  # full fine-tuning with a KL: a frozen copy of the network (set_reference_network)
         if cfg.gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
 
@@ -280,35 +282,68 @@ class FlowPolicy:
         finally:
             self._guidance_override = saved
 
+    def set_reference_network(self, net: torch.nn.Module) -> None:
+        """Full fine-tuning has no adapter to disable: `reference()` then swaps in `net`, a frozen copy
+        of the initial network (made only when a KL term needs it)."""
+        self._reference_net = net
+
     @contextlib.contextmanager
     def reference(self):
-        """The reference policy: the same network with the LoRA adapter disabled (re-entrant:
-        only the outermost exit enables it again)."""
-        if not self.has_lora:
-            raise UserError("the reference policy needs a LoRA adapter (lora.enabled=true)")
+        """The reference policy: the same network with the LoRA adapter disabled, or under full
+        fine-tuning the frozen copy (re-entrant: only the outermost exit restores the policy)."""
+        if not self.has_lora and self._reference_net is None:
+            raise UserError("the reference policy needs a LoRA adapter (lora.enabled=true) or, under full fine-tuning, "
+                            "a frozen copy (made when trainer.kl_beta > 0)")
         if self._reference_depth == 0:
-            self.transformer.disable_adapters()
+            if self.has_lora:
+                self.transformer.disable_adapters()
+            else:
+                self._trained_net, self.net = self.net, self._reference_net
         self._reference_depth += 1
         try:
             yield self
         finally:
             self._reference_depth -= 1
             if self._reference_depth == 0:
-                self.transformer.enable_adapters()
+                if self.has_lora:
+                    self.transformer.enable_adapters()
+                else:
+                    self.net = self._trained_net
 
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+    def lora_state_dict(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The adapter's weights in peft's naming; from `state` (the transformer's full state dict,
+        gathered from shards) when given, else from the network itself."""
         from peft.utils import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(self.transformer)
+        return get_peft_model_state_dict(self.transformer, state_dict=state)
 
-    def save_lora(self, directory: str | Path) -> None:
+    def save_lora(self, directory: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
         """The adapter in the diffusers format: loadable with `pipe.load_lora_weights(directory)`."""
-        state = {k: v.detach().cpu().contiguous() for k, v in self.lora_state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in self.lora_state_dict(state).items()}
         # the adapter metadata carries lora_alpha; without it loaders assume alpha = rank
         metadata = self.transformer.peft_config["default"].to_dict()
         self.pipeline_class.save_lora_weights(
             str(directory), transformer_lora_layers=state, transformer_lora_adapter_metadata=metadata, safe_serialization=True
         )
+
+    def save_transformer(self, directory: str | Path, state: dict[str, torch.Tensor]) -> None:
+        """A fully fine-tuned transformer in the diffusers format, in model.dtype, from its full
+        state dict: loadable with `<TransformerClass>.from_pretrained(directory)`."""
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            empty = self.transformer_class.from_config(self.transformer.config)
+        empty.load_state_dict({k: v.to(self.dtype) for k, v in state.items()}, strict=True, assign=True)
+        empty.save_pretrained(str(directory), safe_serialization=True)
+
+    def load_transformer(self, directory: str | Path) -> None:
+        """Load the weights of a transformer `save_transformer` wrote into this policy's network."""
+        try:
+            loaded = self.transformer_class.from_pretrained(str(directory), dtype=self.dtype)
+        except (OSError, ValueError) as exc:
+            raise UserError(f"checkpoint '{directory}' holds no loadable {self.transformer_class.__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        self.transformer.load_state_dict(loaded.state_dict())
 
     def load_lora(self, directory: str | Path) -> None:
         """Load an adapter written by `save_lora` into this policy's (already added) adapter."""

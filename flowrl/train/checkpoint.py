@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flowrl.errors import UserError
+from flowrl.train.sharding import SHARDED_DIR, is_sharded
 
 LATEST = "latest"
 # the files every checkpoint holds; any other NAME.safetensors is optional state (the EMA weights,
@@ -20,23 +21,24 @@ LATEST = "latest"
 REQUIRED_TENSORS = ("trainable", "optimizer", "rng")
 
 
-def _optimizer_to_flat(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+def optimizer_to_flat(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
     tensors, meta = {}, {"param_groups": state["param_groups"], "state": {}}
     for idx, entry in state["state"].items():
         meta["state"][str(idx)] = {}
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
+                # a sharded moment stays where it is: its process writes its own shard (flowrl/train/sharding.py)
+                tensors[f"{idx}.{key}"] = value.detach() if is_sharded(value) else value.detach().cpu().contiguous()
                 meta["state"][str(idx)][key] = "tensor"
             else:
                 meta["state"][str(idx)][key] = value
     return tensors, meta
 
 
-def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     state = {}
     for idx, entry in meta["state"].items():
-        state[int(idx)] = {k: (tensors[f"{idx}.{k}"] if v == "tensor" else v) for k, v in entry.items()}
+        state[int(idx) if idx.isdigit() else idx] = {k: (tensors[f"{idx}.{k}"] if v == "tensor" else v) for k, v in entry.items()}
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
@@ -49,15 +51,18 @@ def checkpoint_iterations(root: Path) -> list[int]:
     return sorted(int(p.name.removeprefix("iter_")) for p in Path(root).glob("iter_*") if p.is_dir())
 
 
-def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor], optimizer_state: dict,
-                    ema_shadow: dict[str, torch.Tensor] | None, extra: dict, export=None,
+def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor] | None, optimizer_state: dict | None,
+                    ema_shadow: dict[str, torch.Tensor] | None, extra: dict, export=None, sharded: dict | None = None,
                     **state_tensors: dict[str, torch.Tensor] | None) -> Path:
     """Write checkpoints/iter_NNNNNN atomically. `export(dir)` may add user-facing files
     (the diffusers-format LoRA) inside the temporary directory before it is renamed.
-    `state_tensors` (allocator=..., nft_old=...) go to NAME.safetensors when not None."""
+    `state_tensors` (allocator=..., nft_old=...) go to NAME.safetensors when not None.
+    `sharded` (run.distributed fsdp2): {"dir": the shards every process wrote, "groups": their
+    names, "optimizer": the optimizer state's JSON part}; `params` and `optimizer_state` are then
+    None, and the shards' directory moves in as SHARDED_DIR."""
     root = Path(root)
     name = checkpoint_name(iteration)
-    opt_tensors, opt_meta = _optimizer_to_flat(optimizer_state)
+    opt_tensors, opt_meta = optimizer_to_flat(optimizer_state) if optimizer_state is not None else ({}, sharded["optimizer"])
     for key, tensors in {"trainable": params, "optimizer": opt_tensors, "ema": ema_shadow, **state_tensors}.items():
         bad = next((n for n, t in (tensors or {}).items() if t.is_floating_point() and not bool(torch.isfinite(t).all())), None)
         if bad is not None:  # checked before anything is written: the last checkpoint stays the newest
@@ -67,8 +72,11 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor],
     tmp = root / f".tmp-{name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({n: p.detach().cpu().contiguous() for n, p in params.items()}, str(tmp / "trainable.safetensors"))
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+    if sharded is not None:
+        os.replace(sharded["dir"], tmp / SHARDED_DIR)
+    else:
+        save_file({n: p.detach().cpu().contiguous() for n, p in params.items()}, str(tmp / "trainable.safetensors"))
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
     for key, tensors in {"ema": ema_shadow, **state_tensors}.items():
         if key in REQUIRED_TENSORS or not key.isidentifier():
             raise ValueError(f"checkpoint tensor file name '{key}' must be an identifier other than {', '.join(REQUIRED_TENSORS)}")
@@ -79,7 +87,8 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor],
         rng.update({f"torch_cuda_{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
     save_file(rng, str(tmp / "rng.safetensors"))
     py_state = random.getstate()
-    state = {"iteration": iteration, "optimizer": opt_meta, "python_random": [py_state[0], list(py_state[1]), py_state[2]], **extra}
+    state = {"iteration": iteration, "optimizer": opt_meta, "python_random": [py_state[0], list(py_state[1]), py_state[2]],
+             "sharded": sharded["groups"] if sharded is not None else [], **extra}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     if export is not None:
         export(tmp)
@@ -107,18 +116,25 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> dict:
+    """A checkpoint's tensors and state. A sharded one's (state "sharded") groups stay in its
+    SHARDED_DIR, for every process to load its own shards of (flowrl/train/sharding.py); its
+    "params" is then None and "optimizer" only the JSON part."""
     path = Path(path)
     try:
         state = json.loads((path / "state.json").read_text())
+        sharded = state.get("sharded") or []
         out = {
             "state": state,
-            "params": load_file(str(path / "trainable.safetensors")),
-            "optimizer": _optimizer_from_flat(load_file(str(path / "optimizer.safetensors")), state["optimizer"]),
+            "params": None if sharded else load_file(str(path / "trainable.safetensors")),
+            "optimizer": state["optimizer"] if sharded else optimizer_from_flat(load_file(str(path / "optimizer.safetensors")),
+                                                                                state["optimizer"]),
             "rng": load_file(str(path / "rng.safetensors")),
             "ema": None,
             "allocator": None,
             **{f.stem: load_file(str(f)) for f in sorted(path.glob("*.safetensors")) if f.stem not in REQUIRED_TENSORS},
         }
+        if sharded and not (path / SHARDED_DIR).is_dir():
+            raise FileNotFoundError(f"no {SHARDED_DIR} folder")
     except Exception as exc:  # safetensors, JSON and missing files all mean the same to the user
         raise UserError(f"checkpoint '{path}' is incomplete or corrupt ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
     return out

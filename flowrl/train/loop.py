@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -30,7 +31,7 @@ from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.train.budget import SchedulePlan, machine_name, plan_iterations, probe_speed, write_plan
-from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from flowrl.train.checkpoint import checkpoint_name, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
@@ -38,6 +39,7 @@ from flowrl.train.parts import TrainContext
 from flowrl.train.registry import objective_class, rollout_class
 from flowrl.train.prompts import load_prompts
 from flowrl.train.run_dir import RunDir, default_run_dir
+from flowrl.train.sharding import SHARDED_DIR, is_sharded, make_layout, reference_copy
 from rewards import AsyncRewardRunner, MultiReward
 
 if TYPE_CHECKING:  # the config module imports the training parts to validate against them
@@ -78,11 +80,14 @@ class Trainer:
         if cfg.lora.enabled:
             self.policy.add_lora(cfg.lora, seed=t.seed)
         else:
+            if t.kl_beta > 0:  # no adapter to disable: the KL's reference is a frozen copy of the network as loaded
+                self.policy.set_reference_network(reference_copy(self.policy.transformer))
             self.policy.enable_full_finetune()
+        self.layout.shard(self.policy)  # fsdp2: the weights become shards, so the optimizer is built after
         self.params = self.policy.named_trainable_parameters()
         optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
-        self.policy.net, self.optimizer = acc.prepare(self.policy.transformer, optimizer)
+        self.optimizer = self.layout.prepare(self.policy, optimizer)
         self.ema = EMA(self.params, t.ema_decay) if t.ema else None
         self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards) if rollout_cls.needs_rewards else None
         self.reward_runner = AsyncRewardRunner(self.reward_fn)
@@ -116,13 +121,16 @@ class Trainer:
             run_dir = default_run_dir(cfg)
         self.run = RunDir(broadcast_object_list([str(run_dir)])[0])
         self.mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
-        return Accelerator(
-            mixed_precision=self.mixed_precision, cpu=cpu, log_with=None if cfg.run.tracker == "none" else cfg.run.tracker,
+        sharded = cfg.run.distributed == "fsdp2"  # mixed precision is then FSDP2's own policy, not accelerate's autocast
+        acc = Accelerator(
+            mixed_precision="no" if sharded else self.mixed_precision, cpu=cpu, log_with=None if cfg.run.tracker == "none" else cfg.run.tracker,
             project_dir=str(self.run.path),
             # DDP would broadcast the transformer's buffers (constant position embeddings) in every
             # forward: a collective that hangs when only rank 0 samples (grids, evals)
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         )
+        self.layout = make_layout(cfg.run.distributed, acc, self.mixed_precision)
+        return acc
 
     def _allocator(self):
         cfg, al = self.cfg, self.cfg.allocator
@@ -138,7 +146,7 @@ class Trainer:
     def train_iteration(self) -> dict:
         t0 = time.perf_counter()
         self.policy.transformer.eval()
-        with self.objective.behaviour_weights():
+        with self.objective.behaviour_weights(), self.layout.gathered():  # behaviour weights first: they swap shards
             experience = self.rollout.collect(self.iteration)
         t_collected = time.perf_counter()
         self.skipped_steps = 0
@@ -158,7 +166,7 @@ class Trainer:
         process alike: it is taken after the all-reduce). That step is skipped: the gradients are
         dropped, and the weights, the optimizer's moments and the EMA stay as they were.
         trainer.max_skipped_steps such steps in a row stop the run."""
-        norm = float(self.accelerator.clip_grad_norm_(list(self.params.values()), self.cfg.trainer.max_grad_norm))
+        norm = self.layout.clip_grad_norm(list(self.params.values()), self.cfg.trainer.max_grad_norm)
         if not math.isfinite(norm):
             self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
@@ -263,37 +271,82 @@ class Trainer:
 
     @torch.no_grad()
     def save_samples(self, name: str, seeds_per_prompt: int = 2) -> Path | None:
-        """A grid of ODE samples on the eval prompts (EMA weights when enabled)."""
-        if not self.accelerator.is_main_process or not self.eval_prompts:
+        """A grid of ODE samples on the eval prompts (EMA weights when enabled), drawn by rank 0;
+        under fsdp2 every process takes part in gathering the weights."""
+        main = self.accelerator.is_main_process
+        if not (main or self.layout.sharded) or not self.eval_prompts:
             return None
         prompts = [p for p in self.eval_prompts for _ in range(seeds_per_prompt)]
         seeds = [sample_seed(self.cfg.trainer.seed, -1, j % seeds_per_prompt) for j in range(len(prompts))]
-        with self.ema.swapped_in(self.params) if self.ema is not None else contextlib.nullcontext():
+        with self.ema.swapped_in(self.params) if self.ema is not None else contextlib.nullcontext(), self.layout.gathered():
+            if not main:
+                return None
             traj = rollout(self.policy, prompts, seeds, self.eval_spec(), self.cfg.sampling.batch_size)
             images = self.policy.decode(traj.final)
         return save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2, captions=prompts)
 
     def save(self) -> Path | None:
-        acc = self.accelerator
+        """A checkpoint of everything a resume needs, with the user-facing exports (the LoRA, or the
+        fully fine-tuned transformer, each also with EMA weights). Under fsdp2 every process writes
+        its shards and helps gather the exports; rank 0 writes the rest."""
+        acc, lay = self.accelerator, self.layout
         acc.wait_for_everyone()
+        main, root = acc.is_main_process, self.run.checkpoints
+        ema = self.ema.shadow if self.ema is not None else None
+        objective_state = self.objective.state_dict()
+        sharded = None
+        if lay.sharded:
+            opt_tensors, opt_meta = lay.optimizer_state(self.policy.transformer, self.optimizer)
+            groups = {"trainable": self.params, "optimizer": opt_tensors, **({"ema": ema} if ema is not None else {}),
+                      **{k: v for k, v in objective_state.items() if v is not None and any(map(is_sharded, v.values()))}}
+            bad = lay.non_finite(groups)  # asked of every process: one refusal, before anyone writes
+            if bad is not None:
+                raise UserError(f"checkpoint {checkpoint_name(self.iteration)} was not written: {bad} holds NaN or inf; "
+                                f"the last checkpoint is {latest_checkpoint(root) or 'none'}")
+            shards = root / f".shards-{checkpoint_name(self.iteration)}"
+            if main:
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(shards, ignore_errors=True)
+            acc.wait_for_everyone()
+            lay.save(shards, groups)
+            sharded = {"dir": shards, "groups": sorted(groups), "optimizer": opt_meta}
+            objective_state = {k: v for k, v in objective_state.items() if k not in groups}
+        exports = self._exports() if (main or lay.sharded) else {}
         path = None
-        if acc.is_main_process:
+        if main:
             def export(tmp: Path):
-                if self.cfg.lora.enabled:
-                    self.policy.save_lora(tmp / "lora")
-                    if self.ema is not None:
-                        with self.ema.swapped_in(self.params):
-                            self.policy.save_lora(tmp / "ema_lora")
+                for name, state in exports.items():
+                    if self.cfg.lora.enabled:
+                        self.policy.save_lora(tmp / name, state)
+                    else:
+                        self.policy.save_transformer(tmp / name, state)
 
-            path = save_checkpoint(self.run.checkpoints, self.iteration, self.params, self.optimizer.state_dict(),
-                                   self.ema.shadow if self.ema is not None else None,
+            path = save_checkpoint(root, self.iteration, None if sharded else self.params,
+                                   None if sharded else self.optimizer.state_dict(), None if sharded else ema,
                                    {"policy_version": self.iteration, "num_processes": acc.num_processes,
+                                    "distributed": lay.name,
                                     "plan": self.plan.to_state() if self.plan.fixed and self.plan.budget_minutes else None},
-                                   export=export,
-                                   allocator=self.allocator.state_dict(), **self.objective.state_dict())
+                                   export=export, sharded=sharded,
+                                   allocator=self.allocator.state_dict(), **objective_state)
             self.run.plot_reward_curve(self.run.read_metrics())
         acc.wait_for_everyone()
         return path
+
+    def _exports(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{folder: whole weights} for the checkpoint's user-facing exports, on rank 0: `lora` and
+        `ema_lora`, or under full fine-tuning `transformer` and `ema_transformer` (diffusers'
+        format). Collective under fsdp2."""
+        lora = self.cfg.lora.enabled
+        prefix = "lora" if lora else "transformer"
+
+        def whole() -> dict[str, torch.Tensor]:
+            return self.layout.full(self.params if lora else self.policy.transformer.state_dict())
+
+        out = {prefix: whole()}
+        if self.ema is not None:
+            with self.ema.swapped_in(self.params):
+                out[f"ema_{prefix}"] = whole()
+        return out
 
     def _resume(self) -> None:
         ckpt = latest_checkpoint(self.run.checkpoints)
@@ -301,6 +354,27 @@ class Trainer:
             self._start_over()
             return
         data = load_checkpoint(ckpt)
+        if data["state"]["sharded"]:
+            self._load_shards(ckpt, data)
+        else:
+            self._load_whole(ckpt, data)
+        if data["allocator"] is not None:
+            self.allocator.load_state_dict(data["allocator"])
+        self.objective.load_state_dict(data, str(ckpt))
+        restore_rng(data["rng"], data["state"]["python_random"])
+        self.iteration = int(data["state"]["iteration"])
+        if self.cfg.trainer.budget_minutes and data["state"].get("plan"):  # the count this run fixed, not a new one
+            vars(self.plan).update(vars(SchedulePlan.from_state(data["state"]["plan"])))  # in place: the parts hold it
+        if self.accelerator.is_main_process:
+            self.history = self.run.truncate_metrics(self.iteration)
+        else:
+            self.history = [r for r in self.run.read_metrics() if r["iteration"] < self.iteration]
+
+    def _load_whole(self, ckpt: Path, data: dict) -> None:
+        """Weights, optimizer and EMA of a checkpoint written whole (run.distributed ddp)."""
+        if self.layout.sharded:
+            raise UserError(f"--resume: checkpoint '{ckpt}' was written whole (run.distributed ddp); resume it with "
+                            "run.distributed=ddp")
         mismatched = sorted(set(self.params) ^ set(data["params"]))
         if mismatched:
             raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model ({len(mismatched)} mismatched "
@@ -313,16 +387,21 @@ class Trainer:
             for n, p in self.params.items():
                 p.copy_(data["params"][n])
         self.optimizer.load_state_dict(data["optimizer"])
-        if data["allocator"] is not None:
-            self.allocator.load_state_dict(data["allocator"])
         if self.ema is not None and data["ema"] is not None:
             self.ema.shadow = {n: t.clone() for n, t in data["ema"].items()}
-        self.objective.load_state_dict(data, str(ckpt))
-        restore_rng(data["rng"], data["state"]["python_random"])
-        self.iteration = int(data["state"]["iteration"])
-        if self.cfg.trainer.budget_minutes and data["state"].get("plan"):  # the count this run fixed, not a new one
-            vars(self.plan).update(vars(SchedulePlan.from_state(data["state"]["plan"])))  # in place: the parts hold it
-        if self.accelerator.is_main_process:
-            self.history = self.run.truncate_metrics(self.iteration)
-        else:
-            self.history = [r for r in self.run.read_metrics() if r["iteration"] < self.iteration]
+
+    def _load_shards(self, ckpt: Path, data: dict) -> None:
+        """Every process loads its own shards of a sharded checkpoint (onto any number of
+        processes): the current tensors are the templates, filled in place."""
+        if not self.layout.sharded:
+            raise UserError(f"--resume: checkpoint '{ckpt}' holds shards (run.distributed fsdp2); resume it with "
+                            "run.distributed=fsdp2")
+        names = set(data["state"]["sharded"])
+        opt_tensors, _ = self.layout.optimizer_state(self.policy.transformer, self.optimizer)
+        templates = {"trainable": {n: p.detach() for n, p in self.params.items()}, "optimizer": opt_tensors}
+        if "ema" in names and self.ema is not None:
+            templates["ema"] = self.ema.shadow
+        templates.update({k: v for k, v in self.objective.state_dict().items() if k in names and v is not None})
+        self.layout.load(ckpt / SHARDED_DIR, templates, str(ckpt))
+        self.layout.load_optimizer_state(self.policy.transformer, self.optimizer, templates["optimizer"], data["optimizer"])
+        data.update({k: v for k, v in templates.items() if k not in ("trainable", "optimizer", "ema")})

@@ -59,6 +59,9 @@ class Rollout:
     name: ClassVar[str]
     needs_prompts: ClassVar[bool] = True  # an online prompt source (data.prompts or data.prompt_file)
     needs_rewards: ClassVar[bool] = True  # an online reward (reward.weights)
+    # runs under run.distributed fsdp2: its no-grad forwards stay inside collect() (the loop gathers the
+    # weights around it) and every process gets the same number of training batches (tested with it)
+    shards: ClassVar[bool] = False
 
     def __init__(self, ctx: TrainContext):
         self.ctx = ctx
@@ -89,6 +92,9 @@ class Objective:
 
     name: ClassVar[str]
     needs: ClassVar[str]
+    # runs under run.distributed fsdp2: every process runs the same number of forwards and backwards
+    # (tested with it)
+    shards: ClassVar[bool] = False
 
     def __init__(self, ctx: TrainContext):
         self.ctx = ctx

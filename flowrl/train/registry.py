@@ -30,6 +30,11 @@ def check_compatible(cfg: "Config") -> None:
     rollout, objective = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
     rollout.validate(cfg)
     objective.validate(cfg)
+    if cfg.run.distributed == "fsdp2":
+        for key, part, registry in (("rollout.kind", rollout, ROLLOUTS), ("objective.kind", objective, OBJECTIVES)):
+            if not part.shards:
+                able = ", ".join(sorted(n for n, c in registry.items() if c.shards))
+                raise ConfigError(f"run.distributed fsdp2 runs {key} {able}, not '{part.name}'; use run.distributed=ddp for it")
     provided = rollout.provides(cfg)
     if objective.needs not in provided:
         able = sorted(name for name, o in OBJECTIVES.items() if o.needs in provided)

@@ -33,6 +33,7 @@ STAT_NAMES = ("loss", "policy_loss", "kl", "ratio_mean", "clipfrac")
 @register_objective
 class GRPO(Objective):
     name = "grpo"
+    shards = True
     needs = TRANSITIONS
 
     @classmethod
@@ -86,8 +87,13 @@ class GRPO(Objective):
                     grad_norms.append(ctx.optimizer_step())
         bar.close()
         ctx.policy.transformer.eval()
-        out = {k: v / max(count, 1) for k, v in sums.items()}
-        out.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), first_ratio_deviation=first_ratio_dev or 0.0,
+        # over every process's micro-batches: the logged loss is the global batch's on any number of processes
+        acc = ctx.accelerator
+        totals = acc.reduce(torch.tensor([*sums.values(), count], dtype=torch.float64, device=acc.device), "sum").tolist()
+        count = int(totals[-1])
+        first_ratio_dev = float(acc.reduce(torch.tensor(first_ratio_dev or 0.0, device=acc.device), "max"))
+        out = {k: v / max(count, 1) for k, v in zip(STAT_NAMES, totals)}
+        out.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), first_ratio_deviation=first_ratio_dev,
                    optimizer_steps=len(grad_norms), trained_transitions=count, lr=ctx.optimizer.param_groups[0]["lr"])
         return out
 

@@ -109,6 +109,7 @@ def group_advantages(cfg, rewards: torch.Tensor, prompt_ids: torch.Tensor, valid
 @register_rollout
 class FlatRollout(Rollout):
     name = "flat"
+    shards = True
 
     def __init__(self, ctx):
         super().__init__(ctx)

@@ -1,0 +1,157 @@
+"""run.distributed fsdp2 on CPU processes joined by gloo: the same training as one process on the
+same global batch, exact resume from shards, and exports that plain diffusers loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowrl.cli import main
+from flowrl.config import ConfigError, load_config
+from flowrl.errors import UserError
+from run_checks import run_metrics
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+# on a machine without GPUs, accelerate's --multi_gpu launcher starts CPU processes joined by gloo
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+          "--mixed_precision", "no", "--dynamo_backend", "no"]
+# brightness: a smooth reward, so tiny float differences between the layouts stay tiny in the metrics
+SMOOTH = ["reward.weights={brightness: 1.0}"]
+FULL_FINETUNE = ["lora.enabled=false", "trainer.lr=1e-3"]
+
+
+def train_worker(out: Path, model_dir: str, overrides: list[str], processes: int) -> dict:
+    cmd = [*(LAUNCH if processes == 2 else [sys.executable]), str(WORKER), str(out), model_dir, *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0 = json.loads((out / "rank0.json").read_text())
+    assert rank0["world"] == processes
+    return {"history": rank0["history"], "full": load_file(str(out / "full.safetensors")),
+            "sample": load_file(str(out / "sample.safetensors"))["final"], "checkpoint": out / "run" / "checkpoints" / "iter_000002"}
+
+
+def plain_diffusers_sample(model_dir: str, checkpoint: Path, lora: bool) -> torch.Tensor:
+    """The worker's ODE sample, redrawn from the checkpoint's export loaded by diffusers alone."""
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from flowrl.models.sd3 import SD3Policy
+    from flowrl.sampling.rollout import SamplerSpec, rollout
+
+    if lora:
+        pipe = StableDiffusion3Pipeline.from_pretrained(model_dir)
+        pipe.load_lora_weights(str(checkpoint / "lora"))
+    else:
+        pipe = StableDiffusion3Pipeline.from_pretrained(model_dir, transformer=SD3Transformer2DModel.from_pretrained(str(checkpoint / "transformer")))
+    cfg = load_config("tiny_jpeg", [f"model.path={model_dir}", "sampling.eval_num_steps=2"])
+    policy = SD3Policy(pipe, cfg.model, "cpu")
+    s = cfg.sampling
+    spec = SamplerSpec.ode(policy.sigmas(s.eval_num_steps, s.schedule, s.shift))
+    return rollout(policy, ["a red circle", "a blue square"], [7, 8], spec, 2).final
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(tmp_path, tiny_sd3_dir, mode):
+    # one optimizer step per iteration over all 4 micro-batches: each of 2 processes trains 2 of
+    # them, so both layouts take every step on the same global batch; full fine-tuning's KL runs
+    # on a sharded frozen copy
+    extra = [*SMOOTH, *(FULL_FINETUNE if mode == "full" else [])]
+    one = train_worker(tmp_path / "one", tiny_sd3_dir, [*extra, "trainer.gradient_accumulation_steps=4"], 1)
+    two = train_worker(tmp_path / "two", tiny_sd3_dir, [*extra, "trainer.gradient_accumulation_steps=2", "run.distributed=fsdp2"], 2)
+    assert len(one["history"]) == len(two["history"]) == 2
+    for a, b in zip(one["history"], two["history"]):
+        assert a["trained_transitions"] == b["trained_transitions"] == 4 * 3 and a["optimizer_steps"] == b["optimizer_steps"] == 1
+        for key in ("reward_mean", "kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+        # the policy loss is -mean(advantage x ratio) with ratios within 1e-5 of 1: terms of size 1
+        # that cancel to about 1e-5, so it is compared on the terms' scale
+        for key in ("loss", "policy_loss"):
+            assert b[key] == pytest.approx(a[key], abs=5e-5), key
+    assert one["history"][-1]["kl"] > 0  # the reference is not the trained network
+    assert one["full"].keys() == two["full"].keys()
+    lr = 1e-3 if mode == "full" else load_config("tiny_jpeg").trainer.lr
+    for k, a in one["full"].items():
+        gap = (a - two["full"][k]).abs()
+        # Adam divides each step by the gradient's own size, so a weight whose gradient is near float
+        # noise may step differently by a fraction of lr; on average the layouts agree to 1e-4
+        assert gap.mean() <= 1e-4 * a.abs().mean() and gap.max() <= 0.05 * lr, k
+    if mode == "lora":
+        assert any(two["full"][k].abs().sum() > 0 for k in two["full"] if "lora_B" in k)  # trained off the zero init
+    # the checkpoint holds shards, no whole copy but the user-facing export, and that export
+    # loaded by plain diffusers redraws the trained weights' sample
+    ckpt = two["checkpoint"]
+    assert (ckpt / "sharded").is_dir() and not (ckpt / "trainable.safetensors").exists()
+    redrawn = plain_diffusers_sample(tiny_sd3_dir, ckpt, lora=mode == "lora")
+    assert torch.allclose(redrawn, two["sample"], atol=1e-5)
+
+
+def test_fsdp2_resumes_from_its_shards_exactly(tmp_path, tiny_sd3_dir):
+    # flowrl's own launch (run.cpu_processes) with gradient checkpointing; a stopped run resumed
+    # from its sharded checkpoint repeats the uninterrupted one: metrics and exported weights
+    args = ["tiny_jpeg", f"model.path={tiny_sd3_dir}", "sampling.num_steps=3", "data.prompts_per_iteration=2",
+            "data.group_size=4", "sampling.batch_size=2", "run.tracker=none", "run.progress=false", "lora.rank=4",
+            "lora.alpha=8", "run.sample_every=0", "run.checkpoint_every=2", "trainer.kl_beta=0.01", "run.cpu_processes=2",
+            "run.distributed=fsdp2", "model.gradient_checkpointing=true"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert main(["train", *args, "trainer.iterations=3", "--run-dir", str(straight)]) == 0
+    assert main(["train", *args, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
+    assert main(["train", "--resume", str(stopped), "trainer.iterations=3"]) == 0
+    assert run_metrics(stopped) == run_metrics(straight)
+    for export in ("lora", "ema_lora"):
+        a, b = (load_file(str(r / "checkpoints" / "iter_000003" / export / "pytorch_lora_weights.safetensors")) for r in (straight, stopped))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = json.loads((stopped / "checkpoints" / "iter_000002" / "state.json").read_text())
+    assert state["sharded"] == ["ema", "optimizer", "trainable"] and state["num_processes"] == 2
+
+
+def test_full_finetune_reference_is_the_network_as_loaded(tiny_sd3_dir):
+    from flowrl.models import load_policy
+    from flowrl.train.sharding import reference_copy
+
+    cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}"])
+    policy = load_policy(cfg.model, device="cpu")
+    policy.set_reference_network(reference_copy(policy.transformer))
+    policy.enable_full_finetune()
+    x, cond = torch.randn(2, *policy.latent_shape(), generator=torch.Generator().manual_seed(0)), policy.encode(["a", "b"])
+    with torch.no_grad():
+        before = policy.velocity(x, 0.5, cond)
+        for p in policy.trainable_parameters():
+            p.add_(0.01)
+        with policy.reference():
+            with policy.reference():  # re-entrant
+                ref = policy.velocity(x, 0.5, cond)
+            assert policy.net is not policy.transformer
+        moved = policy.velocity(x, 0.5, cond)
+    assert policy.net is policy.transformer
+    assert torch.equal(ref, before) and not torch.allclose(moved, before)
+    assert not any(p.requires_grad for p in policy._reference_net.parameters())
+
+
+def test_distributed_settings_get_one_sentence(tiny_sd3_dir):
+    base = [f"model.path={tiny_sd3_dir}"]
+    with pytest.raises(ConfigError, match="run.distributed must be one of"):
+        load_config("tiny_jpeg", [*base, "run.distributed=zero3"])
+    with pytest.raises(ConfigError, match="trainer.mixed_precision must be no, bf16 or auto"):
+        load_config("tiny_jpeg", [*base, "run.distributed=fsdp2", "trainer.mixed_precision=fp16"])
+    with pytest.raises(ConfigError, match="run.distributed fsdp2 runs rollout.kind flat, not 'tree'"):
+        load_config("tiny_jpeg", [*base, "run.distributed=fsdp2", "rollout.kind=tree", "rollout.tree.split_steps=[0]",
+                                  "rollout.tree.branching=[4]", "data.group_size=4"])
+    load_config("tiny_jpeg", [*base, "lora.enabled=false", "trainer.kl_beta=0.04"])  # full fine-tuning keeps a KL now
+
+
+def test_a_whole_checkpoint_is_not_resumed_as_shards(tmp_path, tiny_sd3_dir, capsys):
+    args = ["tiny_jpeg", f"model.path={tiny_sd3_dir}", "sampling.num_steps=2", "data.prompts_per_iteration=1",
+            "data.group_size=2", "sampling.batch_size=2", "run.tracker=none", "run.progress=false", "run.sample_every=0",
+            "trainer.iterations=1"]
+    assert main(["train", *args, "--run-dir", str(tmp_path / "r")]) == 0
+    assert main(["train", "--resume", str(tmp_path / "r"), "trainer.iterations=2", "run.distributed=fsdp2"]) == 2
+    err = capsys.readouterr().err
+    assert "was written whole (run.distributed ddp); resume it with run.distributed=ddp" in err and "Traceback" not in err
