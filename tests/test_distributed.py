@@ -155,3 +155,52 @@ def test_a_whole_checkpoint_is_not_resumed_as_shards(tmp_path, tiny_sd3_dir, cap
     assert main(["train", "--resume", str(tmp_path / "r"), "trainer.iterations=2", "run.distributed=fsdp2"]) == 2
     err = capsys.readouterr().err
     assert "was written whole (run.distributed ddp); resume it with run.distributed=ddp" in err and "Traceback" not in err
+
+
+# ---- the memory planner -------------------------------------------------------------------
+def test_memory_plan_counts_the_real_networks_and_divides_what_fsdp2_shards(tiny_sd3_dir):
+    from diffusers import SD3Transformer2DModel
+
+    from flowrl.train.memory_plan import GIB, Launch, load_model, lora_params, plan
+
+    model = load_model(tiny_sd3_dir)  # meta device: the configs only
+    real = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer")
+    assert sum(p.numel() for p in model.transformer.parameters()) == sum(p.numel() for p in real.parameters())
+    assert all(p.is_meta for p in model.transformer.parameters())
+
+    # LoRA: rank x (in + out) per targeted Linear, the count peft builds
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    real.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_v"]))
+    assert lora_params(model.transformer, 4, ["to_q", "to_v"]) == sum(v.numel() for v in get_peft_model_state_dict(real).values())
+
+    full = Launch(lora_rank=0, distributed="fsdp2", gpus_per_node=4, dtype="bf16")
+    one = {w: g for w, g, _ in plan(model, Launch(lora_rank=0, distributed="ddp", dtype="bf16"))}
+    four = {w: g for w, g, _ in plan(model, full)}
+    n = sum(p.numel() for p in model.transformer.parameters())
+    assert one["weights (fp32 master)"] == pytest.approx(4 * n / GIB)
+    for row in ("weights (fp32 master)", "gradients (fp32)", "optimizer (AdamW, 2 fp32 moments)", "EMA (fp32)", "reference copy"):
+        assert four[row] == pytest.approx(one[row] / 4), row
+    assert one["reference copy"] == pytest.approx(2 * n / GIB)  # bf16 copy for the KL
+    assert four["text encoders and VAE"] == one["text encoders and VAE"] > 0  # never sharded
+    lora = {w: g for w, g, _ in plan(model, Launch(lora_rank=4, lora_targets=["to_q"]))}
+    assert lora["reference copy"] == 0 and lora["weights (frozen base)"] == pytest.approx(2 * n / GIB)
+    # checkpointing keeps one input per block instead of every block's activations
+    ckpt = {w: g for w, g, _ in plan(model, Launch(gradient_checkpointing=True, height=512, width=512))}
+    plain = {w: g for w, g, _ in plan(model, Launch(height=512, width=512))}
+    assert ckpt["activations (estimate)"] < plain["activations (estimate)"]
+
+
+def test_plan_memory_script_prints_the_table_and_refuses_bad_launches(capsys):
+    from script_loader import load_script
+
+    script = load_script("plan_memory")
+    assert script.main(["stabilityai/stable-diffusion-3.5-medium", "--lora-rank", "32", "--height", "512", "--width", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "stabilityai/stable-diffusion-3.5-medium" in out and "plan peak" in out and "2.24B" in out
+    assert script.main(["black-forest-labs/FLUX.1-dev", "--full", "--gpus", "8", "--nodes", "2", "--distributed", "fsdp2"]) == 0
+    assert "11.90B x 4 B / 16 GPUs" in capsys.readouterr().out
+    assert script.main(["stabilityai/stable-diffusion-3.5-medium", "--gpus", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "plan_memory: --gpus must be at least 1; got 0"
+    assert script.main(["no/such-model-here"]) == 2
+    assert "neither a known model" in capsys.readouterr().err

@@ -129,6 +129,9 @@ class Trainer:
             # forward: a collective that hangs when only rank 0 samples (grids, evals)
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         )
+        if acc.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):  # its prepare would wrap the network its own way
+            raise UserError(f"flowrl shards the network itself (run.distributed=fsdp2); launch with a plain multi-GPU accelerate "
+                            f"config such as configs/accelerate/multi_gpu.yaml, not distributed_type {acc.distributed_type.value}")
         self.layout = make_layout(cfg.run.distributed, acc, self.mixed_precision)
         return acc
 

@@ -1,0 +1,244 @@
+"""Per-GPU memory of a training launch, planned before anything is loaded (scripts/plan_memory.py,
+docs/distributed.md).
+
+The networks are built on the meta device from their configs (no weights are read), so the
+parameter counts are exact; what they cost follows from the launch: which weights are trained,
+in what precision they are kept, and over how many GPUs `run.distributed fsdp2` shards them.
+Activations are an estimate, with the assumptions written beside the formula.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from flowrl.errors import UserError
+
+GIB = 1024**3
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+# the published configs of the two models the presets name, so a plan needs no download; any other
+# model is read from its own directory or hub id (only the config files)
+KNOWN_MODELS = {
+    "black-forest-labs/FLUX.1-dev": {
+        "kind": "flux",
+        "transformer": ("FluxTransformer2DModel", {
+            "attention_head_dim": 128, "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 4096,
+            "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
+            "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]}),
+        "text_encoders": [("CLIPTextModel", "clip_l"), ("T5EncoderModel", "t5_xxl")],
+        "text_tokens": 512,  # T5's max_sequence_length in FluxPipeline
+    },
+    "stabilityai/stable-diffusion-3.5-medium": {
+        "kind": "sd3",
+        "transformer": ("SD3Transformer2DModel", {
+            "attention_head_dim": 64, "caption_projection_dim": 1536, "in_channels": 16, "joint_attention_dim": 4096,
+            "num_attention_heads": 24, "num_layers": 24, "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048,
+            "pos_embed_max_size": 384, "qk_norm": "rms_norm", "sample_size": 128, "dual_attention_layers": list(range(13))}),
+        "text_encoders": [("CLIPTextModelWithProjection", "clip_l"), ("CLIPTextModelWithProjection", "clip_g"),
+                          ("T5EncoderModel", "t5_xxl")],
+        "text_tokens": 77 + 256,  # CLIP's 77 and T5's max_sequence_length 256, concatenated
+    },
+}
+ENCODER_CONFIGS = {  # transformers config kwargs
+    "clip_l": ("CLIPTextConfig", {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                                  "num_attention_heads": 12, "projection_dim": 768, "vocab_size": 49408}),
+    "clip_g": ("CLIPTextConfig", {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
+                                  "num_attention_heads": 20, "projection_dim": 1280, "vocab_size": 49408}),
+    "t5_xxl": ("T5Config", {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
+                            "vocab_size": 32128, "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}),
+}
+VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
+              "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 2}
+# bytes of saved activations per token per transformer block in 16-bit training, with fused
+# (flash / SDPA) attention that stores no seq x seq matrix: Korthikanti et al. 2022 (arXiv:2205.05198),
+# 34 x hidden for a block of attention and a 4x MLP. Joint (two-stream) blocks send each token
+# through one stream, so the same count per token holds.
+ACTIVATION_BYTES_PER_HIDDEN = 34
+
+
+@dataclass
+class Launch:
+    gpus_per_node: int = 1
+    nodes: int = 1
+    distributed: str = "ddp"  # ddp | fsdp2
+    lora_rank: int = 0  # 0: full fine-tuning
+    lora_targets: list[str] = field(default_factory=lambda: ["to_q", "to_k", "to_v", "to_out.0"])
+    dtype: str = "bf16"  # model.dtype: the frozen weights and the gathered ones under fsdp2
+    batch: int = 1  # samples per training forward (sampling.batch_size)
+    height: int = 1024
+    width: int = 1024
+    gradient_checkpointing: bool = False
+    ema: bool = True
+    kl: bool = True  # full fine-tuning keeps a frozen reference copy for the KL
+
+    @property
+    def gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+
+@dataclass
+class Model:
+    name: str
+    kind: str  # sd3 | flux
+    transformer: torch.nn.Module  # on the meta device
+    frozen_params: int  # text encoders and VAE
+    text_tokens: int
+
+    @property
+    def hidden(self) -> int:
+        c = self.transformer.config
+        return c.num_attention_heads * c.attention_head_dim
+
+    def blocks(self) -> list[torch.nn.Module]:
+        names = set(self.transformer._no_split_modules or ())
+        return [m for m in self.transformer.modules() if type(m).__name__ in names]
+
+    def image_tokens(self, height: int, width: int) -> int:
+        c = self.transformer.config
+        patch = c.patch_size if self.kind == "sd3" else 2  # FLUX packs 2x2 latent patches into tokens
+        return (height // 8 // patch) * (width // 8 // patch)
+
+
+def count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _meta(build):
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return build()
+
+
+def load_model(name: str) -> Model:
+    """A model of KNOWN_MODELS, or a diffusers pipeline directory or hub id (its configs only), on
+    the meta device."""
+    import diffusers
+    import transformers
+
+    if name in KNOWN_MODELS:
+        spec = KNOWN_MODELS[name]
+        cls_name, kwargs = spec["transformer"]
+        transformer = _meta(lambda: getattr(diffusers, cls_name)(**kwargs))
+        frozen = sum(count(_meta(lambda e=e: getattr(transformers, c)(getattr(transformers, ENCODER_CONFIGS[e][0])(**ENCODER_CONFIGS[e][1]))))
+                     for c, e in spec["text_encoders"])
+        frozen += count(_meta(lambda: diffusers.AutoencoderKL(**VAE_CONFIG)))
+        return Model(name, spec["kind"], transformer, frozen, spec["text_tokens"])
+    try:
+        index = diffusers.DiffusionPipeline.load_config(name)
+    except Exception as exc:
+        raise UserError(f"model '{name}' is neither a known model ({', '.join(KNOWN_MODELS)}) nor a readable diffusers "
+                        f"pipeline directory or hub id ({type(exc).__name__})") from None
+    kind = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}.get(index.get("_class_name"))
+    if kind is None:
+        raise UserError(f"model '{name}' holds a {index.get('_class_name')}; the planner knows StableDiffusion3Pipeline and FluxPipeline")
+    transformer, frozen = None, 0
+    for component, entry in index.items():
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in ("diffusers", "transformers")):
+            continue
+        library = diffusers if entry[0] == "diffusers" else transformers
+        cls = getattr(library, entry[1], None)
+        if cls is None or not hasattr(cls, "config_class" if library is transformers else "from_config"):
+            continue  # schedulers, tokenizers
+        if library is diffusers:
+            if not hasattr(cls, "load_config") or not issubclass(cls, diffusers.ModelMixin):
+                continue
+            config = cls.load_config(name, subfolder=component)
+            module = _meta(lambda: cls.from_config(config))
+        else:
+            config = transformers.AutoConfig.from_pretrained(name, subfolder=component)
+            module = _meta(lambda: cls(config))
+        if component == "transformer":
+            transformer = module
+        else:
+            frozen += count(module)
+    if transformer is None:
+        raise UserError(f"model '{name}' has no transformer component")
+    tokens = 512 if kind == "flux" else 77 + 256
+    return Model(str(name), kind, transformer, frozen, tokens)
+
+
+def lora_params(transformer: torch.nn.Module, rank: int, targets: list[str]) -> int:
+    """rank x (in + out) for every Linear whose name ends in a target (peft's matching)."""
+    total = 0
+    for n, m in transformer.named_modules():
+        if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in targets):
+            total += rank * (m.in_features + m.out_features)
+    if total == 0:
+        raise UserError(f"lora targets {', '.join(targets)} match no Linear layer of {type(transformer).__name__}")
+    return total
+
+
+def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
+    """(what, GiB per GPU, how it was counted) rows; the last two rows are the peaks of training
+    and of sampling, and the plan's peak is the larger."""
+    if launch.distributed not in ("ddp", "fsdp2"):
+        raise UserError(f"distributed must be ddp or fsdp2; got '{launch.distributed}'")
+    n = launch.gpus if launch.distributed == "fsdp2" else 1  # the shard count
+    base, low = count(model.transformer), BYTES[launch.dtype]
+    full = launch.lora_rank == 0
+    trained = base if full else lora_params(model.transformer, launch.lora_rank, launch.lora_targets)
+    shard = f"/ {n} GPUs" if n > 1 else "whole on every GPU"
+    rows = []
+    if full:
+        rows.append(("weights (fp32 master)", 4 * base / n, f"{base / 1e9:.2f}B x 4 B {shard}"))
+    else:
+        rows.append(("weights (frozen base)", low * base / n, f"{base / 1e9:.2f}B x {low} B {shard}"))
+        rows.append(("weights (LoRA, fp32)", 4 * trained / n, f"{trained / 1e6:.1f}M x 4 B {shard}"))
+    rows.append(("gradients (fp32)", 4 * trained / n, f"{trained / 1e9:.3f}B x 4 B {shard}"))
+    rows.append(("optimizer (AdamW, 2 fp32 moments)", 8 * trained / n, f"{trained / 1e9:.3f}B x 8 B {shard}"))
+    rows.append(("EMA (fp32)", 4 * trained / n if launch.ema else 0.0, "trainer.ema" if launch.ema else "off"))
+    ref = full and launch.kl
+    rows.append(("reference copy", low * base / n if ref else 0.0,
+                 f"frozen {launch.dtype} copy {shard}" if ref else ("LoRA: the adapter disabled, no copy" if not full else "no KL")))
+    rows.append(("text encoders and VAE", low * model.frozen_params, f"{model.frozen_params / 1e9:.2f}B x {low} B, not sharded"))
+
+    blocks = model.blocks()
+    unit = max(count(b) for b in blocks)
+    gathered = 2 * low * unit if n > 1 else 0.0  # the block computing and the next one prefetched
+    rows.append(("gathered blocks (fsdp2)", gathered, f"2 x the largest block ({unit / 1e6:.0f}M) x {low} B" if n > 1 else "-"))
+
+    tokens = model.image_tokens(launch.height, launch.width) + model.text_tokens
+    rows_per_forward = launch.batch * (2 if model.kind == "sd3" else 1)  # SD3 trains with CFG: two halves per sample
+    per_block = ACTIVATION_BYTES_PER_HIDDEN * model.hidden * tokens * rows_per_forward
+    if launch.gradient_checkpointing:  # each block's 16-bit input kept, one block's activations recomputed at a time
+        acts = len(blocks) * 2 * model.hidden * tokens * rows_per_forward + per_block
+        how = f"{len(blocks)} block inputs + one block's 34 x hidden x {tokens} tokens x {rows_per_forward} rows"
+    else:
+        acts = len(blocks) * per_block
+        how = f"{len(blocks)} blocks x 34 B x hidden {model.hidden} x {tokens} tokens x {rows_per_forward} rows"
+    rows.append(("activations (estimate)", acts, how))
+
+    transient = ("gathered blocks (fsdp2)", "activations (estimate)")
+    resident = sum(b for what, b, _ in rows if what not in transient)
+    gradients = next(b for what, b, _ in rows if what.startswith("gradients"))
+    train_peak = resident + gathered + acts
+    # sampling: no gradients (zeroed to None after each step); under fsdp2 the trained network is
+    # gathered whole in its compute precision beside its shards
+    whole = low * base if n > 1 else 0.0
+    sample_peak = resident - gradients + whole
+    rows.append(("peak while training", train_peak, "resident + gathered blocks + activations"))
+    rows.append(("peak while sampling", sample_peak, f"resident - gradients + the whole network ({launch.dtype})" if n > 1
+                 else "resident - gradients"))
+    return [(what, b / GIB, how) for what, b, how in rows]
+
+
+def format_plan(model: Model, launch: Launch, rows: list[tuple[str, float, str]]) -> str:
+    mode = "full fine-tuning" if launch.lora_rank == 0 else f"LoRA rank {launch.lora_rank}"
+    head = (f"{model.name}: {launch.nodes} node(s) x {launch.gpus_per_node} GPU(s), {launch.distributed}, {mode}, "
+            f"{launch.dtype}, batch {launch.batch}, {launch.height}x{launch.width}, gradient checkpointing "
+            f"{'on' if launch.gradient_checkpointing else 'off'}")
+    width = max(len(r[0]) for r in rows)
+    lines = [head, f"{'':{width}}  GiB/GPU", *(f"{w:{width}}  {g:7.2f}  {how}" for w, g, how in rows)]
+    lines.append(f"{'plan peak':{width}}  {max(rows[-1][1], rows[-2][1]):7.2f}")
+    return "\n".join(lines)
+
+
+def plan_json(model: Model, launch: Launch, rows) -> str:
+    return json.dumps({"model": model.name, "launch": vars(launch), "rows": [{"what": w, "gib": g, "how": h} for w, g, h in rows],
+                       "peak_gib": max(rows[-1][1], rows[-2][1])}, indent=1)
+
