@@ -31,7 +31,10 @@ run() {  # run NAME SECONDS CMD...: one check, its log in $OUT/NAME.log, stopped
 }
 
 # Each check is capped so that the whole script ends within 9.5 minutes on an H100 or H200.
+# FSDP2 smoke run: full fine-tuning of an SD3.5-Medium-sized transformer on one GPU under
+# run.distributed=fsdp2, peak memory against scripts/plan_memory.py's estimate (goal: within 15%).
+run fsdp_memory 240 python3 scripts/bench_fsdp_memory.py
 # FP8 vs BF16 exploration throughput with torch.compile (eager 0.72x; goal 1.6x). A whole-model compile
 # of the 2.24B-parameter transformer did not finish both copies in 380 s (2026-11-26), so the bench
 # compiles per transformer block (regional compilation); the log keeps whatever finished.
-run two_stage_compile 540 python3 scripts/bench_two_stage.py --gpu --fidelity-prompts 0 --compile
+run two_stage_compile 330 python3 scripts/bench_two_stage.py --gpu --fidelity-prompts 0 --compile

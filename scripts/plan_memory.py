@@ -31,6 +31,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1, help="samples per training forward (sampling.batch_size)")
     ap.add_argument("--height", type=int, default=1024)
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--max-sequence-length", type=int, default=0, help="T5 tokens per prompt; 0: the pipeline's default")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--no-ema", action="store_true")
     ap.add_argument("--no-kl", action="store_true", help="full fine-tuning without a KL term: no reference copy")
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"{flag} must be at least 1; got {value}")
         launch = Launch(gpus_per_node=a.gpus, nodes=a.nodes, distributed=a.distributed, lora_rank=0 if a.full else a.lora_rank,
                         lora_targets=a.lora_targets, dtype=a.dtype, batch=a.batch, height=a.height, width=a.width,
-                        gradient_checkpointing=a.gradient_checkpointing, ema=not a.no_ema, kl=not a.no_kl)
+                        gradient_checkpointing=a.gradient_checkpointing, ema=not a.no_ema, kl=not a.no_kl,
+                        max_sequence_length=a.max_sequence_length)
         model = load_model(a.model)
         rows = plan(model, launch)
     except UserError as exc:

@@ -204,3 +204,23 @@ def test_plan_memory_script_prints_the_table_and_refuses_bad_launches(capsys):
     assert capsys.readouterr().err.strip() == "plan_memory: --gpus must be at least 1; got 0"
     assert script.main(["no/such-model-here"]) == 2
     assert "neither a known model" in capsys.readouterr().err
+
+
+def test_fsdp_memory_bench_runs_its_code_path_on_the_cpu(capsys):
+    # the GPU check (scripts/gpu_checks.sh) on a tiny transformer: fsdp2 full fine-tuning with a KL,
+    # bf16 and gradient checkpointing through the trainer, and the plan printed beside it
+    from script_loader import load_script
+
+    assert load_script("bench_fsdp_memory").main(["--cpu-smoke", "--iterations", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fsdp2, full fine-tuning" in out and "iteration 0:" in out and "skipped 0" in out
+
+
+@pytest.mark.parametrize("name", ["multi_gpu", "multi_node"])
+def test_shipped_accelerate_configs_load_as_plain_multi_gpu_launches(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from flowrl.presets import CONFIG_DIR
+
+    cfg = load_config_from_file(str(CONFIG_DIR / "accelerate" / f"{name}.yaml"))
+    assert cfg.distributed_type.value == "MULTI_GPU" and cfg.num_processes == 8 * cfg.num_machines

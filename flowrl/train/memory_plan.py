@@ -30,7 +30,6 @@ KNOWN_MODELS = {
             "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
             "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]}),
         "text_encoders": [("CLIPTextModel", "clip_l"), ("T5EncoderModel", "t5_xxl")],
-        "text_tokens": 512,  # T5's max_sequence_length in FluxPipeline
     },
     "stabilityai/stable-diffusion-3.5-medium": {
         "kind": "sd3",
@@ -40,7 +39,6 @@ KNOWN_MODELS = {
             "pos_embed_max_size": 384, "qk_norm": "rms_norm", "sample_size": 128, "dual_attention_layers": list(range(13))}),
         "text_encoders": [("CLIPTextModelWithProjection", "clip_l"), ("CLIPTextModelWithProjection", "clip_g"),
                           ("T5EncoderModel", "t5_xxl")],
-        "text_tokens": 77 + 256,  # CLIP's 77 and T5's max_sequence_length 256, concatenated
     },
 }
 ENCODER_CONFIGS = {  # transformers config kwargs
@@ -53,12 +51,14 @@ ENCODER_CONFIGS = {  # transformers config kwargs
 }
 VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
               "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 2}
-# bytes of saved activations per token per transformer block in 16-bit training, with fused
-# (flash / SDPA) attention that stores no seq x seq matrix: Korthikanti et al. 2022 (arXiv:2205.05198),
-# 34 x hidden for a block of attention and a 4x MLP. Joint (two-stream) blocks send each token
-# through one stream, so the same count per token holds.
-ACTIVATION_BYTES_PER_HIDDEN = 34
-
+# bytes of saved activations per token per transformer block per hidden unit, in 16-bit training
+# with fused (SDPA / flash) attention that stores no seq x seq matrix. Korthikanti et al. 2022
+# (arXiv:2205.05198) count 34 for a block of attention and a 4x MLP; SD3.5's blocks also carry
+# dual attention, adaLN-Zero modulation and QK norms. 54 is fitted to the one measured peak
+# (BENCHMARKS.md "GPU iteration": SD3.5-Medium size, LoRA, batch 16 at 512x512, 41.10 GiB on an
+# H200), where 34 would predict 23 GiB of activations against the 36.6 measured. The same value
+# is assumed for FLUX's blocks, unmeasured.
+ACTIVATION_BYTES_PER_HIDDEN = 54
 
 @dataclass
 class Launch:
@@ -74,6 +74,9 @@ class Launch:
     gradient_checkpointing: bool = False
     ema: bool = True
     kl: bool = True  # full fine-tuning keeps a frozen reference copy for the KL
+    # T5 tokens per prompt (model.max_sequence_length); 0: the pipeline's own default (SD3 256, FLUX 512).
+    # SD3 adds CLIP's 77 in front
+    max_sequence_length: int = 0
 
     @property
     def gpus(self) -> int:
@@ -86,7 +89,6 @@ class Model:
     kind: str  # sd3 | flux
     transformer: torch.nn.Module  # on the meta device
     frozen_params: int  # text encoders and VAE
-    text_tokens: int
 
     @property
     def hidden(self) -> int:
@@ -127,7 +129,7 @@ def load_model(name: str) -> Model:
         frozen = sum(count(_meta(lambda e=e: getattr(transformers, c)(getattr(transformers, ENCODER_CONFIGS[e][0])(**ENCODER_CONFIGS[e][1]))))
                      for c, e in spec["text_encoders"])
         frozen += count(_meta(lambda: diffusers.AutoencoderKL(**VAE_CONFIG)))
-        return Model(name, spec["kind"], transformer, frozen, spec["text_tokens"])
+        return Model(name, spec["kind"], transformer, frozen)
     try:
         index = diffusers.DiffusionPipeline.load_config(name)
     except Exception as exc:
@@ -158,8 +160,7 @@ def load_model(name: str) -> Model:
             frozen += count(module)
     if transformer is None:
         raise UserError(f"model '{name}' has no transformer component")
-    tokens = 512 if kind == "flux" else 77 + 256
-    return Model(str(name), kind, transformer, frozen, tokens)
+    return Model(str(name), kind, transformer, frozen)
 
 
 def lora_params(transformer: torch.nn.Module, rank: int, targets: list[str]) -> int:
@@ -199,18 +200,21 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
 
     blocks = model.blocks()
     unit = max(count(b) for b in blocks)
-    gathered = 2 * low * unit if n > 1 else 0.0  # the block computing and the next one prefetched
-    rows.append(("gathered blocks (fsdp2)", gathered, f"2 x the largest block ({unit / 1e6:.0f}M) x {low} B" if n > 1 else "-"))
+    sharded = launch.distributed == "fsdp2"  # its unsharded weights are buffers of their own, even on one GPU
+    gathered = 2 * low * unit if sharded else 0.0  # the block computing and the next one prefetched
+    rows.append(("gathered blocks (fsdp2)", gathered, f"2 x the largest block ({unit / 1e6:.0f}M) x {low} B" if sharded else "-"))
 
-    tokens = model.image_tokens(launch.height, launch.width) + model.text_tokens
+    t5 = launch.max_sequence_length or (256 if model.kind == "sd3" else 512)
+    tokens = model.image_tokens(launch.height, launch.width) + t5 + (77 if model.kind == "sd3" else 0)
     rows_per_forward = launch.batch * (2 if model.kind == "sd3" else 1)  # SD3 trains with CFG: two halves per sample
     per_block = ACTIVATION_BYTES_PER_HIDDEN * model.hidden * tokens * rows_per_forward
     if launch.gradient_checkpointing:  # each block's 16-bit input kept, one block's activations recomputed at a time
         acts = len(blocks) * 2 * model.hidden * tokens * rows_per_forward + per_block
-        how = f"{len(blocks)} block inputs + one block's 34 x hidden x {tokens} tokens x {rows_per_forward} rows"
+        how = (f"{len(blocks)} block inputs + one block's {ACTIVATION_BYTES_PER_HIDDEN} x hidden x {tokens} tokens x "
+               f"{rows_per_forward} rows")
     else:
         acts = len(blocks) * per_block
-        how = f"{len(blocks)} blocks x 34 B x hidden {model.hidden} x {tokens} tokens x {rows_per_forward} rows"
+        how = f"{len(blocks)} blocks x {ACTIVATION_BYTES_PER_HIDDEN} B x hidden {model.hidden} x {tokens} tokens x {rows_per_forward} rows"
     rows.append(("activations (estimate)", acts, how))
 
     transient = ("gathered blocks (fsdp2)", "activations (estimate)")
@@ -219,10 +223,10 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     train_peak = resident + gathered + acts
     # sampling: no gradients (zeroed to None after each step); under fsdp2 the trained network is
     # gathered whole in its compute precision beside its shards
-    whole = low * base if n > 1 else 0.0
+    whole = low * base if sharded else 0.0
     sample_peak = resident - gradients + whole
     rows.append(("peak while training", train_peak, "resident + gathered blocks + activations"))
-    rows.append(("peak while sampling", sample_peak, f"resident - gradients + the whole network ({launch.dtype})" if n > 1
+    rows.append(("peak while sampling", sample_peak, f"resident - gradients + the whole network ({launch.dtype})" if sharded
                  else "resident - gradients"))
     return [(what, b / GIB, how) for what, b, how in rows]
 
