@@ -37,7 +37,8 @@ BAD = [
     (["allocator.min_group=1"], "allocator.min_group"),
     (["selection.kind=top"], "selection.kind"),
     (["model.height=60"], "model.height"),
-    (["trainer.kl_beta=0.1", "lora.enabled=false"], "trainer.kl_beta"),
+    (["run.distributed=zero3"], "run.distributed"),
+    (["run.distributed=fsdp2", "objective.kind=nft", "trainer.kl_beta=0"], "run.distributed"),
     (["objective.kind=dpo"], "objective.kind"),
     (["sampling.sampler=ode"], "sampling.sampler"),  # grpo needs log-probs
     (["objective.kind=nft", "trainer.kl_beta=0", "trainer.inner_epochs=2"], "trainer.inner_epochs"),

@@ -39,33 +39,37 @@ def train_worker(out: Path, model_dir: str, overrides: list[str], processes: int
             "sample": load_file(str(out / "sample.safetensors"))["final"], "checkpoint": out / "run" / "checkpoints" / "iter_000002"}
 
 
-def plain_diffusers_sample(model_dir: str, checkpoint: Path, lora: bool) -> torch.Tensor:
+def plain_diffusers_sample(model_dir: str, kind: str, checkpoint: Path, lora: bool) -> torch.Tensor:
     """The worker's ODE sample, redrawn from the checkpoint's export loaded by diffusers alone."""
-    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline
 
+    from flowrl.models.flux import FluxPolicy
     from flowrl.models.sd3 import SD3Policy
     from flowrl.sampling.rollout import SamplerSpec, rollout
 
+    pipeline, transformer, policy_class = {"sd3": (StableDiffusion3Pipeline, SD3Transformer2DModel, SD3Policy),
+                                           "flux": (FluxPipeline, FluxTransformer2DModel, FluxPolicy)}[kind]
     if lora:
-        pipe = StableDiffusion3Pipeline.from_pretrained(model_dir)
+        pipe = pipeline.from_pretrained(model_dir)
         pipe.load_lora_weights(str(checkpoint / "lora"))
     else:
-        pipe = StableDiffusion3Pipeline.from_pretrained(model_dir, transformer=SD3Transformer2DModel.from_pretrained(str(checkpoint / "transformer")))
-    cfg = load_config("tiny_jpeg", [f"model.path={model_dir}", "sampling.eval_num_steps=2"])
-    policy = SD3Policy(pipe, cfg.model, "cpu")
+        pipe = pipeline.from_pretrained(model_dir, transformer=transformer.from_pretrained(str(checkpoint / "transformer")))
+    cfg = load_config("tiny_jpeg", [f"model.path={model_dir}", f"model.kind={kind}", "sampling.eval_num_steps=2"])
+    policy = policy_class(pipe, cfg.model, "cpu")
     s = cfg.sampling
     spec = SamplerSpec.ode(policy.sigmas(s.eval_num_steps, s.schedule, s.shift))
     return rollout(policy, ["a red circle", "a blue square"], [7, 8], spec, 2).final
 
 
-@pytest.mark.parametrize("mode", ["lora", "full"])
-def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(tmp_path, tiny_sd3_dir, mode):
+@pytest.mark.parametrize("kind, mode", [("sd3", "lora"), ("flux", "full")])
+def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(tmp_path, request, kind, mode):
     # one optimizer step per iteration over all 4 micro-batches: each of 2 processes trains 2 of
     # them, so both layouts take every step on the same global batch; full fine-tuning's KL runs
     # on a sharded frozen copy
-    extra = [*SMOOTH, *(FULL_FINETUNE if mode == "full" else [])]
-    one = train_worker(tmp_path / "one", tiny_sd3_dir, [*extra, "trainer.gradient_accumulation_steps=4"], 1)
-    two = train_worker(tmp_path / "two", tiny_sd3_dir, [*extra, "trainer.gradient_accumulation_steps=2", "run.distributed=fsdp2"], 2)
+    model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
+    extra = [*SMOOTH, f"model.kind={kind}", *(FULL_FINETUNE if mode == "full" else [])]
+    one = train_worker(tmp_path / "one", model_dir, [*extra, "trainer.gradient_accumulation_steps=4"], 1)
+    two = train_worker(tmp_path / "two", model_dir, [*extra, "trainer.gradient_accumulation_steps=2", "run.distributed=fsdp2"], 2)
     assert len(one["history"]) == len(two["history"]) == 2
     for a, b in zip(one["history"], two["history"]):
         assert a["trained_transitions"] == b["trained_transitions"] == 4 * 3 and a["optimizer_steps"] == b["optimizer_steps"] == 1
@@ -89,7 +93,7 @@ def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(t
     # loaded by plain diffusers redraws the trained weights' sample
     ckpt = two["checkpoint"]
     assert (ckpt / "sharded").is_dir() and not (ckpt / "trainable.safetensors").exists()
-    redrawn = plain_diffusers_sample(tiny_sd3_dir, ckpt, lora=mode == "lora")
+    redrawn = plain_diffusers_sample(model_dir, kind, ckpt, lora=mode == "lora")
     assert torch.allclose(redrawn, two["sample"], atol=1e-5)
 
 

@@ -13,12 +13,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from flowrl.errors import UserError
-from flowrl.train.sharding import SHARDED_DIR, is_sharded
 
 LATEST = "latest"
 # the files every checkpoint holds; any other NAME.safetensors is optional state (the EMA weights,
 # the allocator's, an objective's such as DiffusionNFT's old policy), returned under its NAME
 REQUIRED_TENSORS = ("trainable", "optimizer", "rng")
+SHARDED_DIR = "sharded"  # run.distributed fsdp2: the shards of the sharded tensor groups (flowrl/train/sharding.py)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor: one process's shard of a tensor split over processes."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def optimizer_to_flat(state: dict) -> tuple[dict[str, torch.Tensor], dict]:

@@ -31,7 +31,8 @@ from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.train.budget import SchedulePlan, machine_name, plan_iterations, probe_speed, write_plan
-from flowrl.train.checkpoint import checkpoint_name, latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from flowrl.train.checkpoint import (SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, load_checkpoint, restore_rng,
+                                    save_checkpoint)
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
@@ -39,7 +40,7 @@ from flowrl.train.parts import TrainContext
 from flowrl.train.registry import objective_class, rollout_class
 from flowrl.train.prompts import load_prompts
 from flowrl.train.run_dir import RunDir, default_run_dir
-from flowrl.train.sharding import SHARDED_DIR, is_sharded, make_layout, reference_copy
+from flowrl.train.sharding import make_layout, reference_copy
 from rewards import AsyncRewardRunner, MultiReward
 
 if TYPE_CHECKING:  # the config module imports the training parts to validate against them

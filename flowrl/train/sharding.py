@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from flowrl.errors import UserError
+from flowrl.train.checkpoint import is_sharded, optimizer_from_flat, optimizer_to_flat
 
 DISTRIBUTED = ("ddp", "fsdp2")
-SHARDED_DIR = "sharded"  # inside a checkpoint: the shards of the sharded tensor groups
 
 
 def reference_copy(transformer: torch.nn.Module) -> torch.nn.Module:
@@ -38,12 +38,6 @@ def reference_copy(transformer: torch.nn.Module) -> torch.nn.Module:
     ref = copy.deepcopy(transformer)
     ref.requires_grad_(False)
     return ref.eval()
-
-
-def is_sharded(t: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -175,14 +169,10 @@ class Sharded(Replicated):
         """The optimizer's state keyed by weight name (sharded moments) and its JSON part."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        from flowrl.train.checkpoint import optimizer_to_flat
-
         return optimizer_to_flat(get_optimizer_state_dict(net, getattr(optimizer, "optimizer", optimizer)))
 
     def load_optimizer_state(self, net: torch.nn.Module, optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
-        from flowrl.train.checkpoint import optimizer_from_flat
 
         set_optimizer_state_dict(net, getattr(optimizer, "optimizer", optimizer), optimizer_from_flat(tensors, meta))
 
