@@ -168,6 +168,12 @@ def cmd_train(args) -> int:
     from flowrl.train.run_dir import CONFIG_FILE, default_run_dir
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    from flowrl.text.cli import is_text_config, is_text_run
+
+    if is_text_config(config) or is_text_run(args.resume):  # `task: text`: the causal-LM path (docs/text.md)
+        from flowrl.text import cli as text
+
+        return text.train(config, overrides, args.resume, args.run_dir)
     if args.resume:
         run = Path(args.resume)
         if not (run / CONFIG_FILE).is_file():
@@ -353,7 +359,13 @@ def _policy_for(args, overrides):
 
 
 def cmd_sample(args) -> int:
+    from flowrl.text.cli import is_text_config, is_text_run
     from flowrl.train.images import save_grid
+
+    if is_text_run(args.run) or is_text_config(args.config):  # prints completions
+        from flowrl.text import cli as text
+
+        return text.sample(args.run, args.config, list(args.overrides), args.prompt, args.n, args.seed, args.checkpoint)
 
     search = _search_overrides(args)
     default_out = (Path(args.run) / "samples" if args.run else Path("samples")) / (f"search-{args.search}.png" if search else "sample.png")
@@ -383,6 +395,12 @@ def cmd_sample(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from flowrl.text.cli import is_text_config, is_text_run
+
+    if is_text_run(args.run) or is_text_config(args.config):  # greedy accuracy per bucket
+        from flowrl.text import cli as text
+
+        return text.evaluate(args.run, args.config, list(args.overrides), args.checkpoint)
     from flowrl.train.evaluate import evaluate, format_category_table
     from flowrl.train.prompts import read_prompt_file
     from rewards import MultiReward

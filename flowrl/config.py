@@ -404,24 +404,25 @@ class Config:
         return OmegaConf.to_yaml(OmegaConf.structured(self))
 
 
-def _one_sentence(exc: OmegaConfBaseException, source: str) -> str:
+def _one_sentence(exc: OmegaConfBaseException, source: str, schema: type = None) -> str:
+    schema = schema or Config
     key = getattr(exc, "full_key", None) or "?"
     msg = str(getattr(exc, "msg", exc)).splitlines()[0].strip()
     if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
         parent = key.rsplit(".", 1)[0] if "." in key else ""
-        node = OmegaConf.structured(Config)
+        node = OmegaConf.structured(schema)
         allowed = OmegaConf.select(node, parent) if parent else node
         names = ", ".join(allowed.keys()) if hasattr(allowed, "keys") else "?"
         return f"unknown config key '{key}' in {source}; allowed keys{' under ' + repr(parent) if parent else ''}: {names}"
     if isinstance(exc, ValidationError):
         value = msg.split("'", 2)[1] if msg.count("'") >= 2 else msg
-        expected = type_name_of(key)
+        expected = type_name_of(key, schema)
         return f"config key '{key}' in {source} must be {expected}, got {value!r}"
     return f"invalid config in {source}: {key}: {msg}"
 
 
-def type_name_of(key: str) -> str:
-    node: Any = Config()
+def type_name_of(key: str, schema: type = None) -> str:
+    node: Any = (schema or Config)()
     for part in key.split("."):
         if not hasattr(node, part):
             return "a valid value"
@@ -448,8 +449,18 @@ def preset_path(name_or_path: str | None) -> Path:
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, validate_paths: bool = True) -> Config:
     """Load a preset or YAML file, apply `key=value` overrides, validate, return a `Config`."""
-    schema = OmegaConf.structured(Config)
     src = preset_path(str(path) if path is not None else None)
+    loaded = read_yaml(src)
+    _refuse_moved_keys([k for k in MOVED_KEYS if OmegaConf.select(loaded, k, default=None) is not None], str(src))
+    for item in overrides or []:
+        key = item.partition("=")[0]
+        _refuse_moved_keys([key] if key in MOVED_KEYS else [], "the command line")
+    cfg: Config = merge_config(Config, loaded, str(src), overrides, REPLACED_MAPPINGS)
+    validate(cfg, validate_paths=validate_paths)
+    return cfg
+
+
+def read_yaml(src: Path) -> DictConfig:
     try:
         loaded = OmegaConf.load(src)
     except Exception as exc:  # YAML syntax errors
@@ -457,30 +468,32 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file '{src}' must hold a mapping of sections (model:, trainer:, ...) at its top level, "
                           f"not a {type(loaded).__name__.removesuffix('Config').lower() or 'value'}")
-    _refuse_moved_keys([k for k in MOVED_KEYS if OmegaConf.select(loaded, k, default=None) is not None], str(src))
+    return loaded
+
+
+def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[str] | None, replaced_mappings=()) -> Any:
+    """`loaded` (a YAML file's mapping) over the dataclass `schema`'s defaults, then `key=value`
+    overrides; any mistake is one sentence naming the key."""
     try:
-        merged = OmegaConf.merge(schema, loaded)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), loaded)
         # a mapping given in the file replaces the default instead of adding to it
-        for key in REPLACED_MAPPINGS:
+        for key in replaced_mappings:
             given = OmegaConf.select(loaded, key, default=None)
             if given is not None:
                 OmegaConf.update(merged, key, given, merge=False)
     except OmegaConfBaseException as exc:
-        raise ConfigError(_one_sentence(exc, str(src))) from None
+        raise ConfigError(_one_sentence(exc, source, schema)) from None
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must have the form key=value, for example trainer.lr=1e-5")
         key, _, raw = item.partition("=")
-        _refuse_moved_keys([key] if key in MOVED_KEYS else [], "the command line")
         try:
             value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
             # an override replaces the value, mappings included (reward.weights={brightness: 1.0})
             OmegaConf.update(merged, key, value, merge=False, force_add=False)
         except OmegaConfBaseException as exc:
-            raise ConfigError(_one_sentence(exc, "the command line")) from None
-    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    validate(cfg, validate_paths=validate_paths)
-    return cfg
+            raise ConfigError(_one_sentence(exc, "the command line", schema)) from None
+    return OmegaConf.to_object(merged)
 
 
 def _refuse_moved_keys(keys: list[str], source: str) -> None:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-STD_KINDS = ("group", "global")
+STD_KINDS = ("group", "global", "none")  # what divides the centred rewards: the group std, the batch std, nothing
 ADVANTAGE_KINDS = ("grpo", "mc_grpo", "gdpo", "rank", "reinforce_ada")
 
 
@@ -83,6 +83,8 @@ def group_median(values: torch.Tensor, g: Groups) -> tuple[torch.Tensor, torch.T
 def _scale(values: torch.Tensor, g: Groups, group_std: torch.Tensor, std: str) -> torch.Tensor:
     if std not in STD_KINDS:
         raise ValueError(f"advantage.std must be one of {STD_KINDS}, got {std!r}")
+    if std == "none":  # Dr. GRPO: centred, not scaled (the callers' + eps leaves a 1 + 1e-4 divisor)
+        return torch.ones_like(values)
     return group_std[g.inverse] if std == "group" else values.std(unbiased=False).expand_as(values)
 
 

@@ -1,0 +1,85 @@
+"""`flowrl train|eval|sample` for a text config (`task: text`) or a text run (docs/text.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from flowrl.errors import UserError
+from flowrl.text.config import is_text_config, load_text_config
+
+CONFIG_FILE = "config.yaml"
+
+
+def is_text_run(run: str | Path | None) -> bool:
+    return run is not None and is_text_config(Path(run) / CONFIG_FILE)
+
+
+def train(config: str | None, overrides: list[str], resume: str | None, run_dir: str | None) -> int:
+    from flowrl.text.train import TextTrainer, default_text_run_dir
+
+    if resume:
+        cfg = load_text_config(Path(resume) / CONFIG_FILE, overrides)
+        target = Path(resume)
+    else:
+        cfg = load_text_config(config, overrides)
+        target = Path(run_dir) if run_dir else default_text_run_dir(cfg)
+    trainer = TextTrainer(cfg, run_dir=target, resume=bool(resume))
+    print(f"run directory: {trainer.run.path}", file=sys.stderr)
+    history = trainer.train()
+    if history:
+        print(f"reward {history[0]['reward_mean']:.4g} -> {history[-1]['reward_mean']:.4g} over {len(history)} iterations; "
+              f"run: {trainer.run.path}")
+    return 0
+
+
+def policy_for(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None = None):
+    """The trained policy of a run's checkpoint (latest by default), or a config's base model."""
+    from flowrl.text.train import load_text_policy
+    from flowrl.train.checkpoint import checkpoint_name, latest_checkpoint
+
+    if run is None:
+        cfg = load_text_config(config, overrides)
+        return cfg, load_text_policy(cfg, trainable=False), f"base model {cfg.model.path}"
+    cfg = load_text_config(Path(run) / CONFIG_FILE, overrides)
+    root = Path(run) / "checkpoints"
+    ckpt = latest_checkpoint(root) if checkpoint is None else root / checkpoint_name(checkpoint)
+    if ckpt is None or not ckpt.is_dir():
+        raise UserError(f"--run '{run}' has no {'checkpoint yet' if checkpoint is None else f'checkpoint of iteration {checkpoint}'}")
+    policy = load_text_policy(cfg, trainable=False)
+    policy.load_trained(ckpt / ("adapter" if cfg.lora.enabled else "model"))
+    return cfg, policy, f"{run} ({ckpt.name})"
+
+
+def format_eval(result: dict, what: str, names: list[str]) -> str:
+    keys = [k for k in result if k != "count"]
+    lines = [f"eval of {what}: greedy completions", f"{'bucket':<8} {'prompts':>7}  " + "  ".join(f"{n:>12}" for n in names)]
+    for k in keys:
+        lines.append(f"{k:<8} {result['count'][k]:>7}  " + "  ".join(f"{result[k][n]:>12.4f}" for n in names))
+    return "\n".join(lines)
+
+
+def evaluate(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None) -> int:
+    from flowrl.text.data import load_prompts
+    from flowrl.text.train import evaluate_text
+    from rewards.text import TextReward
+
+    cfg, policy, what = policy_for(run, config, overrides, checkpoint)
+    data = load_prompts(cfg.data.source, cfg.data.eval_split, cfg.data.prompt_column)
+    reward = TextReward(dict(cfg.reward.weights), dict(cfg.reward.options), cfg.reward.on_invalid)
+    print(format_eval(evaluate_text(policy, data, cfg, reward), f"{what} on {cfg.data.source} ({cfg.data.eval_split})", reward.names))
+    return 0
+
+
+def sample(run: str | None, config: str | None, overrides: list[str], prompts: list[str], n: int, seed: int,
+           checkpoint: int | None) -> int:
+    cfg, policy, what = policy_for(run, config, overrides, checkpoint)
+    expanded = [p for p in prompts for _ in range(n)]
+    gen = policy.generate(expanded, [seed + j % n for j in range(len(expanded))], cfg.generation)
+    print(f"completions from {what} (temperature {cfg.generation.temperature:g}):")
+    for p, text, cut in zip(expanded, gen.texts, gen.truncated.tolist()):
+        print(f"{p!r} -> {text!r}{' (truncated)' if cut else ''}")
+    return 0
+
+
+

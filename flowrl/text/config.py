@@ -1,0 +1,172 @@
+"""The text path's typed config (docs/text.md): a YAML file with `task: text` at its top level.
+`flowrl train|eval|sample FILE` read it here instead of the image config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from flowrl.config import AllocatorConfig, merge_config, read_yaml
+from flowrl.core.advantages import ADVANTAGE_KINDS
+from flowrl.core.allocation import ALLOCATOR_KINDS
+from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
+from flowrl.errors import ConfigError, check_choice
+
+TASK = "text"
+BUILTIN_TEXT_MODELS = ("add",)  # model.path builtin:NAME, shipped in the package
+
+
+@dataclass
+class TextModelConfig:
+    path: str = "builtin:add"  # builtin:add, a local transformers directory, or a hub id
+    dtype: str = "fp32"  # fp32 | bf16: the weights; log-probs are always computed from fp32 logits
+    device: str = "auto"
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template where it has one
+
+
+@dataclass
+class TextLoraConfig:
+    enabled: bool = False  # false: full fine-tuning (the reference is a frozen copy, made only when loss.kl_beta > 0)
+    rank: int = 16
+    alpha: int = 32
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class TextDataConfig:
+    # builtin:add (the arithmetic world), a .jsonl or .parquet file, or a hub dataset id (datasets' load_dataset)
+    source: str = "builtin:add"
+    split: str = "train"
+    eval_split: str = "test"  # builtin:add: its fixed held-out problems
+    prompt_column: str = "prompt"
+    bucket_column: str = "bucket"  # eval reports exact match per value of this column when the data has it
+    prompts_per_iteration: int = 32
+    group_size: int = 8
+    max_prompts: int = 0  # 0: the whole split
+
+
+@dataclass
+class TextGenerationConfig:
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    batch_size: int = 256  # sequences per generation batch
+
+
+@dataclass
+class TextLossConfig:
+    aggregation: str = "token_mean"  # seq_mean_token_mean (GRPO) | token_mean (DAPO) | seq_mean_token_sum_norm (Dr. GRPO) | seq_mean_token_sum
+    ratio_level: str = "token"  # token | sequence (GSPO)
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher (0.28)
+    kl_beta: float = 0.0  # x the k3 KL estimator per token, against the reference
+    scale_rewards: str = "group"  # group (GRPO) | global (the batch std) | none (Dr. GRPO)
+    advantage: str = "grpo"  # an advantage estimator of the shared core
+    overlong_mask: bool = False  # DAPO: completions cut at max_new_tokens carry no loss
+
+
+@dataclass
+class TextRewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: {"exact_match": 1.0})
+    options: dict[str, Any] = field(default_factory=dict)
+    on_invalid: str = "error"  # error | drop
+
+
+@dataclass
+class TextTrainerConfig:
+    iterations: int = 100
+    max_minutes: float = 0.0  # > 0: stop (with a checkpoint) after this much wall time
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    inner_epochs: int = 1
+    micro_batch: int = 64  # sequences per training forward
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    threads: int = 0  # torch threads on the CPU; 0: torch's default
+
+
+@dataclass
+class TextRunConfig:
+    output_dir: str = "runs"
+    name: Optional[str] = None
+    checkpoint_every: int = 10
+    progress: bool = True
+
+
+@dataclass
+class TextConfig:
+    task: str = TASK
+    model: TextModelConfig = field(default_factory=TextModelConfig)
+    lora: TextLoraConfig = field(default_factory=TextLoraConfig)
+    data: TextDataConfig = field(default_factory=TextDataConfig)
+    generation: TextGenerationConfig = field(default_factory=TextGenerationConfig)
+    loss: TextLossConfig = field(default_factory=TextLossConfig)
+    reward: TextRewardConfig = field(default_factory=TextRewardConfig)
+    allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
+    trainer: TextTrainerConfig = field(default_factory=TextTrainerConfig)
+    run: TextRunConfig = field(default_factory=TextRunConfig)
+
+    def to_yaml(self) -> str:
+        return OmegaConf.to_yaml(OmegaConf.structured(self))
+
+
+def is_text_config(path: str | Path | None) -> bool:
+    """Whether a config argument names a YAML file whose top level says `task: text`."""
+    if path is None:
+        return False
+    p = Path(str(path))
+    if p.suffix not in (".yaml", ".yml"):
+        from flowrl.presets import CONFIG_DIR
+
+        p = CONFIG_DIR / f"{path}.yaml"
+    if not p.is_file():
+        return False
+    try:
+        return OmegaConf.load(p).get("task") == TASK
+    except Exception:
+        return False
+
+
+def load_text_config(path: str | Path, overrides: list[str] | None = None) -> TextConfig:
+    from flowrl.config import preset_path
+
+    src = preset_path(str(path))
+    cfg: TextConfig = merge_config(TextConfig, read_yaml(src), str(src), overrides, ("reward.weights",))
+    validate_text(cfg)
+    return cfg
+
+
+def validate_text(cfg: TextConfig) -> None:
+    d, g, l, t = cfg.data, cfg.generation, cfg.loss, cfg.trainer
+    check_choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
+    for key, value, low in (("data.prompts_per_iteration", d.prompts_per_iteration, 1), ("data.group_size", d.group_size, 2),
+                            ("generation.max_new_tokens", g.max_new_tokens, 1), ("generation.batch_size", g.batch_size, 1),
+                            ("trainer.micro_batch", t.micro_batch, 1), ("trainer.inner_epochs", t.inner_epochs, 1),
+                            ("trainer.iterations", t.iterations, 1), ("lora.rank", cfg.lora.rank, 1)):
+        if value < low:
+            raise ConfigError(f"{key} must be at least {low}; got {value}")
+    if g.temperature < 0:
+        raise ConfigError(f"generation.temperature must be >= 0 (0: greedy); got {g.temperature}")
+    if not 0 < g.top_p <= 1:
+        raise ConfigError(f"generation.top_p must be in (0, 1]; got {g.top_p}")
+    check_choice("loss.aggregation", l.aggregation, AGGREGATIONS)
+    check_choice("loss.ratio_level", l.ratio_level, RATIO_LEVELS)
+    check_choice("loss.scale_rewards", l.scale_rewards, ("group", "global", "none"))
+    check_choice("loss.advantage", l.advantage, ADVANTAGE_KINDS)
+    for key, value in (("loss.clip_low", l.clip_low), ("loss.clip_high", l.clip_high), ("trainer.lr", t.lr)):
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0; got {value}")
+    if l.kl_beta < 0:
+        raise ConfigError(f"loss.kl_beta must be >= 0; got {l.kl_beta}")
+    check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
+    check_choice("allocator.kind", cfg.allocator.kind, ALLOCATOR_KINDS)
+    from rewards.text import available_text_rewards
+
+    for name in cfg.reward.weights:
+        check_choice("reward.weights", name, tuple(available_text_rewards()))
+    if cfg.model.path.startswith("builtin:"):
+        check_choice("model.path", cfg.model.path, tuple(f"builtin:{n}" for n in BUILTIN_TEXT_MODELS))

@@ -1,0 +1,141 @@
+"""Batched sampling from a causal LM with its KV cache, reproducible per sample: each row draws
+its noise from its own generator (seeded by sample, as the image rollouts are), never from the
+global RNG, so a completion does not depend on the rows it was batched with.
+
+Behaviour log-probs are recorded at generation from fp32 logits under the sampling temperature,
+the same function `sequence_log_probs` computes in training, so the first ratio is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Generation:
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P] bool
+    completion_ids: torch.Tensor  # [N, T] right-padded with pad
+    completion_mask: torch.Tensor  # [N, T] bool: the completion's tokens, its end token included
+    log_probs: torch.Tensor  # [N, T] fp32 behaviour log-probs (0 outside the mask)
+    truncated: torch.Tensor  # [N] bool: stopped by max_new_tokens, not by an end token or stop string
+    texts: list[str]  # the decoded completions, special tokens and anything after a stop string dropped
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(1)
+
+
+def tempered_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T) in fp32 (T = 0, greedy, scores with T = 1)."""
+    return torch.log_softmax(logits.float() / (temperature if temperature > 0 else 1.0), -1)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits outside the smallest set of tokens whose probability reaches top_p set to -inf."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+    probs = torch.softmax(sorted_logits, -1)
+    drop = probs.cumsum(-1) - probs > top_p  # tokens after the nucleus is already full
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[str], seeds: list[int], max_new_tokens: int, temperature: float = 1.0,
+             top_p: float = 1.0, stop: tuple[str, ...] = (), batch_size: int = 256) -> Generation:
+    parts = [_generate(model, tokenizer, prompts[i : i + batch_size], seeds[i : i + batch_size], max_new_tokens,
+                       temperature, top_p, stop) for i in range(0, len(prompts), batch_size)]
+    return concat(parts, tokenizer.pad_token_id)
+
+
+def concat(parts: list[Generation], pad: int) -> Generation:
+    """Generations of several batches as one: prompts left-padded, completions right-padded."""
+    if len(parts) == 1:
+        return parts[0]
+    wp, wt = max(p.prompt_ids.shape[1] for p in parts), max(p.completion_ids.shape[1] for p in parts)
+
+    def left(x, w, value):
+        return torch.nn.functional.pad(x, (w - x.shape[1], 0), value=value)
+
+    def right(x, w, value):
+        return torch.nn.functional.pad(x, (0, w - x.shape[1]), value=value)
+
+    return Generation(
+        torch.cat([left(p.prompt_ids, wp, pad) for p in parts]), torch.cat([left(p.prompt_mask, wp, False) for p in parts]),
+        torch.cat([right(p.completion_ids, wt, pad) for p in parts]), torch.cat([right(p.completion_mask, wt, False) for p in parts]),
+        torch.cat([right(p.log_probs, wt, 0.0) for p in parts]), torch.cat([p.truncated for p in parts]),
+        [t for p in parts for t in p.texts])
+
+
+def _generate(model, tokenizer, prompts, seeds, max_new_tokens, temperature, top_p, stop) -> Generation:
+    device = next(model.parameters()).device
+    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    n = ids.shape[0]
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    tokens = torch.full((n, max_new_tokens), pad, dtype=torch.long)
+    log_probs = torch.zeros(n, max_new_tokens)
+    alive = torch.ones(n, dtype=torch.bool)
+    ended = torch.zeros(n, dtype=torch.bool)
+    lengths = torch.zeros(n, dtype=torch.long)
+    cache, step_ids, full_mask = None, ids, mask
+    for t in range(max_new_tokens):
+        positions = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+        out = model(input_ids=step_ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True)
+        cache = out.cache
+        logits = out.logits[:, -1].float().cpu()
+        lp = tempered_log_probs(logits, temperature)
+        if temperature > 0:
+            scores = top_p_filter(logits / temperature, top_p)
+            # the Gumbel-max trick with each row's own noise: argmax(s + g) ~ softmax(s)
+            u = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators]).clamp(1e-20, 1.0)
+            choice = (scores - torch.log(-torch.log(u))).argmax(-1)
+        else:
+            choice = logits.argmax(-1)
+        choice = torch.where(alive, choice, torch.full_like(choice, pad))
+        tokens[:, t] = choice
+        log_probs[:, t] = torch.where(alive, lp.gather(1, choice.unsqueeze(1)).squeeze(1), torch.zeros(n))
+        lengths += alive.long()
+        finished = alive & (choice == eos)
+        if stop:
+            for i in torch.nonzero(alive & ~finished).flatten().tolist():
+                text = tokenizer.decode(tokens[i, : t + 1], skip_special_tokens=True)
+                if any(s in text for s in stop):
+                    finished[i] = True
+        ended |= finished
+        alive &= ~finished
+        if not bool(alive.any()):
+            break
+        step_ids = choice.unsqueeze(1).to(device)
+        full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)  # finished rows' pads are never read
+    width = int(lengths.max()) if n else 0
+    tokens, log_probs = tokens[:, :width], log_probs[:, :width]
+    completion_mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
+    texts = []
+    for i in range(n):
+        text = tokenizer.decode(tokens[i, : int(lengths[i])], skip_special_tokens=True)
+        cut = min((text.index(s) for s in stop if s in text), default=None)
+        texts.append(text if cut is None else text[:cut])
+    return Generation(ids.cpu(), mask.bool().cpu(), tokens, completion_mask, log_probs, ~ended, texts)
+
+
+def sequence_log_probs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                       completion_mask: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs [N, T] of the completions under `model` (one forward over prompt and
+    completion, fp32 logits, the sampling temperature), and the per-token entropy [N, T]."""
+    device = next(model.parameters()).device
+    ids = torch.cat([prompt_ids, completion_ids], 1).to(device)
+    mask = torch.cat([prompt_mask, completion_mask], 1).to(device)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits
+    p = prompt_ids.shape[1]
+    lp = tempered_log_probs(logits[:, p - 1 : -1], temperature)
+    token_lp = lp.gather(-1, completion_ids.to(device).unsqueeze(-1)).squeeze(-1)
+    entropy = -(lp.exp() * lp).sum(-1)
+    m = completion_mask.to(device)
+    return token_lp * m, entropy.detach() * m
