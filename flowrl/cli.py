@@ -487,6 +487,11 @@ def cmd_config(args) -> int:
     from flowrl.config_help import describe
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    from flowrl.text.config import is_text_config, load_text_config
+
+    if is_text_config(config):
+        print(load_text_config(config, overrides).to_yaml(), end="")
+        return 0
     print(describe(load_config(config, overrides, validate_paths=False)), end="")
     return 0
 
@@ -496,6 +501,11 @@ def cmd_rewards(args) -> int:
 
     for name, desc in describe_rewards():
         print(f"{name:<24} {desc}")
+    from rewards.text import TEXT_REWARDS
+
+    print("\ntext rewards (task: text), called with the dataset's columns:")
+    for name in sorted(TEXT_REWARDS):
+        print(f"{name:<24} {TEXT_REWARDS[name][1]}")
     return 0
 
 

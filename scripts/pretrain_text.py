@@ -20,35 +20,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.text.arithmetic import BUCKETS, build_model, build_tokenizer, held_out, train_stream
-
-
-def batch(tokenizer, problems, device):
-    """Prompt + answer + <eos>, left-padded; labels only on the answer and <eos>."""
-    texts = [p.prompt + p.answer for p in problems]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    ids = torch.cat([enc["input_ids"], torch.full((len(texts), 1), tokenizer.eos_token_id)], 1)
-    mask = torch.cat([enc["attention_mask"], torch.ones(len(texts), 1, dtype=torch.long)], 1)
-    labels = torch.full_like(ids, -100)
-    answer = len(problems[0].answer) + 1  # the same length for every problem
-    labels[:, -answer:] = ids[:, -answer:]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids.to(device), mask.to(device), positions.to(device), labels.to(device)
-
-
-@torch.no_grad()
-def exact_match(model, tokenizer, problems, device="cpu") -> dict[int, float]:
-    """Greedy held-out exact match per bucket (and 0: overall)."""
-    from flowrl.text.generate import generate
-
-    model.eval()
-    g = generate(model, tokenizer, [p.prompt for p in problems], [0] * len(problems), max_new_tokens=8, temperature=0.0)
-    model.train()
-    right = torch.tensor([t == p.answer for t, p in zip(g.texts, problems)], dtype=torch.float)
-    buckets = torch.tensor([p.bucket for p in problems])
-    out = {0: float(right.mean())}
-    out.update({b: float(right[buckets == b].mean()) for b in BUCKETS})
-    return out
+from flowrl.text.arithmetic import BUCKETS, build_model, build_tokenizer, exact_match_by_bucket, held_out, supervised_batch, train_stream
 
 
 def main(argv=None) -> int:
@@ -73,7 +45,7 @@ def main(argv=None) -> int:
     stream, evals = train_stream(seed=a.seed + 1), held_out()
     start = time.perf_counter()
     for step in range(1, a.steps + 1):
-        ids, mask, pos, labels = batch(tokenizer, [next(stream) for _ in range(a.batch)], "cpu")
+        ids, mask, pos, labels = supervised_batch(tokenizer, [next(stream) for _ in range(a.batch)])
         loss = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -81,21 +53,21 @@ def main(argv=None) -> int:
         sched.step()
         opt.zero_grad(set_to_none=True)
         if step >= a.eval_from and step % a.eval_every == 0:
-            em = exact_match(model, tokenizer, evals)
+            em = exact_match_by_bucket(model, tokenizer, evals)
             minutes = (time.perf_counter() - start) / 60
-            print(f"step {step}: loss {loss.item():.4f}, held-out exact match {em[0]:.3f} "
-                  f"({' '.join(f'{b}:{em[b]:.2f}' for b in BUCKETS)}), {minutes:.1f} min", flush=True)
-            if a.low <= em[0] <= a.high:
+            print(f"step {step}: loss {loss.item():.4f}, held-out exact match {em['all']:.3f} "
+                  f"({' '.join(f'{b}:{em[str(b)]:.2f}' for b in BUCKETS)}), {minutes:.1f} min", flush=True)
+            if a.low <= em["all"] <= a.high:
                 a.out.mkdir(parents=True, exist_ok=True)
                 model.save_pretrained(str(a.out), safe_serialization=True)
                 tokenizer.save_pretrained(str(a.out))
-                info = {"step": step, "seed": a.seed, "held_out_exact_match": em[0],
-                        "per_bucket": {str(b): em[b] for b in BUCKETS}, "minutes": round(minutes, 2), "threads": a.threads,
+                info = {"step": step, "seed": a.seed, "held_out_exact_match": em["all"],
+                        "per_bucket": {str(b): em[str(b)] for b in BUCKETS}, "minutes": round(minutes, 2), "threads": a.threads,
                         "parameters": sum(p.numel() for p in model.parameters())}
                 (a.out / "pretrain.json").write_text(json.dumps(info, indent=1))
                 print(f"exported to {a.out}: {json.dumps(info)}")
                 return 0
-            if em[0] > a.high:
+            if em["all"] > a.high:
                 print(f"held-out exact match jumped past {a.high} between evaluations; lower --eval-every")
                 return 1
     print(f"no checkpoint reached {a.low} in {a.steps} steps")

@@ -112,3 +112,35 @@ def build_model(tokenizer, seed: int = 0):
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32, tie_word_embeddings=True,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     return LlamaForCausalLM(cfg)
+
+
+def supervised_batch(tokenizer, problems: list[Problem]):
+    """Prompt + answer + <eos>, left-padded, labels only on the answer and <eos> (pretraining and
+    the SFT baseline): (input_ids, attention_mask, position_ids, labels)."""
+    import torch
+
+    texts = [p.prompt + p.answer for p in problems]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    ids = torch.cat([enc["input_ids"], torch.full((len(texts), 1), tokenizer.eos_token_id)], 1)
+    mask = torch.cat([enc["attention_mask"], torch.ones(len(texts), 1, dtype=torch.long)], 1)
+    labels = torch.full_like(ids, -100)
+    answer = ANSWER_DIGITS + 1
+    labels[:, -answer:] = ids[:, -answer:]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions, labels
+
+
+def exact_match_by_bucket(model, tokenizer, problems: list[Problem]) -> dict[str, float]:
+    """Greedy exact match overall ("all") and per bucket ("1" .. "5")."""
+    import torch
+
+    from flowrl.text.generate import generate
+
+    was_training = model.training
+    model.eval()
+    g = generate(model, tokenizer, [p.prompt for p in problems], [0] * len(problems), max_new_tokens=ANSWER_DIGITS + 2,
+                 temperature=0.0)
+    model.train(was_training)
+    right = torch.tensor([t == p.answer for t, p in zip(g.texts, problems)], dtype=torch.float)
+    buckets = torch.tensor([p.bucket for p in problems])
+    return {"all": float(right.mean()), **{str(b): float(right[buckets == b].mean()) for b in BUCKETS}}

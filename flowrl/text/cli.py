@@ -60,12 +60,12 @@ def format_eval(result: dict, what: str, names: list[str]) -> str:
 
 
 def evaluate(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None) -> int:
-    from flowrl.text.data import load_prompts
+    from flowrl.text.data import load_prompt_set
     from flowrl.text.train import evaluate_text
     from rewards.text import TextReward
 
     cfg, policy, what = policy_for(run, config, overrides, checkpoint)
-    data = load_prompts(cfg.data.source, cfg.data.eval_split, cfg.data.prompt_column)
+    data = load_prompt_set(cfg, cfg.data.eval_split)
     reward = TextReward(dict(cfg.reward.weights), dict(cfg.reward.options), cfg.reward.on_invalid)
     print(format_eval(evaluate_text(policy, data, cfg, reward), f"{what} on {cfg.data.source} ({cfg.data.eval_split})", reward.names))
     return 0

@@ -39,9 +39,11 @@ class TextLoraConfig:
 class TextDataConfig:
     # builtin:add (the arithmetic world), a .jsonl or .parquet file, or a hub dataset id (datasets' load_dataset)
     source: str = "builtin:add"
+    subset: str = ""  # a hub dataset's configuration name (openai/gsm8k: main)
     split: str = "train"
     eval_split: str = "test"  # builtin:add: its fixed held-out problems
     prompt_column: str = "prompt"
+    prompt_template: str = "{prompt}"  # what the model is asked; {prompt} is the prompt column's text
     bucket_column: str = "bucket"  # eval reports exact match per value of this column when the data has it
     prompts_per_iteration: int = 32
     group_size: int = 8
@@ -81,6 +83,7 @@ class TextTrainerConfig:
     iterations: int = 100
     max_minutes: float = 0.0  # > 0: stop (with a checkpoint) after this much wall time
     lr: float = 1e-4
+    warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations
     weight_decay: float = 0.0
     inner_epochs: int = 1
     micro_batch: int = 64  # sequences per training forward
@@ -143,6 +146,8 @@ def load_text_config(path: str | Path, overrides: list[str] | None = None) -> Te
 def validate_text(cfg: TextConfig) -> None:
     d, g, l, t = cfg.data, cfg.generation, cfg.loss, cfg.trainer
     check_choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
+    if "{prompt}" not in d.prompt_template:
+        raise ConfigError(f"data.prompt_template must contain {{prompt}} (where the prompt column's text goes); got {d.prompt_template!r}")
     for key, value, low in (("data.prompts_per_iteration", d.prompts_per_iteration, 1), ("data.group_size", d.group_size, 2),
                             ("generation.max_new_tokens", g.max_new_tokens, 1), ("generation.batch_size", g.batch_size, 1),
                             ("trainer.micro_batch", t.micro_batch, 1), ("trainer.inner_epochs", t.inner_epochs, 1),

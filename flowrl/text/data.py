@@ -21,9 +21,17 @@ class PromptSet:
         return [self.prompts[i] for i in ids], {k: [v[i] for i in ids] for k, v in self.columns.items()}
 
 
-def load_prompts(source: str, split: str, prompt_column: str = "prompt", max_prompts: int = 0) -> PromptSet:
+def load_prompt_set(cfg, split: str) -> PromptSet:
+    """The text config's data (flowrl/text/config.py TextDataConfig) at `split`."""
+    d = cfg.data
+    return load_prompts(d.source, split, d.prompt_column, d.max_prompts if split == d.split else 0, d.subset, d.prompt_template)
+
+
+def load_prompts(source: str, split: str, prompt_column: str = "prompt", max_prompts: int = 0, subset: str = "",
+                 template: str = "{prompt}") -> PromptSet:
     """data.source at data.split: builtin:add (train: its fixed pool; test: its held-out
-    problems), a .jsonl or .parquet file (split ignored), or a hub dataset id."""
+    problems), a .jsonl or .parquet file (split ignored), or a hub dataset id (with its
+    configuration `subset`). Each prompt is put into `template` at {prompt}."""
     if source == "builtin:add":
         from flowrl.text.arithmetic import held_out, train_pool
 
@@ -32,11 +40,11 @@ def load_prompts(source: str, split: str, prompt_column: str = "prompt", max_pro
         rows = [p.row() for p in (train_pool() if split == "train" else held_out())]
         table = {k: [r[k] for r in rows] for k in rows[0]}
     else:
-        table = _read_table(source, split)
+        table = _read_table(source, split, subset)
     if prompt_column not in table:
         raise UserError(f"data.source '{source}' has no column '{prompt_column}' (data.prompt_column); "
                         f"its columns: {', '.join(table) or 'none'}")
-    prompts = [str(p) for p in table.pop(prompt_column)]
+    prompts = [template.replace("{prompt}", str(p)) for p in table.pop(prompt_column)]
     if not prompts:
         raise UserError(f"data.source '{source}' (split {split}) holds no rows")
     if max_prompts:
@@ -45,7 +53,7 @@ def load_prompts(source: str, split: str, prompt_column: str = "prompt", max_pro
     return PromptSet(prompts, table)
 
 
-def _read_table(source: str, split: str) -> dict[str, list]:
+def _read_table(source: str, split: str, subset: str = "") -> dict[str, list]:
     import datasets
 
     datasets.utils.logging.disable_progress_bar()
@@ -59,7 +67,7 @@ def _read_table(source: str, split: str) -> dict[str, list]:
         elif path.exists():
             raise UserError(f"data.source '{source}' must be a .jsonl or .parquet file, a hub dataset id or builtin:add")
         else:
-            ds = datasets.load_dataset(source, split=split)
+            ds = datasets.load_dataset(source, subset or None, split=split)
     except UserError:
         raise
     except Exception as exc:  # malformed files, unknown ids, no network

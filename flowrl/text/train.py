@@ -23,7 +23,7 @@ from flowrl.core.token_losses import aggregate, k3_kl, overlong_mask, token_poli
 from flowrl.errors import UserError
 from flowrl.sampling.noise import Stream, sample_seed
 from flowrl.text.config import TextConfig
-from flowrl.text.data import PromptSet, load_prompts
+from flowrl.text.data import PromptSet, load_prompt_set
 from flowrl.text.generate import Generation, concat
 from flowrl.text.policy import CausalLMPolicy
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
@@ -64,7 +64,7 @@ class TextTrainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.run = RunDir(run_dir or default_text_run_dir(cfg))
-        self.data = load_prompts(cfg.data.source, cfg.data.split, cfg.data.prompt_column, cfg.data.max_prompts)
+        self.data = load_prompt_set(cfg, cfg.data.split)
         self.policy = load_text_policy(cfg)
         self.params = self.policy.trainable_parameters()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, weight_decay=t.weight_decay)
@@ -165,11 +165,15 @@ class TextTrainer:
         epochs = t.inner_epochs
         stats = {k: v / epochs for k, v in sums.items() if k != "ratio_dev"}
         stats.update(grad_norm=sum(grad_norms) / len(grad_norms), first_ratio_deviation=first_ratio_dev or 0.0,
+                     lr=self.optimizer.param_groups[0]["lr"],
                      skipped_steps=sum(not math.isfinite(g) for g in grad_norms))
         return stats
 
     def train_iteration(self) -> dict:
         t0 = time.perf_counter()
+        t = self.cfg.trainer
+        for group in self.optimizer.param_groups:  # set from the iteration alone, so a resume sets the same
+            group["lr"] = t.lr * min(1.0, (self.iteration + 1) / t.warmup_iterations) if t.warmup_iterations else t.lr
         exp = self.collect(self.iteration)
         t1 = time.perf_counter()
         stats = self.update(exp)

@@ -1,0 +1,263 @@
+"""The text path: token-level losses of the shared core, seeded KV-cache generation whose
+log-probs are the training forward's, text rewards over the dataset's columns, prompt files,
+and RLVR training of the shipped arithmetic model and of a tiny Qwen2 through the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.cli import main
+from flowrl.core.advantages import grpo_advantages
+from flowrl.core.token_losses import aggregate, k3_kl, overlong_mask, token_policy_loss
+from flowrl.errors import ConfigError, UserError
+from run_checks import run_metrics
+
+# ---- the core's token-level pieces, on hand-made batches --------------------------------------
+VALUES = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0]])
+MASK = torch.tensor([[True, True, True, False], [True, False, False, False]])
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("seq_mean_token_mean", (2.0 + 4.0) / 2),  # GRPO: each sequence's mean, then their mean
+    ("token_mean", (1 + 2 + 3 + 4) / 4),  # DAPO: every token alike
+    ("seq_mean_token_sum", (6.0 + 4.0) / 2),
+    ("seq_mean_token_sum_norm", (6.0 + 4.0) / 2 / 8),  # Dr. GRPO: sums over a constant (8)
+])
+def test_each_aggregation_mode_on_a_hand_made_batch(mode, expected):
+    assert float(aggregate(VALUES, MASK, mode, norm_length=8)) == pytest.approx(expected)
+
+
+def test_clip_higher_clips_each_side_at_its_own_bound_and_counts_it():
+    old = torch.zeros(2, 4)
+    new = torch.log(torch.tensor([[1.5, 0.5, 1.1, 9.0], [1.25, 1.0, 1.0, 1.0]]))
+    adv = torch.tensor([1.0, -1.0])
+    out = token_policy_loss(new, old, adv, MASK, clip_low=0.2, clip_high=0.28, aggregation="token_mean")
+    # sequence 0 (A = +1): 1.5 clipped to 1.28, 0.5 below 1 - 0.2 is not clipped for a positive A, 1.1 kept
+    # sequence 1 (A = -1): 1.25 is not clipped for a negative A (the max keeps -A r = -1.25)
+    per_token = torch.tensor([-1.28, -0.5, -1.1, 1.25])
+    assert float(out.loss) == pytest.approx(float(per_token.mean()), abs=1e-6)
+    assert out.clipped_high.tolist() == [[True, False, False, False], [False, False, False, False]]
+    assert not out.clipped_low.any()  # the padded 9.0 never counts
+    low = token_policy_loss(torch.log(torch.tensor([[0.5, 1.0, 1.0, 1.0], [1.0] * 4])), old, torch.tensor([-1.0, 1.0]), MASK, 0.2, 0.28)
+    assert low.clipped_low[0, 0] and float(low.ratio[0, 0]) == pytest.approx(0.5)
+
+
+def test_sequence_level_ratio_is_the_geometric_mean_of_the_token_ratios():
+    delta = torch.tensor([[0.1, -0.3, 0.5, 7.0], [0.2, 9.0, 9.0, 9.0]])
+    out = token_policy_loss(delta, torch.zeros(2, 4), torch.ones(2), MASK, 10.0, 10.0, ratio_level="sequence")
+    assert torch.allclose(out.ratio[0], torch.full((4,), float(torch.exp(torch.tensor(0.1)))))
+    assert torch.allclose(out.ratio[1], torch.full((4,), float(torch.exp(torch.tensor(0.2)))))
+
+
+def test_k3_is_zero_where_the_policies_agree_and_positive_elsewhere():
+    lp = torch.log(torch.tensor([0.5, 0.2, 0.9]))
+    assert torch.equal(k3_kl(lp, lp), torch.zeros(3))
+    ref = torch.log(torch.tensor([0.25, 0.4, 0.9]))
+    r = ref - lp
+    assert torch.allclose(k3_kl(lp, ref), torch.exp(r) - r - 1) and bool((k3_kl(lp, ref)[:2] > 0).all())
+
+
+def test_overlong_masking_drops_truncated_completions_and_dr_grpo_only_centres():
+    assert overlong_mask(MASK, torch.tensor([True, False])).tolist() == [[False] * 4, [True, False, False, False]]
+    r, g = torch.tensor([1.0, 0.0, 0.0, 3.0]), torch.tensor([0, 0, 1, 1])
+    out = grpo_advantages(r, g, std="none", eps=0.0)
+    assert torch.allclose(out.advantages, torch.tensor([0.5, -0.5, -1.5, 1.5]))
+
+
+# ---- generation ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def add_policy():
+    from flowrl.text.config import TextModelConfig
+    from flowrl.text.policy import CausalLMPolicy
+
+    return CausalLMPolicy.from_config(TextModelConfig(path="builtin:add", device="cpu"))
+
+
+def test_generation_log_probs_are_the_training_forwards_and_independent_of_the_batch(add_policy):
+    from flowrl.text.arithmetic import held_out
+    from flowrl.text.config import TextGenerationConfig
+
+    prompts = [p.prompt for p in held_out()[::50]]
+    g = TextGenerationConfig(max_new_tokens=8, temperature=1.0)
+    gen = add_policy.generate(prompts, list(range(len(prompts))), g)
+    lp, _ = add_policy.log_probs(gen, torch.arange(len(prompts)), g.temperature)
+    assert float((lp.detach() - gen.log_probs).abs().max()) < 1e-5  # so the first ratio is 1
+    alone = add_policy.generate(prompts[3:5], [3, 4], g)
+    assert alone.texts == gen.texts[3:5]  # each row draws from its own seed
+    again = add_policy.generate(prompts, list(range(len(prompts))), TextGenerationConfig(max_new_tokens=8, batch_size=3))
+    assert again.texts == gen.texts
+    assert bool((gen.completion_mask.sum(1) == gen.lengths).all())
+
+
+def test_generation_stops_at_stop_strings_and_flags_truncation(add_policy):
+    from flowrl.text.config import TextGenerationConfig
+
+    short = add_policy.generate(["12+34="], [0], TextGenerationConfig(max_new_tokens=3))
+    assert bool(short.truncated[0]) and int(short.lengths[0]) == 3
+    greedy = add_policy.generate(["12+34="], [0], TextGenerationConfig(max_new_tokens=8), greedy=True)
+    stopped = add_policy.generate(["12+34="], [0], TextGenerationConfig(max_new_tokens=8, stop=[greedy.texts[0][:2]]), greedy=True)
+    assert stopped.texts == [""] and not bool(stopped.truncated[0]) and int(stopped.lengths[0]) == 2
+
+
+def test_the_shipped_model_and_tokenizer_load_through_from_pretrained():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from flowrl.text.policy import builtin_text_dir
+
+    path = builtin_text_dir("add")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    assert tok.decode(tok("907+45=")["input_ids"]) == "907+45="
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    assert 0.9e6 < sum(p.numel() for p in model.parameters()) < 1.2e6
+    info = json.loads((path / "pretrain.json").read_text())
+    assert 0.20 <= info["held_out_exact_match"] <= 0.45
+
+
+# ---- rewards and data ---------------------------------------------------------------------
+def test_text_rewards_read_the_columns_and_bad_outputs_get_one_sentence():
+    from rewards.text import TEXT_REWARDS, TextReward, extract_number, register_text
+
+    assert extract_number("so 3 + 4 = 7\n#### 1,234") == "1234" and extract_number(r"thus \boxed{ 42 }") == "42"
+    assert extract_number("no answer") is None
+    r = TextReward({"exact_match": 1.0, "numeric": 0.5, "format": 0.25})
+    scores, valid = r(["p"] * 3, ["000012", "#### 12", "12a"], {"answer": ["000012", "Reasoning.\n#### 12", "000012"]})
+    assert scores.tolist() == [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0]] and bool(valid.all())
+    assert r.total(scores).tolist() == [1.25, 0.5, 0.0]
+
+    register_text("_short", "test")(lambda prompts, completions, **_: [1.0])
+    register_text("_nan", "test")(lambda prompts, completions, **_: [float("nan")] + [1.0] * (len(completions) - 1))
+    try:
+        with pytest.raises(UserError, match="text reward '_short' returned 1 scores for 2 completions"):
+            TextReward({"_short": 1.0})(["a", "b"], ["x", "y"], {})
+        with pytest.raises(UserError, match="'_nan' returned NaN or inf for 1 of 2"):
+            TextReward({"_nan": 1.0})(["a", "b"], ["x", "y"], {})
+        _, ok = TextReward({"_nan": 1.0}, on_invalid="drop")(["a", "b"], ["x", "y"], {})
+        assert ok.tolist() == [False, True]
+        with pytest.raises(UserError, match="could not be called with the dataset's columns"):
+            TextReward({"exact_match": 1.0})(["a"], ["x"], {})  # no answer column
+        with pytest.raises(UserError, match="reward.options.format has no option 'regex'; it takes: pattern"):
+            TextReward({"format": 1.0}, {"format": {"regex": "x"}})
+    finally:
+        TEXT_REWARDS.pop("_short"), TEXT_REWARDS.pop("_nan")
+
+
+def test_prompt_files_in_jsonl_and_parquet_carry_their_columns(tmp_path):
+    import datasets
+
+    from flowrl.text.data import load_prompts
+
+    rows = [{"question": "1+1=", "answer": "2", "level": 1}, {"question": "9+9=", "answer": "18", "level": 2}]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "p.parquet"))
+    for f in (jsonl, tmp_path / "p.parquet"):
+        ps = load_prompts(str(f), "train", "question", template="Q: {prompt}")
+        assert ps.prompts == ["Q: 1+1=", "Q: 9+9="] and ps.columns == {"answer": ["2", "18"], "level": [1, 2]}
+    with pytest.raises(UserError, match="has no column 'prompt' .*its columns: question, answer, level"):
+        load_prompts(str(jsonl), "train")
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(UserError, match="could not be read as a dataset"):
+        load_prompts(str(tmp_path / "bad.jsonl"), "train")
+    with pytest.raises(UserError, match="does not exist"):
+        load_prompts(str(tmp_path / "none.jsonl"), "train")
+
+
+# ---- training -----------------------------------------------------------------------------
+FAST = ["data.prompts_per_iteration=4", "data.group_size=4", "run.progress=false", "trainer.micro_batch=8"]
+
+
+def test_text_default_trains_resumes_exactly_and_evaluates_per_bucket(tmp_path, capsys):
+    args = ["configs/text_add.yaml", *FAST, "run.checkpoint_every=2", "loss.kl_beta=0.02"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert main(["train", *args, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
+    rows = run_metrics(straight)
+    assert len(rows) == 4 and rows[0]["kl"] == 0.0  # the frozen copy is the initial model: KL 0 before any step
+    assert all(r["first_ratio_deviation"] < 1e-5 for r in rows)
+    assert rows[-1]["kl"] > 0
+    for key in ("reward/exact_match", "completion_length", "truncated_fraction", "zero_variance_fraction", "entropy",
+                "clip_low", "clip_high"):
+        assert key in rows[0]
+    assert main(["train", *args, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
+    assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
+    assert run_metrics(stopped) == rows
+    assert (stopped / "checkpoints" / "iter_000004" / "model" / "model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(["eval", "--run", str(stopped)]) == 0
+    out = capsys.readouterr().out
+    assert "exact_match" in out and out.count("\n") >= 7  # header lines, all, and the 5 buckets
+    assert main(["sample", "--run", str(stopped), "--prompt", "12+34=", "-n", "2"]) == 0
+    assert out.count("'12+34=' ->") == 0 and capsys.readouterr().out.count("'12+34=' ->") == 2
+
+
+def test_a_tiny_qwen2_saved_with_save_pretrained_trains_a_lora_through_model_path(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from flowrl.text.arithmetic import build_tokenizer
+
+    tok = build_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # exercises the chat-template path
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    model.save_pretrained(str(tmp_path / "qwen"))
+    tok.save_pretrained(str(tmp_path / "qwen"))
+    run = tmp_path / "run"
+    assert main(["train", "configs/text_add.yaml", *FAST, f"model.path={tmp_path / 'qwen'}", "lora.enabled=true",
+                 "lora.target_modules=[q_proj, v_proj]", "trainer.iterations=2", "trainer.lr=1e-2", "loss.kl_beta=0.1",
+                 "reward.weights={format: 1.0}",  # a random model is never right, but its completions vary in form
+                 "--run-dir", str(run)]) == 0
+    rows = run_metrics(run)
+    assert rows[0]["kl"] == 0.0 and rows[0]["first_ratio_deviation"] < 1e-5  # the reference: the adapter disabled
+    adapter = run / "checkpoints" / "iter_000002" / "adapter"
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen")), str(adapter))
+    assert any("lora_B" in n and p.abs().sum() > 0 for n, p in loaded.named_parameters())
+
+
+def test_a_short_run_on_the_shipped_model_raises_held_out_exact_match(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "configs/text_add.yaml", "run.progress=false", "trainer.iterations=40", "run.checkpoint_every=0",
+                 "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--config", "configs/text_add.yaml"]) == 0
+    base = capsys.readouterr().out
+    assert main(["eval", "--run", str(run)]) == 0
+    trained = capsys.readouterr().out
+
+    def overall(text):
+        return float(next(line for line in text.splitlines() if line.startswith("all")).split()[-1])
+
+    assert overall(base) == pytest.approx(0.238, abs=1e-3)
+    assert overall(trained) >= overall(base) + 0.03, (base, trained)
+
+
+def test_text_settings_get_one_sentence(capsys):
+    from flowrl.text.config import load_text_config
+
+    for override, key in (("loss.aggregation=mean", "loss.aggregation"), ("loss.ratio_level=step", "loss.ratio_level"),
+                          ("data.group_size=1", "data.group_size"), ("reward.weights={nope: 1.0}", "reward.weights"),
+                          ("generation.top_p=0", "generation.top_p"), ("data.prompt_template=Q", "data.prompt_template"),
+                          ("model.path=builtin:sub", "model.path"), ("loss.scale_rewards=max", "loss.scale_rewards"),
+                          ("trainer.lrr=1", "trainer.lrr")):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            load_text_config("configs/text_add.yaml", [override])
+    assert main(["train", "configs/text_add.yaml", "loss.aggregation=mean"]) == 2
+    err = capsys.readouterr().err
+    assert "loss.aggregation must be one of" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["text_add", "qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu"])
+def test_text_presets_load_and_validate(name):
+    from flowrl.text.config import is_text_config, load_text_config
+
+    assert is_text_config(name)
+    cfg = load_text_config(name)
+    assert cfg.task == "text" and cfg.data.prompts_per_iteration * cfg.data.group_size >= cfg.trainer.micro_batch
+    if name != "text_add":  # DAPO's loss settings
+        assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.aggregation, cfg.loss.kl_beta) == (0.2, 0.28, "token_mean", 0.0)
+        assert cfg.reward.weights == {"numeric": 1.0} and cfg.data.source == "openai/gsm8k"
