@@ -126,7 +126,7 @@ class TextTrainer:
         n = len(exp.prompt_ids)
         total_tokens, total_seqs = int(mask.sum()), n
         order_gen = torch.Generator().manual_seed(sample_seed(t.seed, exp.iteration, Stream.UPDATE_ORDER))
-        sums = {k: 0.0 for k in ("loss", "kl", "entropy", "clip_low", "clip_high", "ratio_dev")}
+        sums = {k: 0.0 for k in ("loss", "kl", "entropy", "clip_low", "clip_high")}
         grad_norms, first_ratio_dev = [], None
         self.policy.model.train()
         for _ in range(t.inner_epochs):
@@ -152,9 +152,8 @@ class TextTrainer:
                 md = m.to(lp.device)
                 dev = ((pl.ratio - 1).abs() * md).max().item()
                 first_ratio_dev = dev if first_ratio_dev is None else first_ratio_dev
-                for key, value in (("loss", loss.item()), ("kl", float(kl)), ("entropy", float((ent * md).sum()) / tokens),
-                                   ("clip_low", float(pl.clipped_low.sum()) / tokens), ("clip_high", float(pl.clipped_high.sum()) / tokens),
-                                   ("ratio_dev", dev)):
+                for key, value in (("loss", loss.item()), ("kl", kl.item()), ("entropy", float((ent * md).sum()) / tokens),
+                                   ("clip_low", float(pl.clipped_low.sum()) / tokens), ("clip_high", float(pl.clipped_high.sum()) / tokens)):
                     sums[key] += value * share
             norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), t.max_grad_norm))
             if math.isfinite(norm):  # a non-finite gradient never reaches the weights
@@ -163,7 +162,7 @@ class TextTrainer:
             grad_norms.append(norm)
         self.policy.model.eval()
         epochs = t.inner_epochs
-        stats = {k: v / epochs for k, v in sums.items() if k != "ratio_dev"}
+        stats = {k: v / epochs for k, v in sums.items()}
         stats.update(grad_norm=sum(grad_norms) / len(grad_norms), first_ratio_deviation=first_ratio_dev or 0.0,
                      lr=self.optimizer.param_groups[0]["lr"],
                      skipped_steps=sum(not math.isfinite(g) for g in grad_norms))
