@@ -7,8 +7,7 @@ from pathlib import Path
 
 from flowrl.errors import UserError
 from flowrl.text.config import is_text_config, load_text_config
-
-CONFIG_FILE = "config.yaml"
+from flowrl.train.run_dir import CONFIG_FILE
 
 
 def is_text_run(run: str | Path | None) -> bool:

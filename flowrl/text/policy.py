@@ -11,11 +11,9 @@ from pathlib import Path
 import torch
 
 from flowrl.errors import UserError
-from flowrl.models.base import pick_device
+from flowrl.models.base import DTYPES, pick_device
 from flowrl.text.config import TextGenerationConfig, TextLoraConfig, TextModelConfig
 from flowrl.text.generate import Generation, generate, sequence_log_probs
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def builtin_text_dir(name: str) -> Path:

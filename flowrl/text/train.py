@@ -26,7 +26,7 @@ from flowrl.text.config import TextConfig
 from flowrl.text.data import PromptSet, load_prompt_set
 from flowrl.text.generate import Generation, concat
 from flowrl.text.policy import CausalLMPolicy
-from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, save_checkpoint
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, restore_weights, save_checkpoint
 from flowrl.train.rollouts.flat import successes
 from flowrl.train.run_dir import RunDir
 from rewards.text import TextReward
@@ -224,13 +224,7 @@ class TextTrainer:
         if ckpt is None:
             raise UserError(f"--resume: '{self.run.path}' has no checkpoint yet; train it again with another run directory")
         data = load_checkpoint(ckpt)
-        mismatched = sorted(set(self.params) ^ set(data["params"]))
-        if mismatched:
-            raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model ({len(mismatched)} mismatched "
-                            f"weights, e.g. '{mismatched[0]}')")
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(data["params"][n])
+        restore_weights(self.params, data["params"], ckpt)
         self.optimizer.load_state_dict(data["optimizer"])
         if data["allocator"] is not None:
             self.allocator.load_state_dict(data["allocator"])

@@ -147,6 +147,22 @@ def load_checkpoint(path: Path) -> dict:
     return out
 
 
+def restore_weights(params: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], ckpt: Path) -> None:
+    """Copy a checkpoint's trainable weights into `params`, refusing (one sentence) a checkpoint
+    whose weight names or shapes are not the configured model's."""
+    mismatched = sorted(set(params) ^ set(saved))
+    if mismatched:
+        raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model ({len(mismatched)} mismatched "
+                        f"weights, e.g. '{mismatched[0]}')")
+    for n, p in params.items():
+        if tuple(saved[n].shape) != tuple(p.shape):
+            raise UserError(f"--resume: checkpoint '{ckpt}' holds '{n}' of shape {tuple(saved[n].shape)} where the "
+                            f"configured model has {tuple(p.shape)}; resume with the run's own lora settings")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(saved[n])
+
+
 def restore_rng(rng: dict[str, torch.Tensor], python_random) -> None:
     torch.set_rng_state(rng["torch_cpu"])
     if torch.cuda.is_available():

@@ -32,7 +32,7 @@ from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.train.budget import SchedulePlan, machine_name, plan_iterations, probe_speed, write_plan
 from flowrl.train.checkpoint import (SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, load_checkpoint, restore_rng,
-                                    save_checkpoint)
+                                    restore_weights, save_checkpoint)
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
@@ -379,17 +379,7 @@ class Trainer:
         if self.layout.sharded:
             raise UserError(f"--resume: checkpoint '{ckpt}' was written whole (run.distributed ddp); resume it with "
                             "run.distributed=ddp")
-        mismatched = sorted(set(self.params) ^ set(data["params"]))
-        if mismatched:
-            raise UserError(f"--resume: checkpoint '{ckpt}' does not match the configured model ({len(mismatched)} mismatched "
-                            f"weights, e.g. '{mismatched[0]}')")
-        for n, p in self.params.items():
-            if tuple(data["params"][n].shape) != tuple(p.shape):
-                raise UserError(f"--resume: checkpoint '{ckpt}' holds '{n}' of shape {tuple(data['params'][n].shape)} where the "
-                                f"configured model has {tuple(p.shape)}; resume with the run's own lora settings")
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(data["params"][n])
+        restore_weights(self.params, data["params"], ckpt)
         self.optimizer.load_state_dict(data["optimizer"])
         if self.ema is not None and data["ema"] is not None:
             self.ema.shadow = {n: t.clone() for n, t in data["ema"].items()}

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from flowrl.errors import UserError
+from flowrl.models.base import PIPELINE_KINDS
 
 GIB = 1024**3
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -135,20 +136,16 @@ def load_model(name: str) -> Model:
     except Exception as exc:
         raise UserError(f"model '{name}' is neither a known model ({', '.join(KNOWN_MODELS)}) nor a readable diffusers "
                         f"pipeline directory or hub id ({type(exc).__name__})") from None
-    kind = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}.get(index.get("_class_name"))
+    kind = PIPELINE_KINDS.get(index.get("_class_name"))
     if kind is None:
-        raise UserError(f"model '{name}' holds a {index.get('_class_name')}; the planner knows StableDiffusion3Pipeline and FluxPipeline")
+        raise UserError(f"model '{name}' holds a {index.get('_class_name')}; the planner knows {' and '.join(PIPELINE_KINDS)}")
     transformer, frozen = None, 0
     for component, entry in index.items():
-        if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in ("diffusers", "transformers")):
-            continue
-        library = diffusers if entry[0] == "diffusers" else transformers
-        cls = getattr(library, entry[1], None)
-        if cls is None or not hasattr(cls, "config_class" if library is transformers else "from_config"):
-            continue  # schedulers, tokenizers
+        library = {"diffusers": diffusers, "transformers": transformers}.get(entry[0]) if isinstance(entry, list) else None
+        cls = getattr(library, entry[1], None) if library else None
+        if cls is None or not issubclass(cls, (diffusers.ModelMixin, transformers.PreTrainedModel)):
+            continue  # schedulers, tokenizers, absent components
         if library is diffusers:
-            if not hasattr(cls, "load_config") or not issubclass(cls, diffusers.ModelMixin):
-                continue
             config = cls.load_config(name, subfolder=component)
             module = _meta(lambda: cls.from_config(config))
         else:
