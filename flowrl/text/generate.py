@@ -4,6 +4,12 @@ global RNG, so a completion does not depend on the rows it was batched with.
 
 Behaviour log-probs are recorded at generation from fp32 logits under the sampling temperature,
 the same function `sequence_log_probs` computes in training, so the first ratio is 1.
+
+A group's completions share their prompt, so both generation and training run each distinct
+prompt through the network once and copy its KV cache to the group's rows (differentiably in
+training: the gradient of every completion still reaches the prompt's activations). With a
+prompt of P tokens, completions of T and groups of K, a training forward processes P + K*T
+tokens per group instead of K*(P + T).
 """
 
 from __future__ import annotations
@@ -71,10 +77,37 @@ def concat(parts: list[Generation], pad: int) -> Generation:
         [t for p in parts for t in p.texts])
 
 
+def positions_of(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: 0 at each row's first real token."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def prefill_shared(model, ids: torch.Tensor, mask: torch.Tensor, inverse: torch.Tensor):
+    """Run the distinct prompts `ids` [U, P] once and copy their cache to the rows `inverse` [N]
+    points at. Returns the cache of the N rows and their next-token logits [N, V]."""
+    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions_of(mask), use_cache=True)
+    cache = out.cache
+    inverse = inverse.to(ids.device)
+    cache.reorder_cache(inverse)  # an index_select per layer: differentiable
+    return cache, out.logits[:, -1].index_select(0, inverse)
+
+
+def distinct_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, inverse): the first row of each distinct (ids, mask) row, and each row's distinct index."""
+    _, inverse = torch.unique(torch.cat([ids, mask.long()], 1), dim=0, return_inverse=True)
+    n = len(inverse)
+    first = torch.full((int(inverse.max()) + 1 if n else 0,), n, dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(n), reduce="amin")
+    return first, inverse
+
+
 def _generate(model, tokenizer, prompts, seeds, max_new_tokens, temperature, top_p, stop) -> Generation:
     device = next(model.parameters()).device
-    enc = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
-    ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    index = {p: i for i, p in enumerate(dict.fromkeys(prompts))}
+    distinct, inverse = list(index), torch.tensor([index[p] for p in prompts], dtype=torch.long)
+    enc = tokenizer(distinct, return_tensors="pt", padding=True, add_special_tokens=False)
+    distinct_ids, distinct_mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    ids, mask = distinct_ids[inverse.to(device)], distinct_mask[inverse.to(device)]
     n = ids.shape[0]
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -83,12 +116,10 @@ def _generate(model, tokenizer, prompts, seeds, max_new_tokens, temperature, top
     alive = torch.ones(n, dtype=torch.bool)
     ended = torch.zeros(n, dtype=torch.bool)
     lengths = torch.zeros(n, dtype=torch.long)
-    cache, step_ids, full_mask = None, ids, mask
+    cache, next_logits = prefill_shared(model, distinct_ids, distinct_mask, inverse)
+    full_mask = mask
     for t in range(max_new_tokens):
-        positions = (full_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-        out = model(input_ids=step_ids, attention_mask=full_mask, position_ids=positions, cache=cache, use_cache=True)
-        cache = out.cache
-        logits = out.logits[:, -1].float().cpu()
+        logits = next_logits.float().cpu()
         lp = tempered_log_probs(logits, temperature)
         if temperature > 0:
             scores = top_p_filter(logits / temperature, top_p)
@@ -109,10 +140,12 @@ def _generate(model, tokenizer, prompts, seeds, max_new_tokens, temperature, top
                     finished[i] = True
         ended |= finished
         alive &= ~finished
-        if not bool(alive.any()):
+        if not bool(alive.any()) or t == max_new_tokens - 1:
             break
-        step_ids = choice.unsqueeze(1).to(device)
         full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)  # finished rows' pads are never read
+        out = model(input_ids=choice.unsqueeze(1).to(device), attention_mask=full_mask, position_ids=positions_of(full_mask)[:, -1:],
+                    cache=cache, use_cache=True)
+        cache, next_logits = out.cache, out.logits[:, -1]
     width = int(lengths.max()) if n else 0
     tokens, log_probs = tokens[:, :width], log_probs[:, :width]
     completion_mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
@@ -126,15 +159,20 @@ def _generate(model, tokenizer, prompts, seeds, max_new_tokens, temperature, top
 
 def sequence_log_probs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
                        completion_mask: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs [N, T] of the completions under `model` (one forward over prompt and
-    completion, fp32 logits, the sampling temperature), and the per-token entropy [N, T]."""
+    """Per-token log-probs [N, T] of the completions under `model` (fp32 logits, the sampling
+    temperature), and the per-token entropy [N, T]. Each distinct prompt runs once (its cache
+    shared by its rows), then every completion but its last token runs on that cache."""
     device = next(model.parameters()).device
-    ids = torch.cat([prompt_ids, completion_ids], 1).to(device)
-    mask = torch.cat([prompt_mask, completion_mask], 1).to(device)
-    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions).logits
-    p = prompt_ids.shape[1]
-    lp = tempered_log_probs(logits[:, p - 1 : -1], temperature)
+    first, inverse = distinct_rows(prompt_ids, prompt_mask)
+    cache, first_logits = prefill_shared(model, prompt_ids[first].to(device), prompt_mask[first].to(device), inverse)
+    logits = first_logits.unsqueeze(1)
+    t = completion_ids.shape[1]
+    if t > 1:
+        mask = torch.cat([prompt_mask, completion_mask[:, :-1]], 1).to(device)
+        rest = model(input_ids=completion_ids[:, :-1].to(device), attention_mask=mask.long(),
+                     position_ids=positions_of(mask)[:, -(t - 1):], cache=cache, use_cache=True).logits
+        logits = torch.cat([logits, rest], 1)
+    lp = tempered_log_probs(logits, temperature)
     token_lp = lp.gather(-1, completion_ids.to(device).unsqueeze(-1)).squeeze(-1)
     entropy = -(lp.exp() * lp).sum(-1)
     m = completion_mask.to(device)
