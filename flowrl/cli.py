@@ -164,42 +164,49 @@ def _split_config_and_overrides(config, overrides):
 
 def cmd_train(args) -> int:
     from flowrl.config import load_config
-    from flowrl.train.loop import Trainer
+    from flowrl.text.cli import is_text_config, is_text_run
     from flowrl.train.run_dir import CONFIG_FILE, default_run_dir
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)
-    from flowrl.text.cli import is_text_config, is_text_run
-
     if is_text_config(config) or is_text_run(args.resume):  # `task: text`: the causal-LM path (docs/text.md)
         from flowrl.text import cli as text
 
-        return text.train(config, overrides, args.resume, args.run_dir)
-    if args.resume:
-        run = Path(args.resume)
-        if not (run / CONFIG_FILE).is_file():
-            raise UserError(f"--resume '{run}' is not a run directory (no {CONFIG_FILE})")
-        if config is not None:
-            raise UserError("--resume takes its config from the run directory; give only overrides such as trainer.iterations=100")
-        cfg = load_config(run / CONFIG_FILE, overrides)
+        cfg, run_dir = text.resolve(config, overrides, args.resume, args.run_dir)
+        start = lambda: text.train(cfg, run_dir, bool(args.resume))  # noqa: E731
     else:
-        cfg = load_config(config, overrides)
-    # fixed here, so that the processes of a relaunch and an interrupted run's message name the same directory
-    run_dir = run if args.resume else Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+        if args.resume:
+            run = Path(args.resume)
+            if not (run / CONFIG_FILE).is_file():
+                raise UserError(f"--resume '{run}' is not a run directory (no {CONFIG_FILE})")
+            if config is not None:
+                raise UserError("--resume takes its config from the run directory; give only overrides such as trainer.iterations=100")
+            cfg = load_config(run / CONFIG_FILE, overrides)
+        else:
+            cfg = load_config(config, overrides)
+        # fixed here, so that the processes of a relaunch and an interrupted run's message name the same directory
+        run_dir = run if args.resume else Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
+        start = lambda: _train_images(cfg, run_dir, bool(args.resume))  # noqa: E731
     _no_file_on_the_way(run_dir, "the run directory (--run-dir, run.output_dir)")
     if _launches_cpu_processes(cfg):
         argv = args.argv if args.resume or args.run_dir else [*args.argv, "--run-dir", str(run_dir)]
         return _relaunch(cfg.run.cpu_processes, argv, run_dir)
     try:
-        trainer = Trainer(cfg, run_dir=run_dir, resume=bool(args.resume))
-        if trainer.accelerator.is_main_process:
-            print(f"run directory: {trainer.run.path}", file=sys.stderr)
-            if cfg.trainer.mixed_precision == "auto":
-                print(f"trainer.mixed_precision auto: {trainer.mixed_precision} on this device", file=sys.stderr)
-        history = trainer.train()
+        return start()
     except KeyboardInterrupt:
         if _is_first_process() and LAUNCHED_ENV not in os.environ:  # a relaunched run: its launcher says it
             print(_interrupted(run_dir), file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _train_images(cfg, run_dir: Path, resume: bool) -> int:
+    from flowrl.train.loop import Trainer
+
+    trainer = Trainer(cfg, run_dir=run_dir, resume=resume)
+    if trainer.accelerator.is_main_process:
+        print(f"run directory: {trainer.run.path}", file=sys.stderr)
+        if cfg.trainer.mixed_precision == "auto":
+            print(f"trainer.mixed_precision auto: {trainer.mixed_precision} on this device", file=sys.stderr)
+    history = trainer.train()
     if history and trainer.accelerator.is_main_process:
         if "reward_mean" in history[0]:
             print(f"reward {history[0]['reward_mean']:.4g} -> {history[-1]['reward_mean']:.4g} over {len(history)} iterations; "

@@ -221,6 +221,36 @@ def test_text_default_trains_resumes_exactly_and_evaluates_per_bucket(tmp_path, 
     assert out.count("'12+34=' ->") == 0 and capsys.readouterr().out.count("'12+34=' ->") == 2
 
 
+def test_two_cpu_processes_train_as_one_process_on_the_same_batch(tmp_path):
+    """run.cpu_processes=2: each process samples and trains its slice (5 prompts x 3 = 15
+    completions, so the second slice ends with a padding copy), the rewards are gathered and the
+    gradients summed: the run is the one-process run, metrics and weights, up to float noise. A
+    KL and micro-batches of 4 (4 + 4 + 4 + 3 alone, 4 + 4 per process) are on the path."""
+    from safetensors.torch import load_file
+
+    args = ["configs/text_add.yaml", *FAST, "data.prompts_per_iteration=5", "data.group_size=3", "trainer.micro_batch=4",
+            "trainer.iterations=3", "loss.kl_beta=0.02", "run.checkpoint_every=3"]
+    assert main(["train", *args, "--run-dir", str(tmp_path / "one")]) == 0
+    assert main(["train", *args, "run.cpu_processes=2", "--run-dir", str(tmp_path / "two")]) == 0
+    one, two = run_metrics(tmp_path / "one"), run_metrics(tmp_path / "two")
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        for key in ("samples", "reward_mean", "completion_length", "truncated_fraction", "zero_variance_fraction"):
+            assert a[key] == b[key], key  # the same completions: every draw is keyed by its sample, not its process
+        for key in ("loss", "kl", "grad_norm", "entropy"):  # measured within 2e-4 relative
+            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), key
+    # the same weights give the same summed gradient (an average over the processes would halve it)
+    assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-5)
+    assert one[-1]["kl"] > 0 and one[-1]["grad_norm"] > 0
+    lr = 1e-4
+    wa, wb = (load_file(str(tmp_path / r / "checkpoints" / "iter_000003" / "model" / "model.safetensors")) for r in ("one", "two"))
+    for k in wa:
+        # Adam steps a weight whose gradient is at float noise by up to lr either way: measured on
+        # average 3e-6 of the weights' size, at most 0.11 x lr
+        gap = (wa[k] - wb[k]).abs()
+        assert float(gap.mean()) <= 1e-4 * float(wa[k].abs().mean()) and float(gap.max()) <= 0.5 * lr, k
+
+
 def test_a_tiny_qwen2_saved_with_save_pretrained_trains_a_lora_through_model_path(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM

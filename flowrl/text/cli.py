@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from flowrl.errors import UserError
-from flowrl.text.config import is_text_config, load_text_config
+from flowrl.text.config import TextConfig, is_text_config, load_text_config
 from flowrl.train.run_dir import CONFIG_FILE
 
 
@@ -14,19 +14,25 @@ def is_text_run(run: str | Path | None) -> bool:
     return run is not None and is_text_config(Path(run) / CONFIG_FILE)
 
 
-def train(config: str | None, overrides: list[str], resume: str | None, run_dir: str | None) -> int:
-    from flowrl.text.train import TextTrainer, default_text_run_dir
-
+def resolve(config: str | None, overrides: list[str], resume: str | None, run_dir: str | None) -> tuple[TextConfig, Path]:
+    """The config and run directory of `flowrl train` (fixed before any process starts, so all name the same)."""
     if resume:
-        cfg = load_text_config(Path(resume) / CONFIG_FILE, overrides)
-        target = Path(resume)
-    else:
-        cfg = load_text_config(config, overrides)
-        target = Path(run_dir) if run_dir else default_text_run_dir(cfg)
-    trainer = TextTrainer(cfg, run_dir=target, resume=bool(resume))
-    print(f"run directory: {trainer.run.path}", file=sys.stderr)
+        return load_text_config(Path(resume) / CONFIG_FILE, overrides), Path(resume)
+    from flowrl.text.train import default_text_run_dir
+
+    cfg = load_text_config(config, overrides)
+    return cfg, Path(run_dir) if run_dir else default_text_run_dir(cfg)
+
+
+def train(cfg: TextConfig, run_dir: Path, resume: bool) -> int:
+    from flowrl.text.train import TextTrainer
+
+    trainer = TextTrainer(cfg, run_dir=run_dir, resume=resume)
+    main = trainer.accelerator.is_main_process
+    if main:
+        print(f"run directory: {trainer.run.path}", file=sys.stderr)
     history = trainer.train()
-    if history:
+    if history and main:
         print(f"reward {history[0]['reward_mean']:.4g} -> {history[-1]['reward_mean']:.4g} over {len(history)} iterations; "
               f"run: {trainer.run.path}")
     return 0

@@ -98,6 +98,7 @@ class TextRunConfig:
     name: Optional[str] = None
     checkpoint_every: int = 10
     progress: bool = True
+    cpu_processes: int = 1  # > 1 on a CPU: `flowrl train` starts this many processes joined by gloo (docs/text.md)
 
 
 @dataclass
@@ -151,7 +152,8 @@ def validate_text(cfg: TextConfig) -> None:
     for key, value, low in (("data.prompts_per_iteration", d.prompts_per_iteration, 1), ("data.group_size", d.group_size, 2),
                             ("generation.max_new_tokens", g.max_new_tokens, 1), ("generation.batch_size", g.batch_size, 1),
                             ("trainer.micro_batch", t.micro_batch, 1), ("trainer.inner_epochs", t.inner_epochs, 1),
-                            ("trainer.iterations", t.iterations, 1), ("lora.rank", cfg.lora.rank, 1)):
+                            ("trainer.iterations", t.iterations, 1), ("lora.rank", cfg.lora.rank, 1),
+                            ("run.cpu_processes", cfg.run.cpu_processes, 1)):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}; got {value}")
     if g.temperature < 0:

@@ -40,13 +40,14 @@ class CausalLMPolicy:
         self._reference = None
 
     @classmethod
-    def from_config(cls, cfg: TextModelConfig) -> "CausalLMPolicy":
+    def from_config(cls, cfg: TextModelConfig, device: torch.device | None = None) -> "CausalLMPolicy":
+        """The model and tokenizer of `cfg.path` on `device` (default: model.device)."""
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         transformers.utils.logging.disable_progress_bar()
         path = resolve_text_path(cfg.path)
-        device = pick_device(cfg.device)
+        device = device or pick_device(cfg.device)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])

@@ -4,11 +4,16 @@ score them against the dataset's columns, a shared advantage estimator turns the
 advantage per completion, and the token-level clipped surrogate (flowrl/core/token_losses.py)
 updates the policy. Runs, metrics, checkpoints and exact resume use the image loop's pieces.
 
-Every draw is keyed by (seed, iteration, sample), so a resumed run repeats an uninterrupted one.
+Every draw is keyed by (seed, iteration, sample), so a resumed run repeats an uninterrupted one,
+and several processes (accelerate's launcher or run.cpu_processes) train as one: each process
+samples and scores its slice of every stage, the rewards are gathered so every process computes
+the same allocator decisions and advantages, each trains on its own completions, and the
+gradients are summed across processes before the one optimizer step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -27,6 +32,8 @@ from flowrl.text.data import PromptSet, load_prompt_set
 from flowrl.text.generate import Generation, concat
 from flowrl.text.policy import CausalLMPolicy
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, restore_weights, save_checkpoint
+from flowrl.train.experience import ProcessShard, gather_real
+from flowrl.train.processes import rank0, start_processes
 from flowrl.train.rollouts.flat import successes
 from flowrl.train.run_dir import RunDir
 from rewards.text import TextReward
@@ -34,22 +41,36 @@ from rewards.text import TextReward
 
 @dataclass
 class TextExperience:
+    """One iteration's completions: the whole batch's prompts, rewards and advantages (the same on
+    every process), and this process's share of the completions themselves."""
+
     iteration: int
     prompt_ids: torch.Tensor  # [N] index into the prompt set
-    gen: Generation
     rewards: torch.Tensor  # [N, K]
     valid: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
+    lengths: torch.Tensor  # [N] completion tokens
+    truncated: torch.Tensor  # [N] bool
     degenerate_groups: int
     groups: int
+    gen: Generation  # [n] this process's completions
+    rows: torch.Tensor  # [n] each one's index among the N, -1 for a padding copy (the last process's slice is padded)
+
+    @property
+    def local_advantages(self) -> torch.Tensor:
+        return torch.where(self.rows >= 0, self.advantages[self.rows.clamp(min=0)], torch.zeros(()))
+
+    @property
+    def local_valid(self) -> torch.Tensor:
+        return (self.rows >= 0) & self.valid[self.rows.clamp(min=0)]
 
 
 def default_text_run_dir(cfg: TextConfig) -> Path:
     return Path(cfg.run.output_dir) / (cfg.run.name or time.strftime("text-%Y%m%d-%H%M%S"))
 
 
-def load_text_policy(cfg: TextConfig, trainable: bool = True) -> CausalLMPolicy:
-    policy = CausalLMPolicy.from_config(cfg.model)
+def load_text_policy(cfg: TextConfig, trainable: bool = True, device: torch.device | None = None) -> CausalLMPolicy:
+    policy = CausalLMPolicy.from_config(cfg.model, device=device)
     if trainable:
         if cfg.lora.enabled:
             policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
@@ -63,11 +84,14 @@ class TextTrainer:
         self.cfg, t = cfg, cfg.trainer
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.run = RunDir(run_dir or default_text_run_dir(cfg))
+        self.accelerator = acc = self._accelerator(run_dir)
         self.data = load_prompt_set(cfg, cfg.data.split)
-        self.policy = load_text_policy(cfg)
+        self.policy = load_text_policy(cfg, device=acc.device)
         self.params = self.policy.trainable_parameters()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, weight_decay=t.weight_decay)
+        # the training forwards go through DDP when there are several processes (it sums the
+        # gradients at the last micro-batch); generation and the reference use the bare model
+        self.train_model = acc.prepare_model(self.policy.model) if acc.num_processes > 1 else self.policy.model
         self.reward = TextReward(dict(cfg.reward.weights), dict(cfg.reward.options), cfg.reward.on_invalid)
         al, d = cfg.allocator, cfg.data
         self.allocator = make_allocator(
@@ -82,23 +106,42 @@ class TextTrainer:
             self._resume()
         elif self.run.metrics_file.exists():
             raise UserError(f"run directory '{self.run.path}' already holds a run; resume it with --resume {self.run.path}")
-        self.run.create(cfg)
+        if acc.is_main_process:
+            self.run.create(cfg)
+        acc.wait_for_everyone()
+
+    def _accelerator(self, run_dir):
+        from accelerate import Accelerator, DistributedDataParallelKwargs
+
+        cpu, run_dir = start_processes(self.cfg.model.device, run_dir or default_text_run_dir(self.cfg))
+        self.run = RunDir(run_dir)
+        acc = Accelerator(cpu=cpu, mixed_precision="no", kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
+        if acc.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+            raise UserError(f"the text trainer replicates the model on every process; launch it with a plain multi-GPU accelerate "
+                            f"config such as configs/accelerate/multi_gpu.yaml, not distributed_type {acc.distributed_type.value}")
+        return acc
 
     # ---- one iteration ------------------------------------------------------------------
     def collect(self, iteration: int) -> TextExperience:
-        """The allocator's stages: sample, score, let it see the outcomes, repeat."""
-        cfg, n = self.cfg, len(self.data)
+        """The allocator's stages: sample, score, let it see the outcomes, repeat. Each process
+        samples and scores its slice of a stage; the scores are gathered, so every process sees
+        every outcome."""
+        cfg, n, acc = self.cfg, len(self.data), self.accelerator
         totals = torch.zeros(n, dtype=torch.long)
-        ids_all, gens, rewards, valid = [], [], [], []
+        ids_all, gens, local_rows, rewards, valid, lengths, truncated = [], [], [], [], [], [], []
         extra = self.allocator.first_stage(iteration)
         while int(extra.sum()) > 0:
             ids = torch.repeat_interleave(torch.arange(n), extra)
-            offset = int(totals.sum())
-            seeds = [sample_seed(cfg.trainer.seed, iteration, offset + j) for j in range(len(ids))]
-            prompts, columns = self.data.take(ids.tolist())
-            gen = self.policy.generate(prompts, seeds, cfg.generation)
+            offset, m = int(totals.sum()), len(ids)
+            seeds = [sample_seed(cfg.trainer.seed, iteration, offset + j) for j in range(m)]
+            shard = ProcessShard(m, acc.num_processes, acc.process_index)
+            prompts, columns = self.data.take(shard.take(ids.tolist()))
+            gen = self.policy.generate(prompts, shard.take(seeds), cfg.generation)
             r, ok = self.reward(prompts, gen.texts, columns)
-            ids_all.append(ids), gens.append(gen), rewards.append(r), valid.append(ok)
+            ids_all.append(ids), gens.append(gen)
+            local_rows.append(torch.where(shard.positions < m, offset + shard.positions, -1))
+            rewards.append(gather_real(acc, r, m)), valid.append(gather_real(acc, ok.long(), m).bool())
+            lengths.append(gather_real(acc, gen.lengths, m)), truncated.append(gather_real(acc, gen.truncated.long(), m).bool())
             totals += extra
             seen, scored = torch.cat(ids_all), torch.cat(rewards)
             won = successes(cfg, self.reward.total(scored))
@@ -113,47 +156,39 @@ class TextTrainer:
         advantages = torch.zeros(len(prompt_ids))
         advantages[valid] = out.advantages * out.mask
         self.allocator.observe(prompt_ids[valid], successes(cfg, self.reward.total(rewards[valid])))
-        return TextExperience(iteration, prompt_ids, gen, rewards, valid, advantages, int(out.degenerate.sum()), len(out.group_ids))
+        return TextExperience(iteration, prompt_ids, rewards, valid, advantages, torch.cat(lengths), torch.cat(truncated),
+                              int(out.degenerate.sum()), len(out.group_ids), gen, torch.cat(local_rows))
 
     def update(self, exp: TextExperience) -> dict:
         """One optimizer step per inner epoch over every completion; micro-batches weighted so the
-        step's loss is the aggregation over the whole batch."""
-        cfg, l, t = self.cfg, self.cfg.loss, self.cfg.trainer
-        gen, temp = exp.gen, cfg.generation.temperature
-        mask = gen.completion_mask & exp.valid.unsqueeze(1)
+        step's loss is the aggregation over the whole batch (over every process's completions)."""
+        l, t, acc = self.cfg.loss, self.cfg.trainer, self.accelerator
+        gen = exp.gen
+        mask = gen.completion_mask & exp.local_valid.unsqueeze(1)
         if l.overlong_mask:
             mask = overlong_mask(mask, gen.truncated)
-        n = len(exp.prompt_ids)
-        total_tokens, total_seqs = int(mask.sum()), n
+        advantages, n = exp.local_advantages, len(exp.rows)
+        total_tokens, total_seqs = int(self._sum(torch.tensor([float(mask.sum())]))[0]), len(exp.prompt_ids)
+        # DDP averages the processes' gradients; each process's loss is its share of the global sum
+        scale = acc.num_processes
         order_gen = torch.Generator().manual_seed(sample_seed(t.seed, exp.iteration, Stream.UPDATE_ORDER))
         sums = {k: 0.0 for k in ("loss", "kl", "entropy", "clip_low", "clip_high")}
         grad_norms, first_ratio_dev = [], None
         self.policy.model.train()
         for _ in range(t.inner_epochs):
             order = torch.randperm(n, generator=order_gen)
-            for start in range(0, n, t.micro_batch):
+            starts = range(0, n, t.micro_batch)  # the same count on every process: their slices are equal
+            for start in starts:
                 rows = order[start : start + t.micro_batch]
                 m = mask[rows]
-                lp, ent = self.policy.log_probs(gen, rows, temp)
-                old = gen.log_probs[rows].to(lp.device)
-                pl = token_policy_loss(lp, old, exp.advantages[rows].to(lp.device), m.to(lp.device), l.clip_low, l.clip_high,
-                                       l.aggregation, l.ratio_level, cfg.generation.max_new_tokens)
-                loss = pl.loss
-                kl = torch.zeros(())
-                if l.kl_beta > 0:
-                    with torch.no_grad(), self.policy.reference() as ref:
-                        ref_lp, _ = self.policy.log_probs(gen, rows, temp, model=ref)
-                    kl = aggregate(k3_kl(lp, ref_lp), m.to(lp.device), l.aggregation, cfg.generation.max_new_tokens)
-                    loss = loss + l.kl_beta * kl
                 # this micro-batch's share of the whole batch's aggregate
                 share = (int(m.sum()) / max(total_tokens, 1)) if l.aggregation == "token_mean" else len(rows) / total_seqs
-                (loss * share).backward()
-                tokens = max(int(m.sum()), 1)
-                md = m.to(lp.device)
-                dev = ((pl.ratio - 1).abs() * md).max().item()
+                # gradients are summed across processes once, at the last micro-batch
+                with contextlib.nullcontext() if start == starts[-1] else acc.no_sync(self.train_model):
+                    loss, logged, dev = self._micro_batch(gen, rows, m, advantages[rows])
+                    (loss * share * scale).backward()
                 first_ratio_dev = dev if first_ratio_dev is None else first_ratio_dev
-                for key, value in (("loss", loss.item()), ("kl", kl.item()), ("entropy", float((ent * md).sum()) / tokens),
-                                   ("clip_low", float(pl.clipped_low.sum()) / tokens), ("clip_high", float(pl.clipped_high.sum()) / tokens)):
+                for key, value in logged.items():
                     sums[key] += value * share
             norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), t.max_grad_norm))
             if math.isfinite(norm):  # a non-finite gradient never reaches the weights
@@ -162,11 +197,37 @@ class TextTrainer:
             grad_norms.append(norm)
         self.policy.model.eval()
         epochs = t.inner_epochs
-        stats = {k: v / epochs for k, v in sums.items()}
-        stats.update(grad_norm=sum(grad_norms) / len(grad_norms), first_ratio_deviation=first_ratio_dev or 0.0,
+        stats = dict(zip(sums, (float(v) / epochs for v in self._sum(torch.tensor(list(sums.values()), dtype=torch.float64)))))
+        first_ratio_dev = float(acc.gather(torch.tensor([first_ratio_dev or 0.0], device=acc.device)).max())
+        stats.update(grad_norm=sum(grad_norms) / len(grad_norms), first_ratio_deviation=first_ratio_dev,
                      lr=self.optimizer.param_groups[0]["lr"],
                      skipped_steps=sum(not math.isfinite(g) for g in grad_norms))
         return stats
+
+    def _micro_batch(self, gen: Generation, rows: torch.Tensor, m: torch.Tensor, advantages: torch.Tensor):
+        """The loss of some of this process's completions (aggregated over them), what it logs, and
+        the largest deviation of a ratio from 1."""
+        cfg, l = self.cfg, self.cfg.loss
+        temp, horizon = cfg.generation.temperature, cfg.generation.max_new_tokens
+        lp, ent = self.policy.log_probs(gen, rows, temp, model=self.train_model)
+        md = m.to(lp.device)
+        pl = token_policy_loss(lp, gen.log_probs[rows].to(lp.device), advantages.to(lp.device), md, l.clip_low, l.clip_high,
+                               l.aggregation, l.ratio_level, horizon)
+        loss, kl = pl.loss, torch.zeros(())
+        if l.kl_beta > 0:
+            with torch.no_grad(), self.policy.reference() as ref:
+                ref_lp, _ = self.policy.log_probs(gen, rows, temp, model=ref)
+            kl = aggregate(k3_kl(lp, ref_lp), md, l.aggregation, horizon)
+            loss = loss + l.kl_beta * kl
+        tokens = max(int(m.sum()), 1)
+        logged = {"loss": loss.item(), "kl": kl.item(), "entropy": float((ent * md).sum()) / tokens,
+                  "clip_low": float(pl.clipped_low.sum()) / tokens, "clip_high": float(pl.clipped_high.sum()) / tokens}
+        return loss, logged, ((pl.ratio - 1).abs() * md).max().item()
+
+    def _sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the processes (x itself when alone), on the CPU."""
+        acc = self.accelerator
+        return acc.reduce(x.to(acc.device), reduction="sum").cpu() if acc.num_processes > 1 else x
 
     def train_iteration(self) -> dict:
         t0 = time.perf_counter()
@@ -184,26 +245,29 @@ class TextTrainer:
 
     def metrics(self, exp: TextExperience) -> dict:
         total = self.reward.total(exp.rewards[exp.valid])
-        lengths = exp.gen.lengths.float()
+        lengths = exp.lengths.float()
         row = {"reward_mean": float(total.mean()), "samples": len(exp.prompt_ids),
                "completion_length": float(lengths.mean()), "completion_length_max": float(lengths.max()),
-               "truncated_fraction": float(exp.gen.truncated.float().mean()),
+               "truncated_fraction": float(exp.truncated.float().mean()),
                "zero_variance_fraction": exp.degenerate_groups / max(exp.groups, 1), "invalid": int((~exp.valid).sum())}
         row.update({f"reward/{name}": float(exp.rewards[exp.valid, k].mean()) for k, name in enumerate(self.reward.names)})
         return row
 
     # ---- the loop -----------------------------------------------------------------------
     def train(self) -> list[dict]:
-        t, r = self.cfg.trainer, self.cfg.run
-        bar = tqdm(total=t.iterations, initial=self.iteration, desc="flowrl train (text)", unit="iter", disable=not r.progress)
+        t, r, acc = self.cfg.trainer, self.cfg.run, self.accelerator
+        bar = tqdm(total=t.iterations, initial=self.iteration, desc="flowrl train (text)", unit="iter",
+                   disable=not (r.progress and acc.is_main_process))
         started = time.perf_counter()
         while self.iteration < t.iterations:
             row = self.train_iteration()
             self.history.append(row)
-            self.run.append_metrics(row)
+            if acc.is_main_process:
+                self.run.append_metrics(row)
             bar.update(1)
             bar.set_postfix({"reward": f"{row['reward_mean']:.3f}"})
-            out_of_time = bool(t.max_minutes) and time.perf_counter() - started >= t.max_minutes * 60
+            # rank 0's clock decides for every process
+            out_of_time = bool(t.max_minutes) and bool(rank0(time.perf_counter() - started >= t.max_minutes * 60))
             done = self.iteration >= t.iterations or out_of_time
             if done or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
                 self.save()
@@ -212,12 +276,16 @@ class TextTrainer:
         bar.close()
         return self.history
 
-    def save(self) -> Path:
-        policy = self.policy
-        return save_checkpoint(self.run.checkpoints, self.iteration, self.params, self.optimizer.state_dict(), None,
-                               {"policy_version": self.iteration, "task": "text"},
-                               export=lambda tmp: policy.save(tmp / ("adapter" if policy.has_lora else "model")),
-                               allocator=self.allocator.state_dict())
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint (the processes hold the same weights); the others wait."""
+        policy, acc, path = self.policy, self.accelerator, None
+        if acc.is_main_process:
+            path = save_checkpoint(self.run.checkpoints, self.iteration, self.params, self.optimizer.state_dict(), None,
+                                   {"policy_version": self.iteration, "task": "text", "num_processes": acc.num_processes},
+                                   export=lambda tmp: policy.save(tmp / ("adapter" if policy.has_lora else "model")),
+                                   allocator=self.allocator.state_dict())
+        acc.wait_for_everyone()
+        return path
 
     def _resume(self) -> None:
         ckpt = latest_checkpoint(self.run.checkpoints)
@@ -230,7 +298,10 @@ class TextTrainer:
             self.allocator.load_state_dict(data["allocator"])
         restore_rng(data["rng"], data["state"]["python_random"])
         self.iteration = int(data["state"]["iteration"])
-        self.history = self.run.truncate_metrics(self.iteration)
+        if self.accelerator.is_main_process:
+            self.history = self.run.truncate_metrics(self.iteration)
+        else:
+            self.history = [r for r in self.run.read_metrics() if r["iteration"] < self.iteration]
 
 
 @torch.no_grad()

@@ -26,7 +26,6 @@ from flowrl.core.allocation import make_allocator
 from flowrl.core.lr_schedule import lr_factor
 from flowrl.errors import UserError
 from flowrl.models import load_policy
-from flowrl.models.base import pick_device
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
@@ -38,6 +37,7 @@ from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
 from flowrl.train.parts import TrainContext
 from flowrl.train.registry import objective_class, rollout_class
+from flowrl.train.processes import rank0, start_processes
 from flowrl.train.prompts import load_prompts
 from flowrl.train.run_dir import RunDir, default_run_dir
 from flowrl.train.sharding import make_layout, reference_copy
@@ -112,15 +112,11 @@ class Trainer:
             acc.init_trackers("tracker", config=flat_config(cfg))
 
     def _accelerator(self, run_dir):
-        from accelerate import Accelerator, DistributedDataParallelKwargs, PartialState
-        from accelerate.utils import broadcast_object_list
+        from accelerate import Accelerator, DistributedDataParallelKwargs
 
         cfg = self.cfg
-        cpu = pick_device(cfg.model.device).type == "cpu"  # refuses a device that is not there
-        PartialState(cpu=cpu)  # start the process group so every process can agree on one run directory
-        if run_dir is None:
-            run_dir = default_run_dir(cfg)
-        self.run = RunDir(broadcast_object_list([str(run_dir)])[0])
+        cpu, run_dir = start_processes(cfg.model.device, run_dir or default_run_dir(cfg))
+        self.run = RunDir(run_dir)
         self.mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
         sharded = cfg.run.distributed == "fsdp2"  # mixed precision is then FSDP2's own policy, not accelerate's autocast
         acc = Accelerator(
@@ -216,9 +212,7 @@ class Trainer:
             bar.update(1)
             bar.set_postfix({k: f"{row[k]:.4g}" for k in ("reward_mean", "kl") if k in row})
             if t.max_minutes:  # every process calls the broadcast, so all agree with rank 0's clock
-                from accelerate.utils import broadcast_object_list
-
-                out_of_time = bool(broadcast_object_list([time.perf_counter() - started >= t.max_minutes * 60])[0])
+                out_of_time = bool(rank0(time.perf_counter() - started >= t.max_minutes * 60))
             done = self.iteration >= self.plan.planned or out_of_time
             if r.sample_every and (self.iteration % r.sample_every == 0 or done):
                 self.save_samples(f"iter_{self.iteration:06d}")
@@ -233,8 +227,6 @@ class Trainer:
     def fix_plan(self, probe: list[float], grid_s: float) -> None:
         """Fix the iteration count that fits trainer.budget_minutes from the probe's speed (rank 0's
         clock decides for every process) and record it in the run directory."""
-        from accelerate.utils import broadcast_object_list
-
         t, r = self.cfg.trainer, self.cfg.run
         speed = probe_speed(probe)
         # the periodic grids and checkpoints, each costed at one sample grid's measured time
@@ -243,7 +235,7 @@ class Trainer:
         # ends early (set trainer.iterations high to fill the budget instead)
         planned = min(t.iterations, plan_iterations(t.budget_minutes * 60, time.perf_counter() - self.started, self.iteration,
                                                     speed, overhead_per_iteration=overhead, reserve_s=2 * grid_s))
-        planned, speed = broadcast_object_list([planned, speed])
+        planned, speed = rank0((planned, speed))
         self.plan.planned, self.plan.seconds_per_iteration, self.plan.fixed = planned, speed, True
         self.plan.machine = machine_name()
         if self.accelerator.is_main_process:
