@@ -11,7 +11,7 @@ import pytest
 from flowrl.config import CONFIG_DIR, ModelConfig, check_model_path, load_config
 from flowrl.errors import UserError
 
-TEXT_PRESETS = ("text_add", "qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu")  # task: text, tested in test_text.py
+TEXT_PRESETS = ("text_add", "qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu", "qwen25_05b_gsm8k_8gpu", "qwen25_15b_gsm8k_8gpu")  # task: text, tested in test_text.py
 PRESETS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if p.stem not in TEXT_PRESETS)
 MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8}
 SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu")

@@ -251,29 +251,39 @@ def test_two_cpu_processes_train_as_one_process_on_the_same_batch(tmp_path):
         assert float(gap.mean()) <= 1e-4 * float(wa[k].abs().mean()) and float(gap.max()) <= 0.5 * lr, k
 
 
-def test_a_tiny_qwen2_saved_with_save_pretrained_trains_a_lora_through_model_path(tmp_path):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+@pytest.fixture(scope="module")
+def tiny_qwen_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 saved with save_pretrained, with the arithmetic char tokenizer (other characters
+    read as <pad>) and a chat template."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from flowrl.text.arithmetic import build_tokenizer
 
+    out = tmp_path_factory.mktemp("qwen")
     tok = build_tokenizer()
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # exercises the chat-template path
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                                          pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
-    model.save_pretrained(str(tmp_path / "qwen"))
-    tok.save_pretrained(str(tmp_path / "qwen"))
+    model.save_pretrained(str(out))
+    tok.save_pretrained(str(out))
+    return out
+
+
+def test_a_tiny_qwen2_saved_with_save_pretrained_trains_a_lora_through_model_path(tmp_path, tiny_qwen_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     run = tmp_path / "run"
-    assert main(["train", "configs/text_add.yaml", *FAST, f"model.path={tmp_path / 'qwen'}", "lora.enabled=true",
+    assert main(["train", "configs/text_add.yaml", *FAST, f"model.path={tiny_qwen_dir}", "lora.enabled=true",
                  "lora.target_modules=[q_proj, v_proj]", "trainer.iterations=2", "trainer.lr=1e-2", "loss.kl_beta=0.1",
                  "reward.weights={format: 1.0}",  # a random model is never right, but its completions vary in form
                  "--run-dir", str(run)]) == 0
     rows = run_metrics(run)
     assert rows[0]["kl"] == 0.0 and rows[0]["first_ratio_deviation"] < 1e-5  # the reference: the adapter disabled
     adapter = run / "checkpoints" / "iter_000002" / "adapter"
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tmp_path / "qwen")), str(adapter))
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(tiny_qwen_dir)), str(adapter))
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in loaded.named_parameters())
 
 
@@ -315,7 +325,10 @@ def test_text_settings_get_one_sentence(capsys):
     assert "loss.aggregation must be one of" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("name", ["text_add", "qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu"])
+QWEN_PRESETS = ["qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu", "qwen25_05b_gsm8k_8gpu", "qwen25_15b_gsm8k_8gpu"]
+
+
+@pytest.mark.parametrize("name", ["text_add", *QWEN_PRESETS])
 def test_text_presets_load_and_validate(name):
     from flowrl.text.config import is_text_config, load_text_config
 
@@ -325,3 +338,19 @@ def test_text_presets_load_and_validate(name):
     if name != "text_add":  # DAPO's loss settings
         assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.aggregation, cfg.loss.kl_beta) == (0.2, 0.28, "token_mean", 0.0)
         assert cfg.reward.weights == {"numeric": 1.0} and cfg.data.source == "openai/gsm8k"
+
+
+def test_the_qwen_presets_train_as_written_on_a_tiny_qwen2(tmp_path, tiny_qwen_dir):
+    """Each GSM8K preset's own settings (bf16, the chat template and prompt template, the numeric
+    checker, clip-higher, overlong masking) train one iteration, with only the model, the data
+    (a GSM8K-shaped JSONL: question and '#### N' answer) and the sizes made tiny."""
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{a}+{a}=", "answer": f"{a} and {a}\n#### {2 * a}"}) + "\n" for a in range(6)))
+    for name in QWEN_PRESETS:
+        run = tmp_path / name
+        assert main(["train", name, f"model.path={tiny_qwen_dir}", f"data.source={data}", "model.device=cpu",
+                     "generation.max_new_tokens=6", "data.prompts_per_iteration=2", "data.group_size=2", "trainer.micro_batch=2",
+                     "trainer.iterations=1", "run.progress=false", "--run-dir", str(run)]) == 0, name
+        row = run_metrics(run)[0]
+        assert row["samples"] == 4 and "reward/numeric" in row and row["first_ratio_deviation"] < 1e-2, name  # bf16 logits
+        assert (run / "checkpoints" / "iter_000001" / "model" / "model.safetensors").is_file()
