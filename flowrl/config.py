@@ -224,6 +224,18 @@ class AllocatorConfig:
     round_size: int = 4  # successive_elimination (and dars top-up size)
     cap: int = 0  # successive_elimination: most rollouts per prompt (0: 2 x group_size)
 
+    def build(self, num_prompts: int, prompts_per_iteration: int, group_size: int, seed: int):
+        """The allocator these settings describe (flowrl/core/allocation.py) over a pool of
+        `num_prompts`, spending prompts_per_iteration x group_size rollouts an iteration."""
+        from flowrl.core.allocation import make_allocator
+
+        return make_allocator(
+            self.kind, num_prompts=num_prompts, budget=prompts_per_iteration * group_size,
+            prompts_per_iteration=prompts_per_iteration, seed=seed, min_group=self.min_group, prior_a=self.prior_a,
+            prior_b=self.prior_b, fast_decay=self.fast_decay, slow_decay=self.slow_decay, first_fraction=self.first_fraction,
+            hard_accuracy=self.hard_accuracy, target_positives=self.target_positives, round_size=self.round_size,
+            cap=self.cap or 2 * group_size)
+
 
 @dataclass
 class SelectionConfig:

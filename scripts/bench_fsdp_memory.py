@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.train.memory_plan import GIB, KNOWN_MODELS, Launch, format_plan, load_model, plan
+from flowrl.train.memory_plan import GIB, KNOWN_MODELS, Launch, format_plan, load_model, plan, plan_peak
 
 SD35 = "stabilityai/stable-diffusion-3.5-medium"
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             row = trainer.train_iteration()
             print(f"iteration {row['iteration']}: {time.perf_counter() - t0:.2f} s, loss {row['loss']:.4g}, "
                   f"grad norm {row['grad_norm']:.4g}, skipped {row['skipped_steps']}")
-        planned = max(rows[-1][1], rows[-2][1])
+        planned = plan_peak(rows)
         if cuda:
             peak = torch.cuda.max_memory_allocated() / GIB
             print(f"peak torch.cuda.max_memory_allocated {peak:.2f} GiB; plan {planned:.2f} GiB; "

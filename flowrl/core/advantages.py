@@ -80,12 +80,13 @@ def group_median(values: torch.Tensor, g: Groups) -> tuple[torch.Tensor, torch.T
     return medians, pivot
 
 
-def _scale(values: torch.Tensor, g: Groups, group_std: torch.Tensor, std: str) -> torch.Tensor:
+def _divisor(values: torch.Tensor, g: Groups, group_std: torch.Tensor, std: str, eps: float) -> torch.Tensor:
+    """What divides the centred rewards: the group's or the batch's std plus eps, or exactly 1."""
     if std not in STD_KINDS:
         raise ValueError(f"advantage.std must be one of {STD_KINDS}, got {std!r}")
-    if std == "none":  # Dr. GRPO: centred, not scaled (the callers' + eps leaves a 1 + 1e-4 divisor)
+    if std == "none":  # Dr. GRPO: centred, not scaled
         return torch.ones_like(values)
-    return group_std[g.inverse] if std == "group" else values.std(unbiased=False).expand_as(values)
+    return (group_std[g.inverse] if std == "group" else values.std(unbiased=False).expand_as(values)) + eps
 
 
 def unit_scale_per_group(advantages: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
@@ -113,7 +114,7 @@ def grpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, cli
     r = combine_channels(rewards, weights)
     g = groups_of(group_ids)
     mean, gstd = group_mean_std(r, g)
-    adv = (r - mean[g.inverse]) / (_scale(r, g, gstd, std) + eps)
+    adv = (r - mean[g.inverse]) / _divisor(r, g, gstd, std, eps)
     return _finish(adv, group_degenerate(r, g), g, clip)
 
 
@@ -125,7 +126,7 @@ def mc_grpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, 
     g = groups_of(group_ids)
     _, gstd = group_mean_std(r, g)
     median, pivot = group_median(r, g)
-    adv = (r - median[g.inverse]) / (_scale(r, g, gstd, std) + eps)
+    adv = (r - median[g.inverse]) / _divisor(r, g, gstd, std, eps)
     adv = torch.where(pivot, torch.zeros_like(adv), adv)
     return _finish(adv, group_degenerate(r, g), g, clip, extra_mask=~pivot)
 
@@ -145,7 +146,7 @@ def gdpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, cli
     for k in range(r.shape[1]):
         mean, gstd = group_mean_std(r[:, k], g)
         flat = group_degenerate(r[:, k], g)
-        a_k = (r[:, k] - mean[g.inverse]) / (_scale(r[:, k], g, gstd, std) + eps)
+        a_k = (r[:, k] - mean[g.inverse]) / _divisor(r[:, k], g, gstd, std, eps)
         total = total + w[k] * torch.where(flat[g.inverse], torch.zeros_like(a_k), a_k)
         degenerate &= flat
     live = ~degenerate[g.inverse]

@@ -119,6 +119,8 @@ def supervised_batch(tokenizer, problems: list[Problem]):
     the SFT baseline): (input_ids, attention_mask, position_ids, labels)."""
     import torch
 
+    from flowrl.text.generate import positions_of
+
     texts = [p.prompt + p.answer for p in problems]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     ids = torch.cat([enc["input_ids"], torch.full((len(texts), 1), tokenizer.eos_token_id)], 1)
@@ -126,8 +128,7 @@ def supervised_batch(tokenizer, problems: list[Problem]):
     labels = torch.full_like(ids, -100)
     answer = ANSWER_DIGITS + 1
     labels[:, -answer:] = ids[:, -answer:]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids, mask, positions, labels
+    return ids, mask, positions_of(mask), labels
 
 
 def exact_match_by_bucket(model, tokenizer, problems: list[Problem]) -> dict[str, float]:

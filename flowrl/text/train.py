@@ -23,7 +23,6 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.core.advantages import estimate_advantages
-from flowrl.core.allocation import make_allocator
 from flowrl.core.token_losses import aggregate, k3_kl, overlong_mask, token_policy_loss
 from flowrl.errors import UserError
 from flowrl.sampling.noise import Stream, sample_seed
@@ -93,13 +92,8 @@ class TextTrainer:
         # gradients at the last micro-batch); generation and the reference use the bare model
         self.train_model = acc.prepare_model(self.policy.model) if acc.num_processes > 1 else self.policy.model
         self.reward = TextReward(dict(cfg.reward.weights), dict(cfg.reward.options), cfg.reward.on_invalid)
-        al, d = cfg.allocator, cfg.data
-        self.allocator = make_allocator(
-            al.kind, num_prompts=len(self.data), budget=d.prompts_per_iteration * d.group_size,
-            prompts_per_iteration=d.prompts_per_iteration, seed=t.seed, min_group=al.min_group, prior_a=al.prior_a,
-            prior_b=al.prior_b, fast_decay=al.fast_decay, slow_decay=al.slow_decay, first_fraction=al.first_fraction,
-            hard_accuracy=al.hard_accuracy, target_positives=al.target_positives, round_size=al.round_size,
-            cap=al.cap or 2 * d.group_size)
+        d = cfg.data
+        self.allocator = cfg.allocator.build(len(self.data), d.prompts_per_iteration, d.group_size, t.seed)
         self.iteration = 0
         self.history: list[dict] = []
         if resume:
@@ -140,8 +134,11 @@ class TextTrainer:
             r, ok = self.reward(prompts, gen.texts, columns)
             ids_all.append(ids), gens.append(gen)
             local_rows.append(torch.where(shard.positions < m, offset + shard.positions, -1))
-            rewards.append(gather_real(acc, r, m)), valid.append(gather_real(acc, ok.long(), m).bool())
-            lengths.append(gather_real(acc, gen.lengths, m)), truncated.append(gather_real(acc, gen.truncated.long(), m).bool())
+            # every process's scores, validity, lengths and truncation, in one gather
+            outcome = gather_real(acc, torch.cat([r, torch.stack([ok, gen.lengths, gen.truncated], 1).to(r.dtype)], 1), m)
+            k = r.shape[1]
+            rewards.append(outcome[:, :k]), valid.append(outcome[:, k].bool())
+            lengths.append(outcome[:, k + 1].long()), truncated.append(outcome[:, k + 2].bool())
             totals += extra
             seen, scored = torch.cat(ids_all), torch.cat(rewards)
             won = successes(cfg, self.reward.total(scored))
@@ -168,7 +165,8 @@ class TextTrainer:
         if l.overlong_mask:
             mask = overlong_mask(mask, gen.truncated)
         advantages, n = exp.local_advantages, len(exp.rows)
-        total_tokens, total_seqs = int(self._sum(torch.tensor([float(mask.sum())]))[0]), len(exp.prompt_ids)
+        total_tokens = int(acc.reduce(mask.sum().to(acc.device), "sum"))
+        total_seqs = len(exp.prompt_ids)
         # DDP averages the processes' gradients; each process's loss is its share of the global sum
         scale = acc.num_processes
         order_gen = torch.Generator().manual_seed(sample_seed(t.seed, exp.iteration, Stream.UPDATE_ORDER))
@@ -197,8 +195,10 @@ class TextTrainer:
             grad_norms.append(norm)
         self.policy.model.eval()
         epochs = t.inner_epochs
-        stats = dict(zip(sums, (float(v) / epochs for v in self._sum(torch.tensor(list(sums.values()), dtype=torch.float64)))))
-        first_ratio_dev = float(acc.gather(torch.tensor([first_ratio_dev or 0.0], device=acc.device)).max())
+        # every process's share of the whole batch's aggregate, summed
+        totals = acc.reduce(torch.tensor(list(sums.values()), dtype=torch.float64, device=acc.device), "sum").tolist()
+        stats = {k: v / epochs for k, v in zip(sums, totals)}
+        first_ratio_dev = float(acc.reduce(torch.tensor(first_ratio_dev or 0.0, device=acc.device), "max"))
         stats.update(grad_norm=sum(grad_norms) / len(grad_norms), first_ratio_deviation=first_ratio_dev,
                      lr=self.optimizer.param_groups[0]["lr"],
                      skipped_steps=sum(not math.isfinite(g) for g in grad_norms))
@@ -223,11 +223,6 @@ class TextTrainer:
         logged = {"loss": loss.item(), "kl": kl.item(), "entropy": float((ent * md).sum()) / tokens,
                   "clip_low": float(pl.clipped_low.sum()) / tokens, "clip_high": float(pl.clipped_high.sum()) / tokens}
         return loss, logged, ((pl.ratio - 1).abs() * md).max().item()
-
-    def _sum(self, x: torch.Tensor) -> torch.Tensor:
-        """x summed over the processes (x itself when alone), on the CPU."""
-        acc = self.accelerator
-        return acc.reduce(x.to(acc.device), reduction="sum").cpu() if acc.num_processes > 1 else x
 
     def train_iteration(self) -> dict:
         t0 = time.perf_counter()

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.core.allocation import make_allocator
 from flowrl.core.lr_schedule import lr_factor
 from flowrl.errors import UserError
 from flowrl.models import load_policy
@@ -75,7 +74,8 @@ class Trainer:
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
         self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
         self.eval_prompts = list(cfg.data.eval_prompts) or self.prompts[:4]
-        self.allocator = self._allocator()
+        d = cfg.data
+        self.allocator = cfg.allocator.build(len(self.prompts), d.prompts_per_iteration, d.group_size, t.seed)
 
         self.policy = load_policy(cfg.model, device=acc.device)
         if cfg.lora.enabled:
@@ -131,16 +131,6 @@ class Trainer:
                             f"config such as configs/accelerate/multi_gpu.yaml, not distributed_type {acc.distributed_type.value}")
         self.layout = make_layout(cfg.run.distributed, acc, self.mixed_precision)
         return acc
-
-    def _allocator(self):
-        cfg, al = self.cfg, self.cfg.allocator
-        return make_allocator(
-            al.kind, num_prompts=len(self.prompts), budget=cfg.data.prompts_per_iteration * cfg.data.group_size,
-            prompts_per_iteration=cfg.data.prompts_per_iteration, seed=cfg.trainer.seed, min_group=al.min_group,
-            prior_a=al.prior_a, prior_b=al.prior_b, fast_decay=al.fast_decay, slow_decay=al.slow_decay,
-            first_fraction=al.first_fraction, hard_accuracy=al.hard_accuracy, target_positives=al.target_positives,
-            round_size=al.round_size, cap=al.cap or 2 * cfg.data.group_size,
-        )
 
     # ---- one iteration ------------------------------------------------------------------
     def train_iteration(self) -> dict:

@@ -228,6 +228,11 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     return [(what, b / GIB, how) for what, b, how in rows]
 
 
+def plan_peak(rows: list[tuple[str, float, str]]) -> float:
+    """GiB per GPU at the plan's peak: the larger of training's and sampling's (the last two rows)."""
+    return max(rows[-1][1], rows[-2][1])
+
+
 def format_plan(model: Model, launch: Launch, rows: list[tuple[str, float, str]]) -> str:
     mode = "full fine-tuning" if launch.lora_rank == 0 else f"LoRA rank {launch.lora_rank}"
     head = (f"{model.name}: {launch.nodes} node(s) x {launch.gpus_per_node} GPU(s), {launch.distributed}, {mode}, "
@@ -235,11 +240,11 @@ def format_plan(model: Model, launch: Launch, rows: list[tuple[str, float, str]]
             f"{'on' if launch.gradient_checkpointing else 'off'}")
     width = max(len(r[0]) for r in rows)
     lines = [head, f"{'':{width}}  GiB/GPU", *(f"{w:{width}}  {g:7.2f}  {how}" for w, g, how in rows)]
-    lines.append(f"{'plan peak':{width}}  {max(rows[-1][1], rows[-2][1]):7.2f}")
+    lines.append(f"{'plan peak':{width}}  {plan_peak(rows):7.2f}")
     return "\n".join(lines)
 
 
 def plan_json(model: Model, launch: Launch, rows) -> str:
     return json.dumps({"model": model.name, "launch": vars(launch), "rows": [{"what": w, "gib": g, "how": h} for w, g, h in rows],
-                       "peak_gib": max(rows[-1][1], rows[-2][1])}, indent=1)
+                       "peak_gib": plan_peak(rows)}, indent=1)
 
