@@ -168,6 +168,8 @@ def cmd_train(args) -> int:
     from flowrl.train.run_dir import CONFIG_FILE, default_run_dir
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    if args.resume and config is not None:
+        raise UserError("--resume takes its config from the run directory; give only overrides such as trainer.iterations=100")
     if is_text_config(config) or is_text_run(args.resume):  # `task: text`: the causal-LM path (docs/text.md)
         from flowrl.text import cli as text
 
@@ -178,8 +180,6 @@ def cmd_train(args) -> int:
             run = Path(args.resume)
             if not (run / CONFIG_FILE).is_file():
                 raise UserError(f"--resume '{run}' is not a run directory (no {CONFIG_FILE})")
-            if config is not None:
-                raise UserError("--resume takes its config from the run directory; give only overrides such as trainer.iterations=100")
             cfg = load_config(run / CONFIG_FILE, overrides)
         else:
             cfg = load_config(config, overrides)

@@ -214,6 +214,8 @@ def test_text_default_trains_resumes_exactly_and_evaluates_per_bucket(tmp_path, 
     assert run_metrics(stopped) == rows
     assert (stopped / "checkpoints" / "iter_000004" / "model" / "model.safetensors").is_file()
     capsys.readouterr()
+    assert main(["train", "configs/text_add.yaml", "--resume", str(stopped)]) == 2  # never a second config silently ignored
+    assert "--resume takes its config from the run directory" in capsys.readouterr().err
     assert main(["eval", "--run", str(stopped)]) == 0
     out = capsys.readouterr().out
     assert "exact_match" in out and out.count("\n") >= 7  # header lines, all, and the 5 buckets
