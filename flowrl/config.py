@@ -361,6 +361,9 @@ class RunConfig:
     tracker: str = "tensorboard"
     sample_every: int = 10  # iterations between sample grids (0: never)
     checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
+    # minutes on the budget's clock (from the trainer's start) at which a checkpoint is written too: the first
+    # iteration to end past a mark writes one, and its metrics row names the mark (checkpoint_at_minutes)
+    checkpoint_at_minutes: list[float] = field(default_factory=list)
     progress: bool = True
     # a CPU run with N > 1 relaunches itself as N processes (accelerate launch --cpu) that split
     # each iteration's rollouts and the cores: for small models one process per core beats threads
@@ -754,6 +757,9 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
 
     check_choice("run.tracker", cfg.run.tracker, TRACKERS)
     check_choice("run.distributed", cfg.run.distributed, DISTRIBUTED)
+    if any(m <= 0 for m in cfg.run.checkpoint_at_minutes):
+        raise ConfigError(f"run.checkpoint_at_minutes must hold positive minutes from the trainer's start; "
+                          f"got {list(cfg.run.checkpoint_at_minutes)}")
     if cfg.run.distributed == "fsdp2" and t.mixed_precision == "fp16":
         raise ConfigError("run.distributed fsdp2 computes in bf16 or fp32: trainer.mixed_precision must be no, bf16 or auto, "
                           "not fp16 (its loss scaler does not take sharded gradients)")

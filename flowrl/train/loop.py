@@ -185,10 +185,12 @@ class Trainer:
             self.save_samples("iter_000000_before")
             grid_s = time.perf_counter() - t0
         started, out_of_time, probe = time.perf_counter(), False, []
+        marks = self.pending_checkpoint_marks()
         while self.iteration < self.plan.planned and not out_of_time:
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr * lr_factor(t.lr_schedule, self.plan.progress(self.iteration), self.plan.nominal)
             row = self.train_iteration()
+            marked = self.cross_checkpoint_marks(row, marks)
             self.history.append(row)
             if not self.plan.fixed:
                 probe.append(row["time_iteration"])
@@ -206,7 +208,7 @@ class Trainer:
             done = self.iteration >= self.plan.planned or out_of_time
             if r.sample_every and (self.iteration % r.sample_every == 0 or done):
                 self.save_samples(f"iter_{self.iteration:06d}")
-            if done or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
+            if done or marked or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
                 self.save()
         bar.close()
         self.rollout.close()
@@ -232,6 +234,26 @@ class Trainer:
             write_plan(self.run.path, self.plan)
             tqdm.write(f"budget: {speed:.2f} s per iteration over the first {len(probe)}; {planned} iterations of "
                        f"trainer.iterations {self.plan.nominal} fit trainer.budget_minutes {t.budget_minutes:g}")
+
+    def pending_checkpoint_marks(self) -> list[float]:
+        """The marks of run.checkpoint_at_minutes not yet passed, ascending: minutes on the budget's
+        clock (from the trainer's start). A resumed run skips the marks its metrics show as passed."""
+        passed = max((row["checkpoint_at_minutes"] for row in self.history if "checkpoint_at_minutes" in row), default=-math.inf)
+        return sorted(m for m in self.cfg.run.checkpoint_at_minutes if m > passed)
+
+    def cross_checkpoint_marks(self, row: dict, marks: list[float]) -> bool:
+        """Whether the iteration just trained ended past the next mark (rank 0's clock decides for
+        every process). Its metrics row then names the mark (`checkpoint_at_minutes`, the last one
+        if it passed several) with the minutes elapsed, and its checkpoint holds the weights there."""
+        if not marks:
+            return False
+        elapsed = rank0(time.perf_counter() - self.started) / 60
+        if elapsed < marks[0]:
+            return False
+        while marks and elapsed >= marks[0]:
+            row["checkpoint_at_minutes"] = marks.pop(0)
+        row["elapsed_minutes"] = elapsed
+        return True
 
     def _start_over(self) -> None:
         """`--resume` of a run that has no checkpoint yet: every draw is keyed by (seed, iteration),
