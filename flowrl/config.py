@@ -24,7 +24,7 @@ from flowrl.errors import ConfigError, check_choice, check_range
 from flowrl.presets import CONFIG_DIR, DEFAULT_PRESET, preset_names
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.sampling.precision import HIGH_PRECISION_LAYERS
-from flowrl.sampling.schedules import WINDOW_STRATEGIES, shifted_sigmas
+from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 from flowrl.train.sharding import DISTRIBUTED
 
@@ -70,10 +70,19 @@ class LoraConfig:
 
 @dataclass
 class WindowConfig:
+    """The SDE window (docs/algorithms.md section 1): only its steps are stochastic and trained.
+    progressive is MixGRPO's sliding window; the defaults are its reference's (size 4, a shift of
+    one step every 25 iterations, roll back at the end)."""
+
     strategy: str = "all"  # all | fixed | random | progressive
-    size: int = 10
-    start: int = 0
-    shift_every: int = 10  # progressive: iterations per one-step shift
+    size: int = 4  # steps in the window (MixGRPO: 4)
+    start: int = 0  # fixed: the first step; progressive: where the window starts and rolls back to
+    shift_every: int = 25  # progressive: iterations per shift (MixGRPO: 25, MixGRPO-Flash: 20)
+    stride: int = 1  # progressive: steps per shift (MixGRPO: 1; 0 freezes the window, MixGRPO-Flash*)
+    # progressive, at the end of the schedule: roll_back (MixGRPO's: windows stop short of the last two steps
+    # and the start rolls back to `start` once it passes them) | clamp (flowrl's earlier rule: the window
+    # stops on the last `size` steps, those two included, and stays there)
+    at_end: str = "roll_back"
 
 
 @dataclass
@@ -150,9 +159,18 @@ class GranularConfig:
 
     branch_steps: list[int] = field(default_factory=list)  # empty: the first half of sampling.num_steps
     granularities: list[int] = field(default_factory=lambda: [1, 2])  # ODE tail strides (the paper reports [1, 2, 3])
+    # the tails' sigma indices from a branch at step k: reference (the reference's: k + 1, k + 2, then every g-th
+    # from k + 2) | from_branch (flowrl's earlier grid: every g-th from k + 1)
+    tail_grid: str = "reference"
+    # a tail whose stride misses sigma 0: zero (flowrl's fix: one more, shorter step to sigma 0) | x0_prediction
+    # (the reference's: its image is the x0-prediction from the index before the stride's last, often sigma ~0.4)
+    tail_end: str = "zero"
     clip: float = 5.0  # the multi-granularity advantage is clipped to +-clip after the sum
-    # true: one optimizer step per branch step, as the reference | false: one per iteration
+    # true: one optimizer step per branch step, as the reference | false: one per iteration (each branch
+    # step's mean loss weighing 1 / |M|, as one version of the reference's two-reward script)
     step_per_branch: bool = True
+    # the order the branch steps are trained in: increasing (the reference's) | shuffled (per inner epoch, flowrl's earlier order)
+    step_order: str = "increasing"
 
 
 @dataclass
@@ -283,15 +301,36 @@ class NFTConfig:
 @dataclass
 class DGPOConfig:
     """objective.kind dgpo: group preference through the implicit reward, on online clean samples
-    (docs/algorithms.md section 10). Squared errors are means over dimensions, so beta does not
-    change with the resolution."""
+    (docs/algorithms.md section 10). The defaults are the reference code's (Luo-Yihong/DGPO,
+    GenEval/OCR settings); squared errors are means over dimensions, as there."""
 
     beta: float = 100.0  # the implicit reward's scale, s = -beta (err_theta - err_ref) (DGPO's code: 100)
-    timesteps: int = 4  # sigmas per micro-batch and epoch, shared by its samples (DGPO: 4)
-    sigma_range: list[float] = field(default_factory=lambda: [0.5, 1.0])  # the training sigmas' range: the high-noise end
-    sigma_shift: float = 1.0  # > 1 crowds the sigmas toward the noisy end (as objective.nft.sigma_shift)
-    clip_range: float = 0.0  # > 0: stop a sample's pull once exp(err_old - err) leaves [1 - c, 1 + c] (DGPO's code: 0.01)
-    guidance_scale: Optional[float] = None  # the trained velocity's guidance (None: model.guidance_scale)
+    # reference: back-propagate mean_i sigmoid((beta / G) sum A delta).detach() A_i err_i, as DGPO's code;
+    # log_sigmoid (flowrl variant): the paper's -log sigmoid(-(beta / G) sum A delta), whose gradient is beta
+    # times larger (trainer.kl_beta and the gradient clip then weigh beta times less)
+    loss_form: str = "reference"
+    timesteps: int = 4  # distinct training sigmas per epoch, shared by every micro-batch (DGPO: 4)
+    # grid: draw them from the first grid_points sigmas of the rollout's own sampling grid (DGPO: 5 GenEval,
+    # 7 OCR); stratified (flowrl variant): one per stratum of sigma_range, crowded by sigma_shift
+    sigma_draw: str = "grid"
+    grid_points: int = 5
+    sigma_range: list[float] = field(default_factory=lambda: [0.5, 1.0])  # sigma_draw stratified: the range
+    sigma_shift: float = 1.0  # sigma_draw stratified: > 1 crowds the sigmas toward the noisy end
+    # optimizer step every this many sigmas of a micro-batch (DGPO's code accumulates 2 (batch, sigma) pairs
+    # per step on its 4-GPU settings); 0: one step per micro-batch over all its sigmas
+    sigmas_per_step: int = 2
+    # > 0: a sample whose error ratio exp(err_old - err) has left [1 - c, 1 + c] in its advantage's direction
+    # stops pulling (DGPO's code: 0.01 GenEval and OCR); 0: off
+    clip_range: float = 0.01
+    # the "old" weights of the clip: ema (DGPO's code: an average of the weights updated after every optimizer
+    # step with decay min(0.3, 0.001 x steps)) or sampling (flowrl variant: the weights that sampled the iteration)
+    clip_old: str = "ema"
+    # after this many optimizer steps the rollouts sample with the ema weights (DGPO's switch_ema_ref: 500
+    # GenEval, 200 OCR); 0: always the current weights. Needs clip_old ema.
+    sample_with_old_after: int = 500
+    # the trained velocity's guidance: 1, the conditional velocity alone (DGPO's code); > 1 or null
+    # (model.guidance_scale) trains the CFG-combined velocity through both branches (flowrl variant)
+    guidance_scale: Optional[float] = 1.0
 
 
 @dataclass
@@ -301,8 +340,11 @@ class GDROConfig:
 
     form: str = "top1"  # top1 | plackett_luce
     tau: float = 0.05  # temperature of the reward's soft ranking softmax(r / tau) (GDRO: 0.05)
-    beta: float = 6.0  # s = -beta (err_theta - err_ref), errors means over dimensions (GDRO: 6 GenEval, 12 OCR)
-    gamma: float = 1.0  # weight of plain flow matching on each group's best sample (without it, collapse)
+    # s = -beta (err_theta - err_ref) (GDRO: 6 GenEval, 12 OCR) with squared errors summed over dimensions
+    # (error_reduction sum: the paper's ||.||^2) or averaged (mean, a flowrl variant: beta is then D times weaker)
+    beta: float = 6.0
+    error_reduction: str = "sum"
+    gamma: float = 1.0  # weight of plain flow matching (a mean over dimensions) on each group's best sample
     timesteps: int = 2  # sigmas per micro-batch and epoch, shared by its samples
     sigma_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
     sigma_shift: float = 1.0
@@ -586,6 +628,7 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "sampling.shift": "> 0",
     "sampling.batch_size": ">= 1",
     "sampling.window.shift_every": ">= 1",
+    "sampling.window.stride": ">= 0",
     "data.group_size": (">= 2", "GRPO compares samples within a group"),
     "data.prompts_per_iteration": ">= 1",
     "reward.batch_size": ">= 1",
@@ -705,10 +748,19 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     check_choice("sampling.cps_logprob", s.cps_logprob, CPS_LOGPROBS)
     w = s.window
     check_choice("sampling.window.strategy", w.strategy, WINDOW_STRATEGIES)
+    check_choice("sampling.window.at_end", w.at_end, WINDOW_ENDS)
     if w.strategy != "all":
         if not 1 <= w.size <= s.num_steps:
             raise ConfigError(f"sampling.window.size must be between 1 and sampling.num_steps ({s.num_steps}); got {w.size}")
-        if w.strategy in ("fixed", "progressive") and not 0 <= w.start <= s.num_steps - w.size:
+        if w.strategy == "progressive" and w.at_end == "roll_back" and s.num_steps < 3:
+            raise ConfigError(f"sampling.window.at_end roll_back needs sampling.num_steps >= 3 (its windows stop short of the "
+                              f"last two steps); got {s.num_steps}, or set sampling.window.at_end=clamp")
+        if w.strategy == "progressive" and w.at_end == "roll_back" and not 0 <= w.start <= s.num_steps - 3:
+            raise ConfigError(
+                f"sampling.window.start must be between 0 and {s.num_steps - 3} with sampling.window.at_end roll_back (its windows "
+                f"stop short of the last two of the {s.num_steps} steps); got {w.start}"
+            )
+        if (w.strategy == "fixed" or w.strategy == "progressive" and w.at_end == "clamp") and not 0 <= w.start <= s.num_steps - w.size:
             raise ConfigError(
                 f"sampling.window.start must be between 0 and {s.num_steps - w.size} so the window of {w.size} steps fits in "
                 f"{s.num_steps} steps; got {w.start}"

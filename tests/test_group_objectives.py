@@ -18,6 +18,7 @@ from flowrl.core.group_losses import listwise_group_loss
 from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.offline.store import GroupStore, StoredGroup, StoreWriter
+from flowrl.train.checkpoint import checkpoint_name, load_checkpoint
 from flowrl.train.experience import Experience, SampleBatch
 from flowrl.sampling.noise import sample_seed
 from flowrl.train.rollouts.offline import STORE_ORDER
@@ -150,17 +151,30 @@ def test_gdro_trains_from_the_store_without_a_sampler_call(tmp_path, store, tiny
     assert after[best] - after[worst] > 0  # one step raised the best sample's implicit reward over the worst's
 
 
-def test_dgpo_trains_online_with_its_clip_and_kl(tmp_path, tiny_sd3_dir):
+def test_dgpo_trains_online_with_its_clip_kl_and_old_sampler(tmp_path, tiny_sd3_dir):
     run = tmp_path / "run"
-    args = ["train", "tiny_jpeg", *TINY, f"model.path={tiny_sd3_dir}", "objective.kind=dgpo", "objective.dgpo.clip_range=0.01",
-            "trainer.kl_beta=0.1", "trainer.iterations=2", "--run-dir", str(run)]
+    args = ["train", "tiny_jpeg", *TINY, f"model.path={tiny_sd3_dir}", "objective.kind=dgpo", "objective.dgpo.timesteps=2",
+            "objective.dgpo.grid_points=3", "objective.dgpo.sigmas_per_step=1", "objective.dgpo.sample_with_old_after=1",
+            "trainer.kl_beta=0.1", "trainer.iterations=2", "run.checkpoint_every=2", "--run-dir", str(run)]
     assert main(args) == 0
     rows = run_metrics(run)
     assert [r["iteration"] for r in rows] == [0, 1]
-    assert all(math.isfinite(r["loss"]) and r["sampled"] == 8 and r["optimizer_steps"] == 1 for r in rows)
-    assert rows[0]["loss"] == pytest.approx(math.log(2), rel=1e-4)  # delta = 0 at the first forward: log 2 per group
+    # both groups in one micro-batch, one optimizer step per sigma (sigmas_per_step 1): two steps
+    assert all(math.isfinite(r["loss"]) and r["sampled"] == 8 and r["optimizer_steps"] == 2 for r in rows)
     assert rows[1]["kl"] > 0 and 0 <= rows[1]["clip_fraction"] <= 1
     assert any(v.abs().sum() > 0 for k, v in trainable(run, 2).items() if "lora_B" in k)
+    ckpt = load_checkpoint(run / "checkpoints" / checkpoint_name(2))
+    assert int(ckpt["dgpo_steps"]["steps"][0]) == 4 and set(ckpt["dgpo_old"]) == set(ckpt["params"])
+
+
+def test_dgpo_log_sigmoid_form_starts_at_log_2(tmp_path, tiny_sd3_dir):
+    run = tmp_path / "run"
+    args = ["train", "tiny_jpeg", *TINY, f"model.path={tiny_sd3_dir}", "objective.kind=dgpo", "objective.dgpo.loss_form=log_sigmoid",
+            "objective.dgpo.sigma_draw=stratified", "objective.dgpo.clip_range=0", "objective.dgpo.sample_with_old_after=0",
+            "objective.dgpo.sigmas_per_step=0",
+            "trainer.iterations=1", "--run-dir", str(run)]
+    assert main(args) == 0
+    assert run_metrics(run)[0]["loss"] == pytest.approx(math.log(2), rel=1e-4)  # delta = 0 at the first forward: log 2 per group
 
 
 class _Acc:

@@ -95,11 +95,15 @@ def test_group_objective_presets_keep_their_papers_settings():
     assert (dgpo.model.height, dgpo.model.guidance_scale, dgpo.sampling.num_steps, dgpo.data.group_size) == (512, 4.5, 10, 16)
     o = dgpo.objective.dgpo
     assert (o.beta, o.timesteps, o.clip_range, o.guidance_scale, dgpo.trainer.kl_beta) == (100.0, 4, 0.01, 1.0, 0.02)
-    assert o.sigma_range[0] >= 0.7 and dgpo.sampling.batch_size % dgpo.data.group_size == 0  # whole groups per micro-batch
+    assert (o.loss_form, o.sigma_draw, o.grid_points, o.sigmas_per_step, o.clip_old, o.sample_with_old_after) == (
+        "reference", "grid", 5, 2, "ema", 500)
+    assert (dgpo.data.prompts_per_iteration, dgpo.lora.rank, dgpo.lora.alpha) == (8, 64, 128)
+    assert dgpo.sampling.batch_size % dgpo.data.group_size == 0  # whole groups per micro-batch
     gdro = load_config(_preset("flux1_dev_gdro_1gpu"), validate_paths=False)
     assert (gdro.objective.kind, gdro.rollout.kind, gdro.data.group_size) == ("gdro", "offline", 6)
     g = gdro.objective.gdro
-    assert (g.form, g.tau, g.beta, g.gamma, gdro.trainer.lr, gdro.lora.rank) == ("top1", 0.05, 6.0, 1.0, 3e-4, 32)
+    assert (g.form, g.tau, g.beta, g.error_reduction, g.gamma, gdro.trainer.lr, gdro.lora.rank) == (
+        "top1", 0.05, 6.0, "sum", 1.0, 3e-4, 32)
 
 
 def _yaml_reward_weights(name: str) -> dict:

@@ -8,7 +8,8 @@ images, no tokens.
   softmax(r / tau), and the model's, softmax(s): top-1 (one cross-entropy) or Plackett-Luce
   (one cross-entropy per position of the reward order).
 - DGPO (arXiv 2510.08425): the group's positive and negative halves, weighted by |A|, as one
-  Bradley-Terry comparison: -log sigmoid(-(beta / G) sum_i A_i delta_i).
+  Bradley-Terry comparison: -log sigmoid(-(beta / G) sum_i A_i delta_i), or, as the authors' code
+  back-propagates it, its direction at 1/beta the size (`dgpo_weighted_error_loss`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,28 @@ def dgpo_group_loss(delta: torch.Tensor, advantages: torch.Tensor, group_ids: to
     total = torch.zeros(g.ids.numel(), dtype=delta.dtype, device=delta.device)
     total = total.index_add(0, g.inverse, advantages.to(delta.dtype) * delta)
     return -torch.nn.functional.logsigmoid(-(beta / sizes) * total)
+
+
+def dgpo_group_weights(delta: torch.Tensor, advantages: torch.Tensor, group_ids: torch.Tensor, beta: float,
+                       group_sizes: torch.Tensor | None = None) -> torch.Tensor:
+    """Each sample's detached group weight [b], sigmoid((beta / G) sum_{j in its group} A_j delta_j):
+    the factor by which -log sigmoid(-(beta / G) sum A delta) scales its group's gradient."""
+    g = groups_of(group_ids)
+    sizes = g.counts.to(delta.dtype) if group_sizes is None else group_sizes.to(delta.dtype)
+    total = torch.zeros(g.ids.numel(), dtype=delta.dtype, device=delta.device)
+    total = total.index_add(0, g.inverse, advantages.to(delta.dtype) * delta.detach())
+    return torch.sigmoid((beta / sizes) * total)[g.inverse].detach()
+
+
+def dgpo_weighted_error_loss(err: torch.Tensor, delta: torch.Tensor, advantages: torch.Tensor, group_ids: torch.Tensor,
+                             beta: float, group_sizes: torch.Tensor | None = None) -> torch.Tensor:
+    """DGPO's loss per sample [b] as its reference code writes it (Luo-Yihong/DGPO,
+    `compute_group_dgpo_loss_allreduce`): w_i A_i err_i with w_i = sigmoid((beta / G) sum_j A_j delta_j)
+    detached over sample i's group and err_i the trained policy's flow-matching error (a mean over
+    dimensions). Averaged over the samples, its gradient is that of the groups' mean
+    -log sigmoid(-(beta / G) sum A delta) (`dgpo_group_loss`) divided by beta: the same direction,
+    and the size that the code's KL weight and gradient clip were set against."""
+    return dgpo_group_weights(delta, advantages, group_ids, beta, group_sizes) * advantages.to(err.dtype) * err
 
 
 def group_best(rewards: torch.Tensor, group_ids: torch.Tensor, tie_keys: torch.Tensor | None = None) -> torch.Tensor:

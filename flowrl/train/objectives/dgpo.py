@@ -1,26 +1,45 @@
 """objective.kind dgpo: Direct Group Preference Optimization (Luo et al., arXiv 2510.08425;
-docs/algorithms.md section 10).
+docs/algorithms.md section 10). The defaults are the authors' code (Luo-Yihong/DGPO,
+`scripts/train_sd3_dgpo.py` with its GenEval and OCR settings).
 
-Online and sampler-free in its objective: the rollout's clean samples (ODE by default), their
-group-normalised advantages, and per group the Bradley-Terry comparison of its better and worse
-halves through the implicit reward, -log sigmoid(-(beta / G) sum_i A_i delta_i)
-(flowrl.core.group_losses.dgpo_group_loss). Each micro-batch of whole groups is noised at
-`timesteps` sigmas drawn inside `sigma_range` (DGPO trains the high-noise end), eps shared within
-a group, and makes one optimizer step. Options: the clip against the sampling policy (a sample
-whose error ratio exp(err_old - err) has left [1 - c, 1 + c] in its advantage's direction stops
-pulling), and the KL to the reference (trainer.kl_beta x the mean squared velocity gap).
+Online and sampler-free in its objective: the rollout's clean samples (ODE by default) and their
+group-normalised advantages (clipped to +-advantage.clip). Per group, the Bradley-Terry comparison
+of its better and worse halves through the implicit reward delta_i = err_theta - err_ref: the code
+back-propagates mean_i sigmoid((beta / G) sum_j A_j delta_j).detach() A_i err_i
+(flowrl.core.group_losses.dgpo_weighted_error_loss; `loss_form: log_sigmoid` is the paper's
+-log sigmoid, beta times stronger). The trained velocity is the conditional one (guidance 1).
+Per epoch, `timesteps` distinct sigmas drawn from the first `grid_points` of the rollout's own
+sampling grid, shared by every micro-batch, each with fresh group-shared noise; an optimizer step
+every `sigmas_per_step` of them. Options: the clip against an "old" model (a sample whose error
+ratio exp(err_old - err) has left [1 - c, 1 + c] in its advantage's direction stops pulling; the
+old model is the code's EMA of the weights, decay min(0.3, 0.001 x steps), which also samples the
+rollouts after `sample_with_old_after` optimizer steps), and the KL to the reference
+(trainer.kl_beta x the mean squared velocity gap, the code's train.beta).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from flowrl.core.group_losses import dgpo_group_loss
-from flowrl.errors import check_positive
+from flowrl.core.group_losses import dgpo_group_loss, dgpo_weighted_error_loss
+from flowrl.errors import ConfigError, UserError, check_choice, check_positive
+from flowrl.sampling.noise import Stream, sample_seed
 from flowrl.train.ema import EMA
 from flowrl.train.experience import SAMPLES, Experience
 from flowrl.train.objectives.implicit import ImplicitRewardObjective, flow_errors
 from flowrl.train.parts import register_objective
+
+LOSS_FORMS = ("reference", "log_sigmoid")
+SIGMA_DRAWS = ("grid", "stratified")
+CLIP_OLDS = ("ema", "sampling")
+
+
+def ema_old_decay(steps: int) -> float:
+    """The decay of DGPO's "old" model at the optimizer step that follows `steps` earlier ones:
+    min(0.3, 0.001 steps), so the first update copies the weights."""
+    return min(0.3, 0.001 * steps)
 
 
 @register_objective
@@ -31,19 +50,71 @@ class DGPO(ImplicitRewardObjective):
 
     def __init__(self, ctx):
         super().__init__(ctx)
-        self.old = EMA(ctx.params, 0.0) if self.opts.clip_range > 0 else None  # the sampling policy's weights
+        o = self.opts
+        self.old = EMA(ctx.params, 0.0) if o.clip_range > 0 or o.sample_with_old_after > 0 else None
+        self.steps = 0  # optimizer steps so far (the EMA's decay and the sampling switch count them)
+
+    @staticmethod
+    def draws_stratified(opts) -> bool:
+        return opts.sigma_draw == "stratified"
 
     @classmethod
     def validate(cls, cfg) -> None:
+        o = cfg.objective.dgpo
+        check_choice("objective.dgpo.sigma_draw", o.sigma_draw, SIGMA_DRAWS)
         super().validate(cfg)
-        check_positive("objective.dgpo.clip_range", cfg.objective.dgpo.clip_range, strict=False)
+        check_choice("objective.dgpo.loss_form", o.loss_form, LOSS_FORMS)
+        check_choice("objective.dgpo.clip_old", o.clip_old, CLIP_OLDS)
+        check_positive("objective.dgpo.clip_range", o.clip_range, strict=False)
+        check_positive("objective.dgpo.sigmas_per_step", o.sigmas_per_step, strict=False)
+        check_positive("objective.dgpo.sample_with_old_after", o.sample_with_old_after, strict=False)
+        if o.sample_with_old_after > 0 and o.clip_old != "ema":
+            raise ConfigError("objective.dgpo.sample_with_old_after > 0 samples with the ema weights, which needs "
+                              f"objective.dgpo.clip_old ema; got clip_old {o.clip_old} (set sample_with_old_after=0)")
+        if o.sigma_draw == "grid":
+            check_positive("objective.dgpo.grid_points", o.grid_points)
+            steps = cfg.sampling.num_steps
+            if not o.timesteps <= o.grid_points <= steps:
+                raise ConfigError(f"objective.dgpo.grid_points must be between objective.dgpo.timesteps ({o.timesteps}) and "
+                                  f"sampling.num_steps ({steps}); got {o.grid_points}")
+            if tuple(cfg.lora.sigma_range) != (0.0, 1.0):
+                raise ConfigError("objective.dgpo.sigma_draw grid needs lora.sigma_range [0, 1] (every grid sigma trained); "
+                                  f"got {list(cfg.lora.sigma_range)}: use sigma_draw stratified inside it")
+
+    @property
+    def sigmas_per_step(self) -> int:
+        return self.opts.sigmas_per_step or self.opts.timesteps
+
+    def training_sigmas(self, iteration: int, epoch: int) -> list[float]:
+        """sigma_draw grid: `timesteps` distinct sigmas of the first `grid_points` of the rollout's
+        sampling grid (DGPO's code: random.sample over them), keyed by (run seed, iteration, epoch)."""
+        o, cfg = self.opts, self.ctx.cfg
+        if o.sigma_draw == "stratified":
+            return super().training_sigmas(iteration, epoch)
+        s = cfg.sampling
+        grid = self.ctx.policy.sigmas(s.num_steps, s.schedule, s.shift)[: o.grid_points]
+        gen = torch.Generator().manual_seed(sample_seed(cfg.trainer.seed, iteration * cfg.trainer.inner_epochs + epoch,
+                                                        Stream.GROUP_SIGMAS))
+        return [float(grid[i]) for i in torch.randperm(o.grid_points, generator=gen)[: o.timesteps].tolist()]
+
+    def behaviour_weights(self):
+        """After `sample_with_old_after` optimizer steps the ema "old" weights sample (DGPO's switch_ema_ref)."""
+        o = self.opts
+        if self.old is not None and o.sample_with_old_after > 0 and self.steps > o.sample_with_old_after:
+            return self.old.swapped_in(self.ctx.params)
+        return contextlib.nullcontext()
 
     def prepare(self, experience: Experience) -> None:
-        if self.old is not None:
-            self.old.update(self.ctx.params)  # decay 0: a copy of the weights that sampled this iteration
+        if self.old is not None and self.opts.clip_old == "sampling":
+            self.old.update(self.ctx.params, decay=0.0)  # a copy of the weights that sampled this iteration
+
+    def after_optimizer_step(self) -> None:
+        if self.old is not None and self.opts.clip_old == "ema":  # the steps before this one set the decay, as in the code
+            self.old.update(self.ctx.params, decay=ema_old_decay(self.steps))
+        self.steps += 1
 
     def before_forward(self, batch, x0, eps, sigma, cond):
-        if self.old is None:
+        if self.old is None or self.opts.clip_range <= 0:
             return None
         with torch.no_grad(), self.old.swapped_in(self.ctx.params):
             return flow_errors(self.ctx.policy, x0, eps, sigma, cond).err
@@ -58,4 +129,20 @@ class DGPO(ImplicitRewardObjective):
             own["clip_fraction"] = stop.float().mean().item()
         delta = err - errors.err_ref
         own["implicit_delta_abs"] = delta.detach().abs().mean().item()
-        return dgpo_group_loss(delta, adv, batch.groups, o.beta).mean(), own
+        if o.loss_form == "log_sigmoid":
+            return dgpo_group_loss(delta, adv, batch.groups, o.beta).mean(), own
+        return dgpo_weighted_error_loss(err, delta, adv, batch.groups, o.beta).mean(), own
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        state = {"dgpo_steps": {"steps": torch.tensor([self.steps])}}
+        return {**state, "dgpo_old": self.old.shadow} if self.old is not None else state
+
+    def load_state_dict(self, state, checkpoint: str) -> None:
+        if state.get("dgpo_steps") is not None:
+            self.steps = int(state["dgpo_steps"]["steps"][0])
+        if self.old is None:
+            return
+        if state.get("dgpo_old") is None:
+            raise UserError(f"--resume: checkpoint '{checkpoint}' has no dgpo_old.safetensors, which objective.dgpo's clip "
+                            "and sample_with_old_after need")
+        self.old.shadow = {n: t.clone() for n, t in state["dgpo_old"].items()}

@@ -5,7 +5,9 @@ Trains from groups of clean samples and their rewards with no sampler and no log
 from a group store (rollout.kind offline) or online from any rollout's clean samples. Per micro-
 batch of whole groups and per training sigma (shared, with eps shared within a group): the
 implicit rewards s = -beta (err_theta - err_ref), the listwise loss between softmax(r / tau) and
-softmax(s) (flowrl.core.group_losses.listwise_group_loss, top-1 or Plackett-Luce), plus gamma x
+softmax(s) (flowrl.core.group_losses.listwise_group_loss, top-1 or Plackett-Luce), with the errors
+summed over dimensions as the paper's ||.||^2 (`error_reduction: mean` is a flowrl variant whose beta
+is D times weaker), plus gamma x
 plain flow matching on each group's best sample (without it the paper reports collapse). Groups
 with no preference (all advantages 0: tied rewards) are left out. Tied rewards are ordered by
 keys drawn from (run seed, iteration): stable within a run, reproducible on resume.
@@ -22,6 +24,8 @@ from flowrl.train.experience import SAMPLES, Experience
 from flowrl.train.objectives.implicit import ImplicitRewardObjective
 from flowrl.train.parts import register_objective
 
+ERROR_REDUCTIONS = ("sum", "mean")
+
 
 @register_objective
 class GDRO(ImplicitRewardObjective):
@@ -36,6 +40,7 @@ class GDRO(ImplicitRewardObjective):
         check_choice("objective.gdro.form", o.form, LISTWISE_FORMS)
         check_positive("objective.gdro.tau", o.tau)
         check_positive("objective.gdro.gamma", o.gamma, strict=False)
+        check_choice("objective.gdro.error_reduction", o.error_reduction, ERROR_REDUCTIONS)
 
     def prepare(self, experience: Experience) -> None:
         if experience.reward_totals is None:
@@ -48,7 +53,9 @@ class GDRO(ImplicitRewardObjective):
         o = self.opts
         r, keys = experience.reward_totals[batch.index].to(errors.err.device), self.tie_keys[batch.index]
         best = group_best(r, batch.groups, keys)
-        s = -o.beta * (errors.err - errors.err_ref)
+        # the paper's squared norms sum over the D dimensions; flow_errors gives their means
+        dims = errors.v[0].numel() if o.error_reduction == "sum" else 1
+        s = -o.beta * dims * (errors.err - errors.err_ref)
         listwise = listwise_group_loss(s, r, batch.groups, o.tau, o.form, keys).mean()
         fm = errors.err[best].mean()
         return listwise + o.gamma * fm, {"listwise_loss": listwise.item(), "best_fm_loss": fm.item(),

@@ -124,8 +124,9 @@ class ImplicitRewardObjective(Objective):
     """The training loop DGPO and GDRO share: whole-group micro-batches, per epoch `timesteps`
     sigmas, per sigma the group-shared noise, the trained and reference errors (`flow_errors`),
     the objective's own `loss`, the optional KL (trainer.kl_beta x the mean squared velocity gap
-    to the reference), and one optimizer step per micro-batch. A subclass names its config
-    section and writes `loss` (and, if it needs one, `prepare` for per-iteration state)."""
+    to the reference), and an optimizer step every `sigmas_per_step` sigmas of a micro-batch (by
+    default all of them: one step per micro-batch). A subclass names its config section and writes
+    `loss` (and, if it needs them, `prepare` for per-iteration state, `training_sigmas`)."""
 
     section: ClassVar[str]  # objective.<section>: beta, timesteps, sigma_range, sigma_shift, guidance_scale
 
@@ -135,13 +136,14 @@ class ImplicitRewardObjective(Objective):
         check_positive(f"{field}.beta", o.beta)
         check_positive(f"{field}.timesteps", o.timesteps)
         check_positive(f"{field}.sigma_shift", o.sigma_shift)
-        r = o.sigma_range
-        if len(r) != 2 or not 0.0 <= r[0] < r[1] <= 1.0:
-            raise ConfigError(f"{field}.sigma_range must be [low, high] with 0 <= low < high <= 1; got {list(r)}")
-        low, high = cfg.lora.sigma_range
-        if r[0] < low or r[1] > high:
-            raise ConfigError(f"{field}.sigma_range {list(r)} must lie inside lora.sigma_range {list(cfg.lora.sigma_range)} "
-                              "(where the adapter acts)")
+        if cls.draws_stratified(o):
+            r = o.sigma_range
+            if len(r) != 2 or not 0.0 <= r[0] < r[1] <= 1.0:
+                raise ConfigError(f"{field}.sigma_range must be [low, high] with 0 <= low < high <= 1; got {list(r)}")
+            low, high = cfg.lora.sigma_range
+            if r[0] < low or r[1] > high:
+                raise ConfigError(f"{field}.sigma_range {list(r)} must lie inside lora.sigma_range {list(cfg.lora.sigma_range)} "
+                                  "(where the adapter acts)")
         if not cfg.lora.enabled:
             raise ConfigError(f"objective.kind {cls.section} needs lora.enabled=true: its implicit reward compares the policy with "
                               "the network with the adapter disabled")
@@ -149,9 +151,28 @@ class ImplicitRewardObjective(Objective):
             raise ConfigError(f"{field}.guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
                               f"(model.guidance_scale); got {o.guidance_scale}")
 
+    @staticmethod
+    def draws_stratified(opts) -> bool:
+        """Whether the training sigmas are drawn stratified inside opts.sigma_range (the default)."""
+        return True
+
     @property
     def opts(self):
         return getattr(self.ctx.cfg.objective, self.section)
+
+    @property
+    def sigmas_per_step(self) -> int:
+        """How many sigmas of a micro-batch one optimizer step accumulates (default: all of them)."""
+        return self.opts.timesteps
+
+    def training_sigmas(self, iteration: int, epoch: int) -> list[float]:
+        """The epoch's training sigmas, shared by all its micro-batches (default: stratified in sigma_range)."""
+        o = self.opts
+        return draw_sigmas(self.ctx.cfg.trainer.seed, iteration * self.ctx.cfg.trainer.inner_epochs + epoch, o.timesteps,
+                           o.sigma_range, o.sigma_shift)
+
+    def after_optimizer_step(self) -> None:
+        """Anything to do after each optimizer step (default: nothing)."""
 
     def prepare(self, experience: Experience) -> None:
         """Per-iteration state before any micro-batch (default: none)."""
@@ -176,7 +197,8 @@ class ImplicitRewardObjective(Objective):
                    disable=not ctx.progress, unit="step")
         with policy.guidance(o.guidance_scale):
             for epoch in range(t.inner_epochs):
-                sigmas = draw_sigmas(t.seed, experience.iteration * t.inner_epochs + epoch, o.timesteps, o.sigma_range, o.sigma_shift)
+                sigmas = self.training_sigmas(experience.iteration, epoch)
+                per_step = min(self.sigmas_per_step, len(sigmas))
                 for batch in batches:
                     x0 = batch.x0.to(acc.device)
                     cond = policy.encode(batch.prompts)
@@ -184,18 +206,23 @@ class ImplicitRewardObjective(Objective):
                     for k, sigma in enumerate(sigmas):
                         eps = group_noise(batch.groups, t.seed, experience.iteration, epoch * o.timesteps + k, x0.shape[1:], acc.device)
                         before = self.before_forward(batch, x0, eps, sigma, cond)
-                        with contextlib.nullcontext() if k == len(sigmas) - 1 else acc.no_sync(policy.net):
+                        steps_now = (k + 1) % per_step == 0 or k == len(sigmas) - 1
+                        # the sigmas of one optimizer step share its weight: a short last step weighs as its own count
+                        share = per_step if (k // per_step + 1) * per_step <= len(sigmas) else len(sigmas) % per_step
+                        with contextlib.nullcontext() if steps_now else acc.no_sync(policy.net):
                             errors = flow_errors(policy, x0, eps, sigma, cond)
                             loss, own = self.loss(experience, batch, errors, before)
                             if t.kl_beta > 0:
                                 kl = ((errors.v - errors.v_ref) ** 2).mean()
                                 own["kl"] = kl.item()
                                 loss = loss + t.kl_beta * kl
-                            acc.backward(batch.weight * loss / len(sigmas))
+                            acc.backward(batch.weight * loss / share)
                         for key, value in {"loss": loss.item(), **own}.items():
                             stats[key].append(value)
                         bar.update(1)
-                    grad_norms.append(ctx.optimizer_step())
+                        if steps_now:
+                            grad_norms.append(ctx.optimizer_step())
+                            self.after_optimizer_step()
         bar.close()
         policy.transformer.eval()
         mean = lambda xs: sum(xs) / max(len(xs), 1)
