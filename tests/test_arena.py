@@ -1,0 +1,138 @@
+"""The arena (scripts/arena.py): every arena preset validates on the default preset's world, the
+loop writes a checkpoint when its clock passes a mark of run.checkpoint_at_minutes, and the
+script's smoke mode runs one cell end to end and writes one valid JSON line and a report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import flowrl.train.loop as loop
+from flowrl.config import CONFIG_DIR, ConfigError, load_config
+from flowrl.train.loop import Trainer
+from script_loader import load_script
+
+ARENA_DIR = CONFIG_DIR / "arena"
+CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline")
+FAST = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
+        "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8", "run.sample_every=0"]
+
+
+# ---- the presets ----------------------------------------------------------------------
+def test_every_cell_has_a_preset_and_nothing_else_is_there():
+    assert sorted(p.stem for p in ARENA_DIR.glob("*.yaml")) == sorted(CELLS)
+    assert tuple(load_script("arena").CELLS) == CELLS
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_arena_preset_validates_on_the_default_world(cell):
+    default = load_config(None)
+    cfg = load_config(ARENA_DIR / f"{cell}.yaml", validate_paths=False)  # gdro_offline's store is built by the arena
+    # the default preset's world: the same model, prompts, rewards and eval sampler in every cell
+    assert cfg.model == default.model and cfg.reward == default.reward
+    assert (cfg.data.prompt_file, cfg.data.eval_prompts) == (default.data.prompt_file, default.data.eval_prompts)
+    assert (cfg.sampling.num_steps, cfg.sampling.eval_num_steps, cfg.sampling.shift) == (10, 20, 1.0)
+    # the budget ends the run, with a backstop (gdro_offline's: what a typical store build leaves of 12 minutes);
+    # the half-budget checkpoint is the arena's to ask for
+    t = cfg.trainer
+    assert t.budget_minutes == (10.25 if cell == "gdro_offline" else 12) and t.budget_minutes < t.max_minutes <= t.budget_minutes + 1
+    assert t.iterations >= 270
+    assert cfg.run.checkpoint_at_minutes == [] and cfg.run.cpu_processes == default.run.cpu_processes
+    n = cfg.data.prompts_per_iteration * cfg.data.group_size
+    assert n % cfg.sampling.batch_size == 0
+
+
+def test_the_cells_are_the_algorithms_they_name():
+    cfg = {cell: load_config(ARENA_DIR / f"{cell}.yaml", validate_paths=False) for cell in CELLS}
+    assert cfg["nft"].objective == load_config(None).objective and cfg["nft"].rollout.kind == "flat"
+    assert {c: cfg[c].objective.kind for c in CELLS} == {
+        "flow_grpo": "grpo", "mixgrpo": "grpo", "branchgrpo": "grpo", "g2rpo": "grpo", "sol_rl": "nft", "nft": "nft",
+        "dgpo": "dgpo", "gdro_offline": "gdro"}
+    assert {c: cfg[c].rollout.kind for c in CELLS} == {
+        "flow_grpo": "flat", "mixgrpo": "flat", "branchgrpo": "tree", "g2rpo": "granular", "sol_rl": "two_stage", "nft": "flat",
+        "dgpo": "flat", "gdro_offline": "offline"}
+    assert cfg["flow_grpo"].sampling.sampler == "flow_grpo" and cfg["flow_grpo"].sampling.window.strategy == "all"
+    assert cfg["mixgrpo"].sampling.window.strategy == "progressive"
+    assert cfg["branchgrpo"].rollout.tree.prune_depths
+    two = cfg["sol_rl"].rollout.two_stage
+    assert two.preview_steps > 0 and two.regenerate and two.explore_precision == "nvfp4"
+
+
+# ---- run.checkpoint_at_minutes ------------------------------------------------------------
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_checkpoint_is_written_when_the_clock_first_passes_each_mark(tmp_path, tiny_sd3_dir, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    cfg = load_config("tiny_jpeg", [*FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=4", "run.checkpoint_every=0",
+                                    "run.checkpoint_at_minutes=[0.2,0.1]"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    collect = trainer.rollout.collect
+
+    def slow(iteration):  # every iteration takes 4 s on the loop's clock
+        clock.now += 4.0
+        return collect(iteration)
+
+    trainer.rollout.collect = slow
+    rows = trainer.train()
+    # 6 s is first passed after iteration 2 (8 s), 12 s after iteration 3 (12 s); the end writes iteration 4
+    assert sorted(int(p.name[5:]) for p in (tmp_path / "run" / "checkpoints").glob("iter_*")) == [2, 3, 4]
+    marked = [(r["iteration"], r["checkpoint_at_minutes"], r["elapsed_minutes"]) for r in rows if "checkpoint_at_minutes" in r]
+    assert marked == [(1, 0.1, pytest.approx(8 / 60)), (2, 0.2, pytest.approx(12 / 60))]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("checkpoint_at_minutes") for r in logged] == [None, 0.1, 0.2, None]
+
+
+def test_checkpoint_marks_must_be_positive(tiny_sd3_dir):
+    with pytest.raises(ConfigError, match="run.checkpoint_at_minutes"):
+        load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "run.checkpoint_at_minutes=[0]"])
+
+
+# ---- the script's smoke mode -----------------------------------------------------------------
+def test_smoke_run_records_one_line_resumes_and_reports(tmp_path, capsys):
+    arena = load_script("arena")
+    out, runs = tmp_path / "arena.jsonl", tmp_path / "runs"
+    argv = ["--smoke", "--cells", "nft", "--seeds", "0", "--runs", str(runs), "--out", str(out)]
+    assert arena.main(argv) == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 1
+    r = lines[0]
+    assert {"task", "cell", "seed", "commit", "machine", "config_hash", "budget_minutes", "iterations", "nfe_per_iteration",
+            "compiled", "wall_minutes", "base_eval1", "base_eval2", "half_eval1", "half_eval2", "end_eval1", "end_eval2",
+            "gain_half", "gain_end"} <= set(r)
+    assert (r["task"], r["cell"], r["seed"], r["smoke"], r["budget_minutes"]) == ("image", "nft", 0, True, 0.1)
+    assert r["iterations"] >= 1 and 1 <= r["end_iteration"] == r["iterations"] and r["half_iteration"] <= r["end_iteration"]
+    assert r["compiled"] in ("none", "False", "True") and r["wall_minutes"] > 0
+    # measured: 2 prompts x 4 samples x 10 ODE steps sampled; each of the 8 samples trained at 3 noise levels
+    # with the policy, the old policy and the base network
+    assert (r["nfe_sampling"], r["nfe_training"], r["nfe_per_iteration"]) == (80, 72, 152)
+    for point in ("base", "half", "end"):
+        assert all(0 <= r[f"{point}_eval{k}"] <= 1 for k in (1, 2))
+    assert r["gain_end"] == pytest.approx((r["end_eval1"] + r["end_eval2"] - r["base_eval1"] - r["base_eval2"]) / 2)
+    assert (runs / "base_eval.json").is_file()
+    marked = [row for row in map(json.loads, (Path(r["run_dir"]) / "metrics.jsonl").read_text().splitlines())
+              if "checkpoint_at_minutes" in row]
+    assert r["half_at"] == "checkpoint" and [m["checkpoint_at_minutes"] for m in marked] == [0.05]
+    capsys.readouterr()
+
+    assert arena.main(argv) == 0  # resumable: recorded for this commit and config, so skipped
+    assert "skipped" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
+
+    doc, image = tmp_path / "docs" / "arena.md", tmp_path / "docs" / "images" / "arena.png"
+    doc.parent.mkdir()
+    doc.write_text(f"# The arena\n\nprose\n\n{arena.TABLE_START}\nold\n{arena.TABLE_END}\n\nmore prose\n")
+    report = ["--report", "--smoke", "--budget-minutes", "0.1", "--out", str(out), "--doc", str(doc), "--image", str(image)]
+    assert arena.main(report) == 0
+    text = doc.read_text()
+    assert text.startswith("# The arena\n\nprose\n") and text.endswith("more prose\n") and "\nold\n" not in text
+    assert "| nft | 1 (0) |" in text and "| dgpo | 0 | pending |" in text and "](images/arena.png)" in text
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
