@@ -1,10 +1,12 @@
 """A wall-clock budget (trainer.budget_minutes): the planned iteration count follows the measured
-speed, the schedules end at the last planned iteration, and a resume keeps the recorded count."""
+speed and is planned again at every checkpoint, the schedules end at the last planned iteration
+without a jump, and a resume repeats the recorded plans."""
 
 from __future__ import annotations
 
 import json
 import math
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 import flowrl.train.loop as loop
 from flowrl.config import ConfigError, load_config
 from flowrl.core.lr_schedule import lr_factor
-from flowrl.train.budget import SchedulePlan, plan_iterations, probe_speed
+from flowrl.train.budget import Measured, SchedulePlan, plan_iterations
 from flowrl.train.loop import Trainer
 from flowrl.train.rollouts.flat import training_spec
 from run_checks import run_metrics, trainable
@@ -45,18 +47,44 @@ def clock(monkeypatch):
     return c
 
 
-def slowed(trainer: Trainer, clock: FakeClock, seconds: float, fail_at: int | None = None) -> Trainer:
-    """Each iteration's rollout takes `seconds` on the fake clock; `fail_at` crashes that iteration."""
+def slowed(trainer: Trainer, clock: FakeClock, seconds, fail_at: int | None = None) -> Trainer:
+    """Each iteration's rollout takes `seconds` (or `seconds(iteration)`) on the fake clock; `fail_at`
+    crashes that iteration."""
     collect = trainer.rollout.collect
 
     def slow(iteration):
         if iteration == fail_at:
             raise RuntimeError("killed")
-        clock.now += seconds
+        clock.now += seconds(iteration) if callable(seconds) else seconds
         return collect(iteration)
 
     trainer.rollout.collect = slow
     return trainer
+
+
+def timed_only(trainer: Trainer, clock: FakeClock, seconds, grid_s: float, checkpoint_s: float) -> list[float]:
+    """The loop as it is, but each iteration only moves the fake clock by `seconds(iteration)` and
+    reports its learning rate (hundreds of them in no time); a sample grid takes `grid_s`, a
+    checkpoint (written for real) `checkpoint_s`. Returns the clock at the end of every iteration."""
+    ends, save = [], trainer.save
+
+    def iteration():
+        clock.now += seconds(trainer.iteration)
+        row = {"iteration": trainer.iteration, "lr": trainer.optimizer.param_groups[0]["lr"],
+               "time_iteration": seconds(trainer.iteration)}
+        trainer.iteration += 1
+        ends.append(clock.now)
+        return row
+
+    def grid(name):
+        clock.now += grid_s
+
+    def checkpoint():
+        clock.now += checkpoint_s
+        return save()
+
+    trainer.train_iteration, trainer.save_samples, trainer.save = iteration, grid, checkpoint
+    return ends
 
 
 def budget_cfg(tiny_sd3_dir, *extra):
@@ -69,8 +97,12 @@ def test_plan_iterations_divides_what_is_left_of_the_budget():
     assert plan_iterations(100, 10, 2, 3.0, overhead_per_iteration=1.0) == 2 + 87 // 4
     assert plan_iterations(100, 10, 2, 3.0, reserve_s=6) == 2 + 81 // 3
     assert plan_iterations(100, 200, 7, 3.0) == 7  # over budget already: no more than done
-    assert probe_speed([9.0, 2.0, 4.0]) == 3.0  # the warm-up iteration is left out
-    assert probe_speed([5.0]) == 5.0
+    measured = Measured()
+    measured.add_iteration(5.0)
+    assert measured.seconds_per_iteration() == 5.0
+    for seconds in (2.0, 4.0):
+        measured.add_iteration(seconds)
+    assert measured.seconds_per_iteration() == 3.0  # the warm-up iteration is left out
     with pytest.raises(ValueError):
         plan_iterations(100, 10, 2, float("nan"))
 
@@ -113,19 +145,78 @@ def test_planned_count_follows_the_measured_speed_and_the_schedules_end_with_it(
     assert planned[2.5] == 11 and planned[5.0] == 5  # half the speed, about half the iterations
 
 
-def test_resume_keeps_the_recorded_count_and_repeats_the_uninterrupted_run(tmp_path, tiny_sd3_dir, clock):
-    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
-    slowed(Trainer(budget_cfg(tiny_sd3_dir, "run.checkpoint_every=3"), straight), clock, 2.5).train()
+def test_a_new_plan_keeps_the_clock_of_the_iterations_that_ran():
+    plan = SchedulePlan(nominal=270, planned=270)
+    clocks = []
+    # the probe's plan at 5, then the machine speeds up (190), then slows down (150), then a plan that keeps the count
+    for made_at, planned in ((5, 152), (40, 190), (100, 150), (120, 150)):
+        before = [plan.progress(i) for i in range(made_at)]
+        plan.replan(made_at, planned, 10.0, 0.0)
+        assert [plan.progress(i) for i in range(made_at)] == before  # what ran keeps its clock
+        # no jump: the next iteration moves on at the new rate, which ends the nominal range at the last planned one
+        rate = (269 - before[-1]) / (planned - made_at)
+        assert plan.progress(made_at) - before[-1] == pytest.approx(rate)
+        clocks.append([plan.progress(i) for i in range(planned)])
+    progress, steps = clocks[-1], [plan.step(i) for i in range(150)]
+    assert progress[:5] == [0, 1, 2, 3, 4] and progress[-1] == 269 and steps[-1] == 269  # the probe ran on the nominal clock
+    assert all(b > a for a, b in zip(progress, progress[1:])) and steps == [math.floor(p) for p in progress]
+    assert clocks[-1] == clocks[-2]  # the same count again: the same clock
+    # a plan of the whole nominal count is the identity, exactly
+    identity = SchedulePlan(nominal=270, planned=270)
+    identity.replan(5, 270, 1.0, 0.0)
+    assert all(identity.step(i) == i and identity.progress(i) == i for i in range(270))
+    # a plan recorded before re-planning (no history) still maps from iteration 0, and later plans go on from it
+    old = SchedulePlan.from_state({"nominal": 270, "planned": 152, "fixed": True, "seconds_per_iteration": 10.0, "budget_minutes": 28})
+    assert [old.progress(i) for i in range(60)] == [i * 269 / 151 for i in range(60)]
+    old.replan(60, 180, 8.6, 600.0)
+    assert old.progress(59) == 59 * 269 / 151 and old.progress(179) == 269
+
+
+@pytest.mark.parametrize("probe_s, after_s", [(0.5, 0.3125), (0.3125, 0.5)], ids=["faster", "slower"])
+def test_re_planning_ends_the_run_within_5_percent_of_its_budget(tmp_path, tiny_sd3_dir, clock, probe_s, after_s):
+    # a 30 s budget for at most 1000 iterations; the machine changes speed after the 5-iteration probe
+    cfg = budget_cfg(tiny_sd3_dir, "trainer.iterations=1000", "trainer.budget_probe=5", "run.checkpoint_every=10",
+                     "run.sample_every=10")
+    trainer = Trainer(cfg, tmp_path / "run")
+    ends = timed_only(trainer, clock, lambda i: 1.0 if i == 0 else probe_s if i < 5 else after_s, grid_s=0.25,
+                      checkpoint_s=0.125)
+    rows = trainer.train()
+    budget, used = 30.0, clock.now - trainer.started
+    assert 0.95 * budget <= used <= budget
+    assert len(rows) == trainer.plan.planned == json.loads((tmp_path / "run" / "plan.json").read_text())["planned"]
+    # the one-shot plan from the probe would have ended far from the budget (the code before re-planning did)
+    first = trainer.plan.history[0]
+    assert first["iteration"] == 5 and first["seconds_per_iteration"] == probe_s
+    one_shot_end = ends[min(first["planned"], len(ends)) - 1] + max(0, first["planned"] - len(ends)) * after_s
+    assert not 0.95 * budget <= one_shot_end - trainer.started <= budget
+    # the linear decay, written for 1000 iterations, fell at every iteration and ended where it would have
+    lrs = [r["lr"] for r in rows]
+    assert all(b < a for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(1e-3 * lr_factor("linear", 999, 1000))
+
+
+def test_resume_repeats_the_recorded_plans_and_the_uninterrupted_run(tmp_path, tiny_sd3_dir, clock):
+    straight, stopped, slow = tmp_path / "straight", tmp_path / "stopped", tmp_path / "slow"
+    speed = lambda i: 2.5 if i < 4 else 1.25  # noqa: E731  the machine speeds up after the probe
+    cfg = budget_cfg(tiny_sd3_dir, "run.checkpoint_every=3")
+    slowed(Trainer(cfg, straight), clock, speed).train()
+    plans = json.loads((straight / "plan.json").read_text())["history"]
+    assert [p["planned"] for p in plans] == [11, 11, 14, 16, 17, 18] and len(run_metrics(straight)) == 18
     with pytest.raises(RuntimeError, match="killed"):
-        slowed(Trainer(budget_cfg(tiny_sd3_dir, "run.checkpoint_every=3"), stopped), clock, 2.5, fail_at=7).train()
+        slowed(Trainer(cfg, stopped), clock, speed, fail_at=7).train()
     assert len(run_metrics(stopped)) == 7  # iterations 0-6 logged, the checkpoint at 6
-    # the machine is now four times slower: a new plan would fit 2 iterations; the recorded one holds
-    resumed = slowed(Trainer(budget_cfg(tiny_sd3_dir, "run.checkpoint_every=3"), stopped, resume=True), clock, 10.0)
-    assert resumed.iteration == 6 and resumed.plan.planned == 11
-    resumed.train()
+    shutil.copytree(stopped, slow)
+    resumed = slowed(Trainer(cfg, stopped, resume=True), clock, speed)
+    assert resumed.iteration == 6 and resumed.plan.history == plans[:3] and resumed.plan.planned == 14
+    resumed.train()  # its plans at 9, 12 and 15 are its own, from the same measurements: the same plans
+    assert json.loads((stopped / "plan.json").read_text())["history"] == plans
     assert run_metrics(stopped) == run_metrics(straight)
-    a, b = trainable(straight, 11), trainable(stopped, 11)
+    a, b = trainable(straight, 18), trainable(stopped, 18)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # on a machine four times slower the plans up to the checkpoint hold; the next one, from its own speed, ends the run
+    resumed = slowed(Trainer(cfg, slow, resume=True), clock, 5.0)
+    assert resumed.plan.history == plans[:3] and resumed.plan.planned == 14
+    assert len(resumed.train()) == 9 and resumed.plan.history[:3] == plans[:3]
+    assert [(p["iteration"], p["planned"]) for p in resumed.plan.history[3:]] == [(9, 9)]
 
 
 def test_a_fast_machine_trains_trainer_iterations_and_no_more(tmp_path, tiny_sd3_dir, clock):

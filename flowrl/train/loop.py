@@ -28,7 +28,7 @@ from flowrl.models import load_policy
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
-from flowrl.train.budget import SchedulePlan, machine_name, plan_iterations, probe_speed, write_plan
+from flowrl.train.budget import Measured, SchedulePlan, machine_name, plan_count, write_plan
 from flowrl.train.checkpoint import (SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, load_checkpoint, restore_rng,
                                     restore_weights, save_checkpoint)
 from flowrl.train.ema import EMA
@@ -65,11 +65,13 @@ def flat_config(cfg: Config) -> dict:
 
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
-        self.started = time.perf_counter()  # a wall-clock budget counts from here
+        self.started = time.perf_counter()  # a wall-clock budget counts from here (a resume: from the checkpoint's count)
         self.cfg, t = cfg, cfg.trainer
-        # fixed at the start without a budget; with one, after the probe iterations (or from the checkpoint)
+        # fixed at the start without a budget; with one, after the probe iterations (or from the checkpoint), then
+        # planned again at every checkpoint from what `measured` holds (flowrl/train/budget.py)
         self.plan = SchedulePlan(nominal=t.iterations, planned=t.iterations, fixed=not t.budget_minutes,
                                  budget_minutes=t.budget_minutes)
+        self.measured = Measured()
         self.accelerator = acc = self._accelerator(run_dir)
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
         self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
@@ -179,25 +181,19 @@ class Trainer:
         cfg, acc, r, t = self.cfg, self.accelerator, self.cfg.run, self.cfg.trainer
         bar = tqdm(total=self.plan.planned, initial=self.iteration, desc="flowrl train", unit="iter",
                    disable=not (r.progress and acc.is_local_main_process))
-        grid_s = 0.0
         if self.iteration == 0 and r.sample_every:
             t0 = time.perf_counter()
             self.save_samples("iter_000000_before")
-            grid_s = time.perf_counter() - t0
-        started, out_of_time, probe = time.perf_counter(), False, []
+            self.measured.add_grid(time.perf_counter() - t0)
+        started, out_of_time = time.perf_counter(), False
         marks = self.pending_checkpoint_marks()
         while self.iteration < self.plan.planned and not out_of_time:
+            t0 = time.perf_counter()
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr * lr_factor(t.lr_schedule, self.plan.progress(self.iteration), self.plan.nominal)
             row = self.train_iteration()
             marked = self.cross_checkpoint_marks(row, marks)
             self.history.append(row)
-            if not self.plan.fixed:
-                probe.append(row["time_iteration"])
-                if len(probe) >= t.budget_probe:
-                    self.fix_plan(probe, grid_s)
-                    bar.total = self.plan.planned
-                    bar.refresh()
             acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
             if acc.is_main_process:
                 self.run.append_metrics(row)
@@ -205,35 +201,49 @@ class Trainer:
             bar.set_postfix({k: f"{row[k]:.4g}" for k in ("reward_mean", "kl") if k in row})
             if t.max_minutes:  # every process calls the broadcast, so all agree with rank 0's clock
                 out_of_time = bool(rank0(time.perf_counter() - started >= t.max_minutes * 60))
+            self.measured.add_iteration(time.perf_counter() - t0)
+            if t.budget_minutes and not out_of_time and self.iteration < self.plan.planned and (
+                    self.measured.iterations >= t.budget_probe if not self.plan.fixed
+                    else r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
+                self.replan()  # before the checkpoint, which records it
+                bar.total = self.plan.planned
+                bar.refresh()
             done = self.iteration >= self.plan.planned or out_of_time
             if r.sample_every and (self.iteration % r.sample_every == 0 or done):
+                t0 = time.perf_counter()
                 self.save_samples(f"iter_{self.iteration:06d}")
+                self.measured.add_grid(time.perf_counter() - t0)
             if done or marked or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
+                t0 = time.perf_counter()
                 self.save()
+                self.measured.add_checkpoint(time.perf_counter() - t0)
         bar.close()
         self.rollout.close()
         self.reward_runner.close()
         acc.end_training()
         return self.history
 
-    def fix_plan(self, probe: list[float], grid_s: float) -> None:
-        """Fix the iteration count that fits trainer.budget_minutes from the probe's speed (rank 0's
-        clock decides for every process) and record it in the run directory."""
+    def replan(self) -> None:
+        """Plan the iteration count that fits trainer.budget_minutes from the speed measured so far
+        (rank 0's clock decides for every process), record the plan in the run directory, and say
+        so when the count is new. The first plan follows the probe; later ones, the checkpoints."""
         t, r = self.cfg.trainer, self.cfg.run
-        speed = probe_speed(probe)
-        # the periodic grids and checkpoints, each costed at one sample grid's measured time
-        overhead = grid_s * ((1 / r.sample_every if r.sample_every else 0) + (1 / r.checkpoint_every if r.checkpoint_every else 0))
-        # never more than trainer.iterations: a budget squeezes the schedule onto a slow machine, and a fast one
-        # ends early (set trainer.iterations high to fill the budget instead)
-        planned = min(t.iterations, plan_iterations(t.budget_minutes * 60, time.perf_counter() - self.started, self.iteration,
-                                                    speed, overhead_per_iteration=overhead, reserve_s=2 * grid_s))
-        planned, speed = rank0((planned, speed))
-        self.plan.planned, self.plan.seconds_per_iteration, self.plan.fixed = planned, speed, True
+        elapsed = time.perf_counter() - self.started
+        planned = plan_count(t.budget_minutes * 60, elapsed, self.iteration, self.plan.nominal, self.measured, r.sample_every,
+                             r.checkpoint_every)
+        planned, speed, elapsed = rank0((planned, self.measured.seconds_per_iteration(), elapsed))
+        first, before = not self.plan.fixed, self.plan.planned
+        self.plan.replan(self.iteration, planned, speed, elapsed)
+        self.plan.budget_minutes = t.budget_minutes
         self.plan.machine = machine_name()
         if self.accelerator.is_main_process:
             write_plan(self.run.path, self.plan)
-            tqdm.write(f"budget: {speed:.2f} s per iteration over the first {len(probe)}; {planned} iterations of "
-                       f"trainer.iterations {self.plan.nominal} fit trainer.budget_minutes {t.budget_minutes:g}")
+            if first:
+                tqdm.write(f"budget: {speed:.2f} s per iteration over the first {self.measured.iterations}; {planned} iterations "
+                           f"of trainer.iterations {self.plan.nominal} fit trainer.budget_minutes {t.budget_minutes:g}")
+            elif planned != before:
+                tqdm.write(f"budget: at iteration {self.iteration}, {speed:.2f} s per iteration so far; {before} -> {planned} "
+                           f"iterations fit trainer.budget_minutes {t.budget_minutes:g}")
 
     def pending_checkpoint_marks(self) -> list[float]:
         """The marks of run.checkpoint_at_minutes not yet passed, ascending: minutes on the budget's
@@ -333,7 +343,9 @@ class Trainer:
                                    None if sharded else self.optimizer.state_dict(), None if sharded else ema,
                                    {"policy_version": self.iteration, "num_processes": acc.num_processes,
                                     "distributed": lay.name,
-                                    "plan": self.plan.to_state() if self.plan.fixed and self.plan.budget_minutes else None},
+                                    "plan": self.plan.to_state() if self.plan.fixed and self.plan.budget_minutes else None,
+                                    **({"budget": {"elapsed_s": time.perf_counter() - self.started,
+                                                   "measured": self.measured.to_state()}} if self.cfg.trainer.budget_minutes else {})},
                                    export=export, sharded=sharded,
                                    allocator=self.allocator.state_dict(), **objective_state)
             self.run.plot_reward_curve(self.run.read_metrics())
@@ -371,8 +383,15 @@ class Trainer:
         self.objective.load_state_dict(data, str(ckpt))
         restore_rng(data["rng"], data["state"]["python_random"])
         self.iteration = int(data["state"]["iteration"])
-        if self.cfg.trainer.budget_minutes and data["state"].get("plan"):  # the count this run fixed, not a new one
-            vars(self.plan).update(vars(SchedulePlan.from_state(data["state"]["plan"])))  # in place: the parts hold it
+        if self.cfg.trainer.budget_minutes:  # the plans made so far, the budget's clock and what it measured, as recorded
+            state = data["state"]
+            if state.get("plan"):
+                vars(self.plan).update(vars(SchedulePlan.from_state(state["plan"])))  # in place: the parts hold it
+                if self.accelerator.is_main_process:  # plans made after the checkpoint are undone
+                    write_plan(self.run.path, self.plan)
+            if state.get("budget"):
+                self.started = time.perf_counter() - state["budget"]["elapsed_s"]
+                self.measured = Measured.from_state(state["budget"]["measured"])
         if self.accelerator.is_main_process:
             self.history = self.run.truncate_metrics(self.iteration)
         else:
