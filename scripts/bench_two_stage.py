@@ -113,7 +113,7 @@ def fidelity(args) -> None:
             specs[f"{p}-step ODE preview"] = SamplerSpec(shifted_sigmas(p, s.shift), torch.zeros(p, dtype=torch.bool), "ode")
         else:
             w = s.window
-            mask = window_mask(w.strategy, s.num_steps, w.size, w.start, 0, cfg.trainer.seed, w.shift_every)
+            mask = window_mask(w.strategy, s.num_steps, w.size, w.start, 0, cfg.trainer.seed, w.shift_every, None, w.stride, w.at_end)
             kind = "ODE" if s.sampler == "ode" else f"{s.sampler} SDE"
             specs[f"{s.num_steps}-step {kind} (training sampler)"] = SamplerSpec(
                 shifted_sigmas(s.num_steps, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction)
@@ -122,7 +122,7 @@ def fidelity(args) -> None:
     # the reference: full precision, full quality (the training sampler)
     if full_spec is None:
         w = s.window
-        mask = window_mask(w.strategy, s.num_steps, w.size, w.start, 0, cfg.trainer.seed, w.shift_every)
+        mask = window_mask(w.strategy, s.num_steps, w.size, w.start, 0, cfg.trainer.seed, w.shift_every, None, w.stride, w.at_end)
         full_spec = SamplerSpec(shifted_sigmas(s.num_steps, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction)
     ref_channels = sample_rewards(policy, cfg, reward, pool_prompts, seeds, full_spec)
     ref = ref_channels @ weights

@@ -25,8 +25,9 @@ BUDGET = [
     "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8",
     "run.sample_every=0", "trainer.kl_beta=0.01", "trainer.lr=1e-3", "trainer.lr_schedule=linear",
     "trainer.iterations=20", "trainer.budget_minutes=0.5", "trainer.budget_probe=2",
-    # a progressive SDE window written for the 20 nominal iterations: one step later every 6
+    # a progressive SDE window written for the 20 nominal iterations: one step later every 6, staying on the last step
     "sampling.window.strategy=progressive", "sampling.window.size=1", "sampling.window.start=0", "sampling.window.shift_every=6",
+    "sampling.window.at_end=clamp",
 ]
 
 

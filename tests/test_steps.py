@@ -340,7 +340,7 @@ def test_window_progressive(num_steps, shift_every, data):
     start = data.draw(st.integers(0, num_steps - size))
     prev = None
     for iteration in range(0, (num_steps + 2) * shift_every + 1):
-        s, count = _window(window_mask("progressive", num_steps, size, start, iteration, 0, shift_every))
+        s, count = _window(window_mask("progressive", num_steps, size, start, iteration, 0, shift_every, at_end="clamp"))
         assert count == size and s + size <= num_steps  # never overflows
         assert s == min(start + iteration // shift_every, num_steps - size)
         if prev is not None:

@@ -34,35 +34,58 @@ def stratified_sigma(k: int, num: int, low: float, high: float, shift: float, ge
     return max(high - (high - low) * w, low + 1e-6)
 
 
-def window_start(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10,
-                 schedule_step: int | None = None) -> int:
-    """First step of the SDE window for this iteration (MixGRPO / Flow-GRPO-Fast).
+WINDOW_ENDS = ("roll_back", "clamp")
 
-    fixed: always `start`. random: uniform in [0, num_steps // 2 - 1] clipped so the window
-    fits, keyed by (seed, iteration). progressive: `start` moved one step later every
-    `shift_every` iterations of the schedule's clock (`schedule_step`, by default the iteration
-    itself; a wall-clock budget maps it onto trainer.iterations), until the window touches the end
-    of the schedule.
-    """
-    last = num_steps - size
+
+def window_steps(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 25,
+                 schedule_step: int | None = None, stride: int = 1, at_end: str = "roll_back") -> list[int]:
+    """The SDE (and trained) steps of this iteration (MixGRPO, arXiv 2507.21802; Flow-GRPO-Fast;
+    docs/algorithms.md section 1).
+
+    all: every step. fixed: [start, start + size). random: the start uniform in
+    [0, num_steps // 2 - 1], clipped so the window fits, keyed by (seed, iteration).
+    progressive (MixGRPO's sliding window): on the schedule's clock c (`schedule_step`, by default
+    the iteration itself; a wall-clock budget maps it onto trainer.iterations) the start is
+    l = start + stride * (c // shift_every), and at the end of the schedule:
+    - roll_back (MixGRPO's code): windows hold only steps below num_steps - 2 (the reference never
+      trains the last two steps) and are cut short there, W(l) = [l, min(l + size, num_steps - 2));
+      once l passes num_steps - 2 it rolls back to `start`, so l cycles through start, start +
+      stride, ... <= num_steps - 2. Where the reference's window is empty (l = num_steps - 2, for
+      shift_every iterations of each cycle) flowrl keeps the one-step window [num_steps - 3].
+    - clamp (flowrl's earlier rule): l stops at num_steps - size and the window, always `size`
+      steps, stays on the schedule's last steps.
+    stride 0 freezes the window at `start` (MixGRPO-Flash*)."""
     if strategy == "all":
-        return 0
+        return list(range(num_steps))
     if strategy == "fixed":
-        return start
+        return list(range(start, start + size))
     if strategy == "random":
-        hi = max(0, min(num_steps // 2 - 1, last))
-        return random.Random(seed * 1_000_003 + iteration).randint(0, hi)
-    if strategy == "progressive":
-        return min(start + (iteration if schedule_step is None else schedule_step) // max(shift_every, 1), last)
-    raise ValueError(f"sampling.window.strategy must be one of {WINDOW_STRATEGIES}, got {strategy!r}")
+        hi = max(0, min(num_steps // 2 - 1, num_steps - size))
+        first = random.Random(seed * 1_000_003 + iteration).randint(0, hi)
+        return list(range(first, first + size))
+    if strategy != "progressive":
+        raise ValueError(f"sampling.window.strategy must be one of {WINDOW_STRATEGIES}, got {strategy!r}")
+    shifts = (iteration if schedule_step is None else schedule_step) // max(shift_every, 1)
+    if at_end == "clamp":
+        first = min(start + stride * shifts, num_steps - size)
+        return list(range(first, first + size))
+    if at_end != "roll_back":
+        raise ValueError(f"sampling.window.at_end must be one of {WINDOW_ENDS}, got {at_end!r}")
+    limit = num_steps - 2  # MixGRPO's max_timesteps: no window reaches it
+    positions = (limit - start) // stride + 1 if stride > 0 else 1  # the starts start + stride j <= limit
+    first = min(start + stride * (shifts % positions), limit - 1)
+    return list(range(first, min(first + size, limit)))
 
 
-def window_mask(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 10,
-                schedule_step: int | None = None) -> torch.Tensor:
-    """Boolean [num_steps]: True where the step is an SDE step (and so trainable)."""
-    if strategy == "all":
-        return torch.ones(num_steps, dtype=torch.bool)
-    s = window_start(strategy, num_steps, size, start, iteration, seed, shift_every, schedule_step)
+def window_start(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 25,
+                 schedule_step: int | None = None, stride: int = 1, at_end: str = "roll_back") -> int:
+    """First step of this iteration's SDE window (`window_steps`)."""
+    return window_steps(strategy, num_steps, size, start, iteration, seed, shift_every, schedule_step, stride, at_end)[0]
+
+
+def window_mask(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 25,
+                schedule_step: int | None = None, stride: int = 1, at_end: str = "roll_back") -> torch.Tensor:
+    """Boolean [num_steps]: True where the step is an SDE step (and so trainable); `window_steps`."""
     mask = torch.zeros(num_steps, dtype=torch.bool)
-    mask[s : s + size] = True
+    mask[window_steps(strategy, num_steps, size, start, iteration, seed, shift_every, schedule_step, stride, at_end)] = True
     return mask
