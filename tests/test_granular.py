@@ -66,8 +66,9 @@ def test_counts_match_their_closed_forms(policy, monkeypatch):
     prompts = ["a red circle", "a blue square"]
     batch = granular_rollout(policy, prompts, [11, 12], branch_spec(policy), BRANCH, GRANULARITIES, G, batch_size=64)
     per_prompt = granular_nfe(T, BRANCH, GRANULARITIES, G)
-    # anchor T; tails from steps 1, 2, 3: g=1 visits 5 + 4 + 3 sigmas, g=2 visits 3 + 2 + 2
-    assert per_prompt == T + G * (5 + 4 + 3 + 3 + 2 + 2)
+    # anchor T; tails from steps 1, 2, 3: g=1 takes 5 + 4 + 3 steps, g=2 (one step, then strides of 2: 1 2 4 6,
+    # 2 3 5 6, 3 4 6) 3 + 3 + 2
+    assert per_prompt == T + G * (5 + 4 + 3 + 3 + 3 + 2)
     assert sum(rows) == batch.nfe == len(prompts) * per_prompt
     # one batched call per sigma index: the anchor's T, then indices 1..5 for the tails
     assert len(rows) == batch.calls == sequential_calls(T, BRANCH, GRANULARITIES) == T + 5

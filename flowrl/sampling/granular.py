@@ -4,8 +4,8 @@ Per prompt: one ODE anchor x_0 .. x_T from a noise the group shares. At each bra
 samples take ONE SDE step from the anchor's x_k, all from the anchor's own velocity there (the
 G samples share the transition's mean, so the branch costs no network call), and every other
 step of a sample is deterministic: its reward belongs to that one injected noise. From each
-branched latent x'_{k+1} an ODE tail finishes the sample at every granularity g, on the sigmas
-k + 1, k + 1 + g, ... and always the last, sigma = 0.
+branched latent x'_{k+1} an ODE tail finishes the sample at every granularity g (`tail_indices`:
+by default the reference's grid, k + 1, k + 2, k + 2 + g, ..., and always the last, sigma = 0).
 
 All tails of all prompts, branch steps, granularities and samples advance together: tails that
 stand at the same sigma share one batched network call, so a prompt needs T calls for its
@@ -33,22 +33,48 @@ def default_branch_steps(num_steps: int) -> list[int]:
     return list(range(num_steps // 2))
 
 
-def tail_indices(k: int, g: int, num_steps: int) -> list[int]:
-    """The sigma indices an ODE tail from x'_{k+1} visits at granularity g: k + 1, k + 1 + g, ...,
-    then num_steps (sigma = 0) whatever the stride left over."""
-    return list(range(k + 1, num_steps, g)) + [num_steps]
+TAIL_GRIDS = ("reference", "from_branch")
+TAIL_ENDS = ("zero", "x0_prediction")
 
 
-def granular_nfe(num_steps: int, branch_steps: Sequence[int], granularities: Sequence[int], group_size: int) -> int:
+def tail_indices(k: int, g: int, num_steps: int, grid: str = "reference", end: str = "zero") -> list[int]:
+    """The sigma indices an ODE tail from x'_{k+1} visits at granularity g (docs/algorithms.md
+    section 12), from k + 1 to num_steps (sigma = 0).
+
+    grid reference (G2RPO's code): one step of the schedule first, k + 1 -> k + 2, then every g-th
+    sigma counted from k + 2. from_branch (flowrl's earlier grid): every g-th sigma counted from k + 1.
+    end zero: a tail whose stride misses the last index takes one more, shorter step to it.
+    x0_prediction (the reference's scoring): the last index the stride reaches is replaced by
+    num_steps, so the image is the one-step x0-prediction x - sigma v from the index before it
+    (an Euler step to sigma = 0 is that prediction); at T = 16 and g = 2 that is sigma 0.41 for odd k."""
+    if grid not in TAIL_GRIDS:
+        raise ValueError(f"rollout.granular.tail_grid must be one of {TAIL_GRIDS}, got {grid!r}")
+    if end not in TAIL_ENDS:
+        raise ValueError(f"rollout.granular.tail_end must be one of {TAIL_ENDS}, got {end!r}")
+    first = k + 1
+    if first >= num_steps:  # a branch at the last step is finished already
+        return [num_steps]
+    idx = [first, *range(first + 1, num_steps + 1, g)] if grid == "reference" else list(range(first, num_steps + 1, g))
+    if idx[-1] != num_steps:
+        if end == "x0_prediction" and len(idx) > 1:
+            idx[-1] = num_steps
+        else:
+            idx.append(num_steps)
+    return idx
+
+
+def granular_nfe(num_steps: int, branch_steps: Sequence[int], granularities: Sequence[int], group_size: int,
+                 grid: str = "reference", end: str = "zero") -> int:
     """Network evaluations per prompt: the anchor's T plus every tail step of every sample."""
-    tails = sum(len(tail_indices(k, g, num_steps)) - 1 for k in branch_steps for g in granularities)
+    tails = sum(len(tail_indices(k, g, num_steps, grid, end)) - 1 for k in branch_steps for g in granularities)
     return num_steps + group_size * tails
 
 
-def sequential_calls(num_steps: int, branch_steps: Sequence[int], granularities: Sequence[int]) -> int:
+def sequential_calls(num_steps: int, branch_steps: Sequence[int], granularities: Sequence[int], grid: str = "reference",
+                     end: str = "zero") -> int:
     """Network calls one after another per prompt (at unlimited batch size): the anchor's T, then one
     per sigma index at which some tail stands."""
-    stops = {j for k in branch_steps for g in granularities for j in tail_indices(k, g, num_steps)[:-1]}
+    stops = {j for k in branch_steps for g in granularities for j in tail_indices(k, g, num_steps, grid, end)[:-1]}
     return num_steps + len(stops)
 
 
@@ -76,9 +102,11 @@ class GranularBatch:
 @torch.no_grad()
 def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec: SamplerSpec, branch_steps: Sequence[int],
                      granularities: Sequence[int], group_size: int, batch_size: int, prompt_ids: Sequence[int] | None = None,
-                     progress: bool = False, desc: str = "granular sampling") -> GranularBatch:
+                     progress: bool = False, desc: str = "granular sampling", tail_grid: str = "reference",
+                     tail_end: str = "zero") -> GranularBatch:
     """Anchors, branches and tails for `prompts` (one group each, seeded `seeds`). `spec` gives the
-    sigmas and the SDE of the branch steps; the anchor and the tails are ODE."""
+    sigmas and the SDE of the branch steps; the anchor and the tails are ODE, the tails on
+    `tail_indices(k, g, T, tail_grid, tail_end)`."""
     prompts, seeds = list(prompts), [int(s) for s in seeds]
     P, T, G = len(prompts), spec.num_steps, group_size
     M, L = len(branch_steps), len(granularities)
@@ -86,7 +114,9 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
     sig = spec.sigmas
     for p in dict.fromkeys(prompts):  # each prompt encoded alone (see FlowPolicy.encode)
         policy.encode([p])
-    bar = tqdm(total=granular_nfe(T, branch_steps, granularities, G) * P, desc=desc, disable=not progress, leave=False, unit="nfe")
+    tails = [[tail_indices(k, g, T, tail_grid, tail_end) for g in granularities] for k in branch_steps]  # [M][L]
+    bar = tqdm(total=granular_nfe(T, branch_steps, granularities, G, tail_grid, tail_end) * P, desc=desc, disable=not progress,
+               leave=False, unit="nfe")
     # the anchor: ODE from the group's noise, keeping every latent and the velocity at branch steps
     x = seeded_noise(seeds, INITIAL, shape, policy.device)
     anchors = torch.empty((P, T + 1, *shape))
@@ -110,11 +140,12 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
         out = spec.step(k, xk, branch_v[k].repeat_interleave(G, 0), noise=noise)
         branch_next[:, m] = out.next_x.view(P, G, *shape).cpu()
         log_probs[:, m] = out.log_prob.view(P, G).cpu()
-    # the tails: tail (p, m, l, i) stands at sigma index where[m, l] (a branch at the last step is
-    # finished already); every index advances, in one batched call, the tails standing there
+    # the tails: tail (p, m, l, i) stands at sigma index where[m, l], the pos[m, l]-th of its indices
+    # (a branch at the last step is finished already); every index advances, in one batched call,
+    # the tails standing there to their next index
     state = branch_next[:, :, None].expand(P, M, L, G, *shape).clone()
-    where = torch.tensor([[tail_indices(k, g, T)[0] for g in granularities] for k in branch_steps])  # [M, L]
-    stride = torch.tensor(list(granularities))
+    where = torch.tensor([[t[0] for t in row] for row in tails])  # [M, L]
+    pos = torch.zeros(M, L, dtype=torch.long)
     for j in range(1, T):
         ml = (where == j).nonzero()  # (m, l) pairs whose tails stand at j
         if len(ml) == 0:
@@ -125,10 +156,11 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
         v = batched_velocity(policy, flat, float(sig[j]), row_prompts, batch_size)
         nfe, calls = nfe + len(flat), calls + math.ceil(len(flat) / batch_size)
         bar.update(len(flat))
-        nxt = torch.clamp(j + stride[ml[:, 1]], max=T)  # [n_ml]
+        nxt = torch.tensor([tails[m][l_][int(pos[m, l_]) + 1] for m, l_ in ml.tolist()])  # [n_ml]
         dt = (sig[nxt] - sig[j]).view(1, -1, 1, *([1] * len(shape)))
         state[:, ml[:, 0], ml[:, 1]] = (rows.to(policy.device) + dt.to(policy.device) * v.view(rows.shape)).cpu()
         where[ml[:, 0], ml[:, 1]] = nxt
+        pos[ml[:, 0], ml[:, 1]] += 1
     bar.close()
     return GranularBatch(anchors, branch_next, log_probs, state, list(branch_steps), list(granularities), prompts,
                          torch.as_tensor(list(prompt_ids) if prompt_ids is not None else range(P), dtype=torch.long),

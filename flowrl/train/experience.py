@@ -69,6 +69,9 @@ class Experience:
     precision: str  # what the transitions were sampled in (GRPO refuses a ratio across precisions)
     transitions: list[list[TransitionBatch]] | None = None  # accumulation groups of micro-batches
     weigh_by_transition: bool = False  # weigh micro-batches by their kept transitions (trees: sizes differ)
+    # False: the accumulation groups are trained in their order every inner epoch (G2RPO's branch steps,
+    # increasing, as its reference); True: in an order shuffled per epoch
+    shuffle: bool = True
     samples: list[SampleBatch] | None = None
     metrics: dict = field(default_factory=dict)  # the rollout's own columns of the metrics row
     reward_totals: torch.Tensor | None = None  # [N] the channel-weighted rewards the advantages came from

@@ -2,11 +2,12 @@
 plus beta x the exact KL to the reference, the network with its adapter disabled (Flow-GRPO:
 Liu et al., arXiv:2505.05470; docs/algorithms.md section 2).
 
-Inner epochs over the experience's accumulation groups, shuffled each epoch;
-`trainer.gradient_accumulation_steps` groups make one optimizer step, and under DDP gradients
-are synchronised only on the step's last backward. Each micro-batch's loss is a mean over its
-kept transitions; within an optimizer step every micro-batch weighs the same, or, when the
-experience asks (trees: micro-batches differ in size), every kept transition does. A
+Inner epochs over the experience's accumulation groups, shuffled each epoch (or in their order
+when the experience asks: G2RPO's branch steps); `trainer.gradient_accumulation_steps` groups
+make one optimizer step, and under DDP gradients are synchronised only on the step's last
+backward. Each micro-batch's loss is a mean over its kept transitions; within an optimizer step
+every micro-batch weighs the same, or, when the experience asks (trees and G2RPO: micro-batches
+may differ in size), every kept transition does. A
 micro-batch with nothing kept gets a zero backward (so every process runs the same backwards)
 and no statistics.
 """
@@ -58,7 +59,7 @@ class GRPO(Objective):
         bar = tqdm(total=t.inner_epochs * sum(len(g) for g in groups), desc=f"iter {experience.iteration} training", leave=False,
                    disable=not ctx.progress, unit="step")
         for _ in range(t.inner_epochs):
-            order = torch.randperm(len(groups), generator=gen).tolist()
+            order = torch.randperm(len(groups), generator=gen).tolist() if experience.shuffle else list(range(len(groups)))
             for gi, group_index in enumerate(order):
                 group = groups[group_index]
                 closes_step = (gi + 1) % accum == 0 or gi == len(order) - 1

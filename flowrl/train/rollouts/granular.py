@@ -6,17 +6,20 @@ across processes and padded with copies of the last one (zero advantage). The ta
 the one reward path; the core's multi-granularity estimator turns a sample's rewards at every
 granularity into one advantage per (prompt, branch step, sample); and only the branch transitions
 are trained, each branch step's prompts in the anchor's sampling batches (one forward per batch,
-the G samples share it), so the first importance ratio is exactly 1.
+the G samples share it), so the first importance ratio is exactly 1. Every branch transition of an
+optimizer step weighs the same (the reference: the mean over G of each prompt's, averaged over its
+processes), and the branch steps are trained in increasing order, as the reference
+(rollout.granular.step_order).
 """
 
 from __future__ import annotations
 
 import torch
 
-from flowrl.core.advantages import multi_granularity_advantages
-from flowrl.errors import ConfigError
-from flowrl.sampling.granular import (GranularBatch, branch_edges, default_branch_steps, granular_nfe, granular_rollout,
-                                      sequential_calls)
+from flowrl.core.advantages import AdvantageOutput, multi_granularity_advantages
+from flowrl.errors import ConfigError, check_choice
+from flowrl.sampling.granular import (TAIL_ENDS, TAIL_GRIDS, GranularBatch, branch_edges, default_branch_steps, granular_nfe,
+                                      granular_rollout, sequential_calls)
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.sampling.tree import parent_batches
 from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch
@@ -26,8 +29,28 @@ from flowrl.train.rollouts.flat import (one_group_per_prompt, require_some_valid
 from flowrl.train.scoring import Scoring
 
 
+STEP_ORDERS = ("increasing", "shuffled")
+
+
 def branch_steps_of(cfg) -> list[int]:
     return list(cfg.rollout.granular.branch_steps) or default_branch_steps(cfg.sampling.num_steps)
+
+
+def granular_advantages(rewards: torch.Tensor, valid: torch.Tensor, n: int, M: int, L: int, G: int, weights: torch.Tensor,
+                        clip: float) -> tuple[torch.Tensor, torch.Tensor, AdvantageOutput]:
+    """MGAI over scored tails: `rewards` [n * M * L * G, K] and `valid` [n * M * L * G] in (prompt,
+    branch step, granularity, sample) order. A sample is (prompt, branch step, i), its group the G
+    samples of its (prompt, branch step); it is left out when any of its tails is invalid. Returns
+    advantages [n, M, G] (0 for left-out samples), each sample's rewards [n * M * G, L, K] and the
+    estimator's output over the valid samples."""
+    K = rewards.shape[1]
+    per_sample = rewards.view(n, M, L, G, K).permute(0, 1, 3, 2, 4).reshape(n * M * G, L, K)
+    ok = valid.view(n, M, L, G).all(2).reshape(-1)
+    cells = torch.arange(n * M).repeat_interleave(G)
+    advantages = torch.zeros(n * M * G)
+    out = multi_granularity_advantages(per_sample[ok], cells[ok], weights, clip=clip)
+    advantages[ok] = out.advantages
+    return advantages.view(n, M, G), per_sample, out
 
 
 @register_rollout
@@ -67,7 +90,7 @@ class GranularRollout(Rollout):
         spec = self.spec(iteration)
         batch = granular_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), spec, branch_steps_of(cfg),
                                  list(gr.granularities), G, bs, prompt_ids=local_ids, progress=ctx.progress,
-                                 desc=f"iter {iteration} granular sampling")
+                                 desc=f"iter {iteration} granular sampling", tail_grid=gr.tail_grid, tail_end=gr.tail_end)
         P, M, L = len(local_ids), len(batch.branch_steps), len(batch.granularities)
         shape = batch.finals.shape[4:]
         flat_finals = batch.finals.reshape(-1, *shape)  # (p, m, l, i) order
@@ -78,18 +101,14 @@ class GranularRollout(Rollout):
         scores = self.scoring.finish(n * M * L * G)  # process-major = prompt order; padding last
         require_some_valid(scores.valid, iteration)
 
-        K = scores.rewards.shape[1]
         # samples are (prompt, branch step, i); each has a reward per (granularity, channel)
-        rewards = scores.rewards.view(n, M, L, G, K).permute(0, 1, 3, 2, 4).reshape(n * M * G, L, K)
+        by_step, rewards, adv = granular_advantages(scores.rewards, scores.valid, n, M, L, G, weights, gr.clip)
         valid = scores.valid.view(n, M, L, G).all(2).reshape(-1)  # a sample with any invalid tail is left out
-        cells = torch.arange(n * M).repeat_interleave(G)  # the group of a sample: its (prompt, branch step)
-        advantages = torch.zeros(n * M * G)
-        adv = multi_granularity_advantages(rewards[valid], cells[valid], weights, clip=gr.clip)
-        advantages[valid] = adv.advantages
+        advantages = by_step.reshape(-1)
         real = shard.positions < n
         local = torch.zeros(P, M, G)
         mine = shard.positions[real]
-        local[real] = advantages.view(n, M, G)[mine]
+        local[real] = by_step[mine]
         groups = self.micro_batches(batch, spec, local, real)
 
         prompt_ids = torch.tensor(ids[:n]).repeat_interleave(M * G)
@@ -100,8 +119,8 @@ class GranularRollout(Rollout):
             "adv_abs_mean": advantages[valid].abs().mean().item(),
             "degenerate_groups": adv.degenerate.float().mean().item(),
             "prompts": n,
-            "nfe_per_prompt": granular_nfe(T, batch.branch_steps, batch.granularities, G),
-            "sequential_calls_per_prompt": sequential_calls(T, batch.branch_steps, batch.granularities),
+            "nfe_per_prompt": granular_nfe(T, batch.branch_steps, batch.granularities, G, gr.tail_grid, gr.tail_end),
+            "sequential_calls_per_prompt": sequential_calls(T, batch.branch_steps, batch.granularities, gr.tail_grid, gr.tail_end),
             "network_calls": batch.calls,  # batched calls on this process
             "decodes": n * M * L * G,  # = reward calls (rows scored), all processes
             "trained_steps": M,
@@ -109,16 +128,17 @@ class GranularRollout(Rollout):
             "time_reward": scores.reward_time,
             "time_reward_wait": scores.reward_wait,
         }
-        by_step = advantages.view(n, M, G)
         for m, k in enumerate(batch.branch_steps):
             metrics[f"adv_abs_mean/step{k}"] = by_step[:, m].abs().mean().item()
             metrics[f"adv_std/step{k}"] = by_step[:, m].std(unbiased=False).item()
         return Experience(iteration, mean_rewards, prompt_ids, valid, advantages, policy_precision(ctx.policy), transitions=groups,
-                          metrics=metrics, reward_totals=mean_rewards @ weights)
+                          weigh_by_transition=True, shuffle=gr.step_order == "shuffled", metrics=metrics,
+                          reward_totals=mean_rewards @ weights)
 
     def micro_batches(self, batch: GranularBatch, spec: SamplerSpec, local_adv: torch.Tensor, real: torch.Tensor):
         """One micro-batch per (branch step, sampling batch of anchors); accumulation groups of one
-        branch step each (rollout.granular.step_per_branch) or one group for the iteration."""
+        branch step each, in increasing step order (rollout.granular.step_per_branch), or one group
+        for the iteration."""
         policy, bs, G = self.ctx.policy, self.ctx.cfg.sampling.batch_size, batch.group_size
         kl = step_kl(spec.reduction)
         per_step = []
@@ -142,6 +162,9 @@ def validate_granular(cfg) -> None:
                           f"(sampling.num_steps is {s.num_steps}); got {list(gr.branch_steps)}")
     if not gr.granularities or sorted(set(gr.granularities)) != list(gr.granularities) or gr.granularities[0] < 1:
         raise ConfigError(f"rollout.granular.granularities must be strictly increasing strides >= 1; got {list(gr.granularities)}")
+    check_choice("rollout.granular.tail_grid", gr.tail_grid, TAIL_GRIDS)
+    check_choice("rollout.granular.tail_end", gr.tail_end, TAIL_ENDS)
+    check_choice("rollout.granular.step_order", gr.step_order, STEP_ORDERS)
     flat_steps = steps_without_noise(cfg, steps)
     if flat_steps:
         raise ConfigError(f"rollout.granular.branch_steps {flat_steps} have no noise under sampling.sampler '{s.sampler}' "
