@@ -141,6 +141,9 @@ def test_granular_training_runs_and_logs_its_counts(tmp_path):
     ("rollout.granular.branch_steps=[2,1]", "rollout.granular.branch_steps must be strictly increasing"),
     ("rollout.granular.branch_steps=[12]", "rollout.granular.branch_steps must be strictly increasing steps in [0, 9]"),
     ("rollout.granular.granularities=[0]", "rollout.granular.granularities must be strictly increasing strides >= 1"),
+    ("rollout.granular.tail_grid=strided", "rollout.granular.tail_grid must be one of reference, from_branch"),
+    ("rollout.granular.tail_end=last", "rollout.granular.tail_end must be one of zero, x0_prediction"),
+    ("rollout.granular.step_order=random", "rollout.granular.step_order must be one of increasing, shuffled"),
     ("objective.kind=nft", "granular"),
     ("advantage.kind=rank", "advantage.kind must be grpo when rollout.kind is granular"),
 ])

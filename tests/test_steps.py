@@ -354,6 +354,22 @@ def test_window_unknown_strategy():
         window_mask("sliding", 10, 2, 0, 0, 0)
 
 
+@pytest.mark.parametrize("overrides, fragment", [
+    (["sampling.window.at_end=wrap"], "sampling.window.at_end must be one of roll_back, clamp"),
+    (["sampling.window.stride=-1"], "sampling.window.stride"),
+    (["sampling.window.start=2"], "sampling.window.start must be between 0 and 1 with sampling.window.at_end roll_back"),
+    (["sampling.window.at_end=clamp", "sampling.window.size=3", "sampling.window.start=2"], "sampling.window.start must be "
+     "between 0 and 1 so the window of 3 steps fits"),
+])
+def test_progressive_window_settings_are_checked(overrides, fragment):
+    """MixGRPO's window (tests/test_reference_fidelity.py checks it against the reference) on 4 steps."""
+    from flowrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_jpeg", ["sampling.window.strategy=progressive", "sampling.window.size=2", *overrides])
+    assert fragment in str(err.value)
+
+
 # --------------------------------------------------------------------------------------
 # Seeded noise
 # --------------------------------------------------------------------------------------
