@@ -85,8 +85,12 @@ def test_g2rpo_preset_keeps_the_reference_settings():
     gr = cfg.rollout.granular
     assert (cfg.rollout.kind, cfg.objective.kind, cfg.model.kind) == ("granular", "grpo", "flux")
     assert (cfg.sampling.sampler, cfg.sampling.noise_level, cfg.sampling.num_steps, cfg.sampling.shift) == ("flow_grpo", 0.7, 16, 3.0)
-    assert cfg.data.group_size == 12 and gr.branch_steps == list(range(8)) and gr.granularities == [1, 2, 3]
+    assert cfg.data.group_size == 12 and gr.branch_steps == list(range(8)) and gr.granularities == [1, 2]
     assert (gr.clip, gr.step_per_branch, cfg.objective.grpo.clip_range, cfg.trainer.kl_beta) == (5.0, True, 1e-4, 0.0)
+    assert (gr.tail_grid, gr.tail_end, gr.step_order) == ("reference", "zero", "increasing")
+    assert (cfg.model.guidance_scale, cfg.sampling.logprob_reduction, cfg.sampling.schedule) == (3.5, "mean", "shifted_linear")
+    assert (cfg.trainer.weight_decay, cfg.trainer.adam_eps, cfg.trainer.max_grad_norm, cfg.trainer.lr_schedule) == (
+        1e-4, 1e-8, 1.0, "constant")
 
 
 def test_group_objective_presets_keep_their_papers_settings():
