@@ -13,7 +13,8 @@ forward and its tails), and the goal, at most 2T + 2.
 Then trains, from the embedded shapes model with GRPO (PPO clip, LoRA, no KL) and for the same
 wall time, flat Flow-GRPO (8 prompts x 8 samples, every step an SDE step: 640 network evaluations
 per iteration) and G2RPO (3 prompts x 4 samples per branch step, branch steps 0-4, granularities
-[1, 2]: 3 x 226 = 678), scores held-out strict accuracy (400 prompts, 20-step ODE, eval seeds
+[1, 2]: 3 x 234 = 702 on the reference's tail grid; the run recorded in docs/experiments/granular.md
+had flowrl's earlier grid, 3 x 226 = 678), scores held-out strict accuracy (400 prompts, 20-step ODE, eval seeds
 from 10000, as bench_shapes) of each against the base, and writes `granular.png` (training reward
 against cumulative network evaluations) and `granular.json` to --out.
 """
