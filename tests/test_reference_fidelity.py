@@ -327,7 +327,8 @@ def test_mixgrpo_window_of_every_iteration_matches_the_reference(num_steps, size
 
     iterations = 3 * (num_steps + 1) * tau
     ref = mixgrpo_reference_windows(iterations, num_steps, size, tau, stride, start)
-    got = [window_steps("progressive", num_steps, size, start, n, seed=0, shift_every=tau, stride=stride) for n in range(iterations)]
+    got = [window_steps("progressive", num_steps, size, start, n, seed=0, shift_every=tau, stride=stride)
+           for n in range(iterations)]
     for n, (want, have) in enumerate(zip(ref, got)):
         # where the reference's window is empty (start at max_t) flowrl keeps the last one-step window
         assert have == (want or [num_steps - 3]), f"iteration {n}"

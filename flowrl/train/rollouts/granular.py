@@ -114,13 +114,13 @@ class GranularRollout(Rollout):
         prompt_ids = torch.tensor(ids[:n]).repeat_interleave(M * G)
         mean_rewards = rewards.mean(1)  # [N, K]: each sample's reward averaged over its granularities
         ctx.allocator.observe(prompt_ids[valid], successes(cfg, mean_rewards[valid] @ weights))
-        T = spec.num_steps
+        T, tails = spec.num_steps, (gr.tail_grid, gr.tail_end)
         metrics = {
             "adv_abs_mean": advantages[valid].abs().mean().item(),
             "degenerate_groups": adv.degenerate.float().mean().item(),
             "prompts": n,
-            "nfe_per_prompt": granular_nfe(T, batch.branch_steps, batch.granularities, G, gr.tail_grid, gr.tail_end),
-            "sequential_calls_per_prompt": sequential_calls(T, batch.branch_steps, batch.granularities, gr.tail_grid, gr.tail_end),
+            "nfe_per_prompt": granular_nfe(T, batch.branch_steps, batch.granularities, G, *tails),
+            "sequential_calls_per_prompt": sequential_calls(T, batch.branch_steps, batch.granularities, *tails),
             "network_calls": batch.calls,  # batched calls on this process
             "decodes": n * M * L * G,  # = reward calls (rows scored), all processes
             "trained_steps": M,
