@@ -23,6 +23,7 @@ from flowrl.core.selection import SELECTION_KINDS
 from flowrl.errors import ConfigError, check_choice, check_range
 from flowrl.presets import CONFIG_DIR, DEFAULT_PRESET, preset_names
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
+from flowrl.models.compile import COMPILE_MODES
 from flowrl.sampling.precision import HIGH_PRECISION_LAYERS
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
@@ -54,6 +55,10 @@ class ModelConfig:
     max_sequence_length: int = 128
     gradient_checkpointing: bool = False
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # torch.compile of the transformer, for rollouts and training forwards: none (eager) | blocks (each
+    # transformer block compiled, regional compilation) | full (the whole transformer). Compiled forwards
+    # run on exactly sampling.batch_size rows, a short batch padded, so nothing recompiles after warm-up
+    compile: str = "none"
 
 
 @dataclass
@@ -734,6 +739,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     check_numbers(cfg)
     check_choice("model.kind", m.kind, MODEL_KINDS)
     check_choice("model.dtype", m.dtype, DTYPES)
+    check_choice("model.compile", m.compile, COMPILE_MODES)
     if validate_paths:
         check_model_path(m.path)
     for key in ("height", "width"):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flowrl.errors import UserError
+from flowrl.models.compile import compile_network, padded_velocity
 from flowrl.sampling.schedules import shifted_sigmas
 
 if TYPE_CHECKING:  # the config module imports the built-in model names from here
@@ -126,6 +127,7 @@ class FlowPolicy:
         self.lora_sigma_range: tuple[float, float] | None = None  # None: the adapter acts at every sigma
         self._reference_depth = 0
         self._reference_net = None  # full fine-tuning with a KL: a frozen copy of the network (set_reference_network)
+        self.compiled_rows = 0  # model.compile: every forward runs on exactly this many rows (0: eager, any batch)
         if cfg.gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
 
@@ -197,6 +199,8 @@ class FlowPolicy:
     def velocity(self, x: torch.Tensor, sigma: float, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         """v(x, sigma | cond) in fp32 for latents x [B, *latent_shape]. Outside the adapter's
         sigma range (lora.sigma_range) the base network answers: the reference policy there."""
+        if self.compiled_rows and x.shape[0] != self.compiled_rows:  # static shapes: nothing recompiles
+            return padded_velocity(self.velocity, x, sigma, cond, self.compiled_rows)
         if self.adapter_acts_at(sigma):
             return self._velocity(x, sigma, cond)
         with self.reference():
@@ -281,6 +285,17 @@ class FlowPolicy:
             yield self
         finally:
             self._guidance_override = saved
+
+    def compile(self, mode: str, rows: int) -> None:
+        """model.compile (flowrl/models/compile.py): compile the network in place (and the reference
+        copy of full fine-tuning), after the adapter is added; from then on every velocity runs on
+        exactly `rows` rows (sampling.batch_size), a short batch padded, so shapes never change."""
+        if mode == "none":
+            return
+        compile_network(self.transformer, mode)
+        if self._reference_net is not None:
+            compile_network(self._reference_net, mode)
+        self.compiled_rows = int(rows)
 
     def set_reference_network(self, net: torch.nn.Module) -> None:
         """Full fine-tuning has no adapter to disable: `reference()` then swaps in `net`, a frozen copy

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from flowrl.core.lr_schedule import lr_factor
 from flowrl.errors import UserError
 from flowrl.models import load_policy
+from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
@@ -91,6 +92,9 @@ class Trainer:
         optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
                                       weight_decay=t.weight_decay)
         self.optimizer = self.layout.prepare(self.policy, optimizer)
+        # model.compile: in place, after the adapter and accelerate's wrapper; forwards then run on sampling.batch_size rows
+        self.policy.compile(cfg.model.compile, cfg.sampling.batch_size)
+        self.compile_watch = CompileWatch() if cfg.model.compile != "none" else None
         self.ema = EMA(self.params, t.ema_decay) if t.ema else None
         self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards) if rollout_cls.needs_rewards else None
         self.reward_runner = AsyncRewardRunner(self.reward_fn)
@@ -149,6 +153,9 @@ class Trainer:
         row.update(time_sampling=t_collected - t0, time_training=t_updated - t_collected)
         self.iteration += 1
         row["time_iteration"] = time.perf_counter() - t0
+        if self.compile_watch is not None:  # graphs compiled in this iteration: 0 after the first, or one warning line
+            say = tqdm.write if self.accelerator.is_main_process else None
+            row["compiled_graphs"] = self.compile_watch.after_iteration(self.iteration - 1, say)
         return row
 
     def optimizer_step(self) -> float:

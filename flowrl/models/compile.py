@@ -1,0 +1,130 @@
+"""torch.compile of the policy's transformer (`model.compile`).
+
+none    eager, as loaded.
+blocks  regional compilation: every transformer block is compiled in place (`module.compile()`
+        on the modules whose class the diffusers model lists in `_repeated_blocks`, else in
+        `_no_split_modules`), what diffusers recommends (`compile_repeated_blocks`). The blocks
+        of one class share one compiled code object, so a model compiles about as fast as one block.
+full    the whole transformer compiled in place (`transformer.compile()`).
+
+Compiling in place keeps the module objects, so the LoRA adapter (peft), the state dict names,
+accelerate's DDP wrapper and checkpoints see the same network as eager.
+
+Shapes are static (`dynamic=False`): every velocity runs on exactly `sampling.batch_size` rows
+(`FlowPolicy.velocity` pads a short batch with copies of its last row and splits a longer one),
+so the graphs a run needs are few and fixed. Dynamo still specialises on what differs between
+the calls of one run, and compiles each combination once: grad mode (rollouts vs training
+forwards), the doubled batch of classifier-free guidance, inputs that do or do not require grad
+(the first block vs the later ones), the last block of SD3 (no context output), and peft's
+adapter-disabled flag (`FlowPolicy.reference()`: the reference pass is its own graph, compiled
+the first time and reused after, not recompiled at every toggle). That is about 8 to 16 graphs
+per block class, above dynamo's default `recompile_limit` of 8, past which it would fall back to
+eager silently; `configure_dynamo` raises the limit to RECOMPILE_LIMIT.
+
+Recompiles are detected by counting the graphs dynamo builds (`torch._dynamo.utils.counters
+["stats"]["unique_graphs"]`, `compiled_graphs()`): the trainer reads the count after every
+iteration, logs it as the metrics column `compiled_graphs`, and prints one warning line when an
+iteration after the first compiled anything (TORCH_LOGS=recompiles then says why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from flowrl.errors import UserError
+
+COMPILE_MODES = ("none", "blocks", "full")  # model.compile
+RECOMPILE_LIMIT = 64  # graphs per compiled code object (dynamo's default, 8, is too few for one run's variants)
+
+
+def configure_dynamo(limit: int = RECOMPILE_LIMIT) -> None:
+    """Raise dynamo's per-code-object cache limit to at least `limit` (never lower it)."""
+    import torch._dynamo
+
+    cfg = torch._dynamo.config
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # renamed in torch 2.6
+    setattr(cfg, name, max(getattr(cfg, name), limit))
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * limit)
+
+
+def block_modules(net: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks of a diffusers model: the classes it names in `_repeated_blocks`
+    (diffusers' regional compilation), else in `_no_split_modules`; subclasses too (fsdp2's
+    `fully_shard` swaps each block's class for an FSDP subclass)."""
+    names = set(getattr(net, "_repeated_blocks", None) or getattr(net, "_no_split_modules", None) or ())
+    return [m for m in net.modules() if any(c.__name__ in names for c in type(m).__mro__)]
+
+
+def compile_network(net: torch.nn.Module, mode: str) -> None:
+    """Compile `net` in place under `mode` (COMPILE_MODES); none leaves it eager."""
+    if mode not in COMPILE_MODES:
+        raise UserError(f"model.compile must be one of {', '.join(COMPILE_MODES)}; got '{mode}'")
+    if mode == "none":
+        return
+    configure_dynamo()
+    if mode == "full":
+        net.compile(dynamic=False)
+        return
+    blocks = block_modules(net)
+    if not blocks:
+        raise UserError(f"model.compile blocks compiles each transformer block, but {type(net).__name__} names no block "
+                        "classes (_repeated_blocks or _no_split_modules); use model.compile=full")
+    for block in blocks:
+        block.compile(dynamic=False)
+
+
+def compiled_graphs() -> int:
+    """How many graphs dynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _pad_rows(value, start: int, stop: int, rows: int, n: int):
+    """Rows [start, stop) of a batch-first tensor of n rows, padded to `rows` with copies of the
+    last; anything else (a float sigma, a tensor not batch-first) passes through unchanged."""
+    if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != n:
+        return value
+    part = value[start:stop]
+    if stop - start < rows:
+        part = torch.cat([part, part[-1:].expand(rows - (stop - start), *part.shape[1:])])
+    return part
+
+
+def padded_velocity(velocity: Callable, x: torch.Tensor, sigma, cond: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
+    """velocity(x, sigma, cond) through forwards of exactly `rows` rows: x (with a per-row sigma
+    and the conditioning) split into chunks of `rows`, the last one padded with copies of its last
+    row; the padding's outputs are dropped. Rows do not interact in the network, so every real row
+    gets what an unpadded forward gives it (up to the kernels' rounding)."""
+    n = x.shape[0]
+    out = []
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        part_cond = {k: _pad_rows(v, start, stop, rows, n) for k, v in cond.items()}
+        v = velocity(_pad_rows(x, start, stop, rows, n), _pad_rows(sigma, start, stop, rows, n), part_cond)
+        out.append(v[: stop - start])
+    return out[0] if len(out) == 1 else torch.cat(out)
+
+
+class CompileWatch:
+    """Counts the graphs dynamo compiles between calls of `after_iteration`. The first iteration of
+    a process compiles (warm-up); any later one that compiles more prints one warning line through
+    `say` (the trainer's tqdm.write), not dynamo's multi-line guard report."""
+
+    def __init__(self) -> None:
+        self.seen = compiled_graphs()
+        self.iterations = 0
+
+    def after_iteration(self, iteration: int, say: Callable[[str], None] | None = None) -> int:
+        """Graphs compiled since the last call (the sample grid before the first iteration counts
+        toward it); warns when this is not the process's first iteration."""
+        now = compiled_graphs()
+        new, self.seen = now - self.seen, now
+        self.iterations += 1
+        if new and self.iterations > 1 and say is not None:
+            say(f"warning: model.compile recompiled at iteration {iteration} ({new} new graph{'s' if new > 1 else ''} after "
+                "warm-up, each a slow step); run with TORCH_LOGS=recompiles to see which guard changed")
+        return new
