@@ -1,0 +1,140 @@
+"""model.compile: torch.compile (Inductor on the CPU) of the tiny SD3 transformer, per block and whole."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl.config import ModelConfig, load_config
+from flowrl.errors import ConfigError
+from flowrl.models import load_policy
+from flowrl.models.compile import CompileWatch, compiled_graphs
+from flowrl.train.loop import Trainer
+
+ROWS = 4  # sampling.batch_size: compiled forwards run on exactly this many rows
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.target_modules=[to_q,to_k,to_v,to_out.0]"]
+
+
+@pytest.fixture(scope="module")
+def one_block_sd3(tmp_path_factory):
+    """The tiny SD3 with a single transformer block: the fewest graphs to compile (Inductor's C++
+    builds dominate these tests). The tests share its graphs (guidance 3, ROWS rows), so Inductor's
+    on-disk cache spares the later ones most of the building."""
+    from flowrl.models.tiny import build_tiny_sd3
+
+    return str(build_tiny_sd3(tmp_path_factory.mktemp("one-block-sd3") / "pipe", num_layers=1))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from an empty dynamo cache (its graphs would otherwise carry over), and
+    leaves none behind."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def lora_policy(path: str):
+    """The tiny SD3 with classifier-free guidance and an adapter that changes the velocity (peft
+    starts lora_B at zero, which would make the reference pass equal the policy's)."""
+    cfg = load_config("tiny_jpeg", [f"model.path={path}", "model.guidance_scale=3.0", *LORA])
+    policy = load_policy(cfg.model, device="cpu")
+    policy.add_lora(cfg.lora)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_trainable_parameters().items():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return policy
+
+
+def inputs(policy, n: int):
+    prompts = ["a red circle", "a blue square", "two green triangles", "a cat"][:n] + ["a dog"] * max(0, n - 4)
+    x = torch.randn((n, *policy.latent_shape()), generator=torch.Generator().manual_seed(1))
+    return x, policy.encode(prompts)
+
+
+def test_unknown_mode_is_refused_in_one_sentence():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_jpeg", ["model.compile=fast"])
+    assert str(err.value) == "model.compile must be one of none, blocks, full; got 'fast'"
+    assert ModelConfig().compile == "none"
+    assert load_config("default", []).model.compile == "none"  # the default preset stays eager
+
+
+def test_a_compile_after_the_first_iteration_prints_one_line():
+    # the trainer's watch over dynamo's graph counter: the first iteration compiles quietly (warm-up),
+    # a later one that compiles gets one warning line, not dynamo's guard report
+    from torch._dynamo.utils import counters
+
+    lines = []
+    watch = CompileWatch()
+    counters["stats"]["unique_graphs"] += 5
+    assert watch.after_iteration(0, lines.append) == 5 and not lines
+    assert watch.after_iteration(1, lines.append) == 0 and not lines
+    counters["stats"]["unique_graphs"] += 2
+    assert watch.after_iteration(2, lines.append) == 2
+    assert len(lines) == 1 and "\n" not in lines[0] and "iteration 2" in lines[0] and "TORCH_LOGS=recompiles" in lines[0]
+
+
+def test_padding_to_the_batch_size_changes_no_row(one_block_sd3):
+    # eager, so only the padding is tested: a short batch padded to ROWS rows, a long one split,
+    # a per-row sigma padded alike; every real row gets what the unpadded forward gives it
+    policy = lora_policy(one_block_sd3)
+    x, cond = inputs(policy, 6)
+    sigmas = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    with torch.no_grad():
+        plain = [policy.velocity(x[:n], 0.5, {k: v[:n] for k, v in cond.items()}) for n in (3, 6)]
+        plain_rows = torch.cat([policy.velocity(x[i : i + 1], float(sigmas[i]), {k: v[i : i + 1] for k, v in cond.items()})
+                                for i in range(6)])
+        policy.compiled_rows = ROWS
+        padded = [policy.velocity(x[:n], 0.5, {k: v[:n] for k, v in cond.items()}) for n in (3, 6)]
+        per_row = hasattr(policy, "timestep_rows")  # a velocity that takes one sigma per row
+        padded_rows = policy.velocity(x, sigmas, cond) if per_row else plain_rows
+    for a, b in zip(plain, padded):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(padded_rows, plain_rows, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["blocks", "full"])
+def test_compiled_velocity_equals_eager(one_block_sd3, mode):
+    # the policy's velocity and the adapter-disabled reference, a short batch (3 of ROWS rows):
+    # compiled (Inductor) as eager to 1e-5; the reference pass is one more graph, compiled once
+    policy = lora_policy(one_block_sd3)
+    x, cond = inputs(policy, 3)
+    with torch.no_grad():
+        eager = policy.velocity(x, 0.7, cond)
+        with policy.reference():
+            eager_ref = policy.velocity(x, 0.7, cond)
+    assert (eager - eager_ref).abs().max() > 1e-3  # the adapter matters
+    policy.compile(mode, ROWS)
+    before = compiled_graphs()
+    with torch.no_grad():
+        compiled = policy.velocity(x, 0.7, cond)
+        with policy.reference():
+            compiled_ref = policy.velocity(x, 0.7, cond)
+        warm = compiled_graphs()
+        again = policy.velocity(x, 0.3, cond)  # another sigma, adapter back on: no new graph
+        with policy.reference():
+            policy.velocity(x, 0.3, cond)
+    assert warm > before and compiled_graphs() == warm
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_ref, eager_ref, atol=1e-5, rtol=1e-5)
+    assert again.shape == eager.shape
+
+
+def test_training_compiles_only_in_its_first_iteration(tmp_path, one_block_sd3, capsys):
+    # nft with a KL: rollouts (no grad, eval), v_old (no grad, train mode), the trained velocity (grad)
+    # and the reference (adapter disabled), all with guidance; 6 samples in batches of 4, so the last is padded
+    cfg = load_config("tiny_jpeg", [
+        f"model.path={one_block_sd3}", "model.compile=blocks", "model.guidance_scale=3.0", "objective.nft.guidance_scale=3.0",
+        *LORA, "sampling.num_steps=2", "sampling.sampler=ode",
+        "sampling.batch_size=4", "data.prompts_per_iteration=2", "data.group_size=3", "objective.kind=nft",
+        "objective.nft.timesteps=1", "objective.nft.old_policy=sampling", "trainer.kl_beta=0.1", "trainer.iterations=2",
+        "run.sample_every=0", "run.checkpoint_every=0", "run.tracker=none", "run.progress=false",
+    ])
+    rows = Trainer(cfg, run_dir=tmp_path / "run").train()
+    assert [r["compiled_graphs"] > 0 for r in rows] == [True, False]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows) and rows[-1]["kl"] > 0
+    assert "recompiled" not in capsys.readouterr().out
