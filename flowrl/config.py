@@ -278,29 +278,37 @@ class GRPOConfig:
 @dataclass
 class NFTConfig:
     """objective.kind nft: DiffusionNFT's negative-aware flow matching on the clean samples (any
-    sampler, ode too; docs/algorithms.md section 4)."""
+    sampler, ode too; docs/algorithms.md section 4). The defaults are the reference code's
+    (NVlabs/DiffusionNFT, scripts/train_nft_sd3.py); each other value is a named flowrl variant."""
 
-    timesteps: int = 2  # forward-process sigmas drawn per sample and iteration
+    # grid: each sample trains at its own random permutation of the sampling grid's sigmas, the first
+    # `timesteps` of it (the reference); stratified (flowrl variant): `timesteps` sigmas per batch, one per
+    # stratum of lora.sigma_range, shared by the batch's samples
+    sigma_draw: str = "grid"
+    # sigmas trained per sample and iteration; 0: int(0.99 x sampling.num_steps), the reference's
+    # timestep_fraction 0.99 (9 of 10 steps; with sigma_draw stratified, 0 means 2)
+    timesteps: int = 0
     beta: float = 1.0  # the implicit policies' step, v_old +- beta (v - v_old)
-    # time shift of those sigmas (1: uniform strata over lora.sigma_range; 3 with 3 sigmas over (0, 1]:
-    # two of them above 0.6, where a sample's layout is decided)
+    # sigma_draw stratified: time shift of its sigmas (1: uniform strata over lora.sigma_range)
     sigma_shift: float = 1.0
-    # v_old is "current" (the weights before each optimizer step) or "sampling" (the weights that sampled
-    # the iteration, fixed through its steps, then soft-updated: old <- d old + (1 - d) new with
-    # d = min(old_decay, old_decay_rate x iteration), DiffusionNFT's schedule)
-    old_policy: str = "current"
+    # v_old is "sampling" (the weights that sampled the iteration, fixed through its steps, then soft-updated:
+    # old <- d old + (1 - d) new with d = min(old_decay, old_decay_rate x iteration): the reference's "old"
+    # adapter and decay type 1) or "current" (flowrl variant: the weights before each optimizer step)
+    old_policy: str = "sampling"
     old_decay: float = 0.5
     old_decay_rate: float = 0.001
-    adaptive_weight: bool = False  # the paper's per-sample normalisation of the x0-prediction error
+    adaptive_weight: bool = True  # the reference's per-sample normalisation of the x0-prediction error
     # false keeps the positive half of the loss only (reward-weighted flow matching on the better-than-group
     # samples, no push away from the worse ones)
     negatives: bool = True
-    # r = 0.5 + 0.5 A' with A' = clip(A, -1, 1) ("clip", the paper's) or A scaled per group by
-    # max(1, max |A|) ("group_max": each group's pulls and pushes still cancel, sum (2r - 1) = 0)
-    r_scale: str = "clip"
-    # the guidance of the velocity the loss trains (and of v_old and the KL reference); None:
-    # model.guidance_scale, the sampler's. 1: the conditional velocity alone, as DiffusionNFT trains
-    guidance_scale: Optional[float] = None
+    # adv_clip (the reference): r = 0.5 + 0.5 A / advantage.clip and the loss times advantage.clip / beta, so
+    # the gradient at v = v_old is A times plain flow matching's; clip (flowrl variant, the paper's text):
+    # r = 0.5 + 0.5 clip(A, -1, 1), loss unscaled; group_max (flowrl variant): A scaled per group by
+    # max(1, max |A|), loss unscaled (each group's pulls and pushes still cancel, sum (2r - 1) = 0)
+    r_scale: str = "adv_clip"
+    # the guidance of the velocity the loss trains (and of v_old and the KL reference): 1, the conditional
+    # velocity alone (the reference trains and samples without CFG); None: model.guidance_scale
+    guidance_scale: Optional[float] = 1.0
 
 
 @dataclass

@@ -196,9 +196,10 @@ class FlowPolicy:
     def latent_shape(self) -> tuple[int, ...]:
         raise NotImplementedError
 
-    def velocity(self, x: torch.Tensor, sigma: float, cond: dict[str, torch.Tensor]) -> torch.Tensor:
-        """v(x, sigma | cond) in fp32 for latents x [B, *latent_shape]. Outside the adapter's
-        sigma range (lora.sigma_range) the base network answers: the reference policy there."""
+    def velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """v(x, sigma | cond) in fp32 for latents x [B, *latent_shape]; sigma is one float or one per
+        row ([B]). Outside the adapter's sigma range (lora.sigma_range) the base network answers:
+        the reference policy there."""
         if self.compiled_rows and x.shape[0] != self.compiled_rows:  # static shapes: nothing recompiles
             return padded_velocity(self.velocity, x, sigma, cond, self.compiled_rows)
         if self.adapter_acts_at(sigma):
@@ -206,11 +207,21 @@ class FlowPolicy:
         with self.reference():
             return self._velocity(x, sigma, cond)
 
-    def adapter_acts_at(self, sigma: float) -> bool:
+    def adapter_acts_at(self, sigma: float | torch.Tensor) -> bool:
         if self.lora_sigma_range is None:
             return True
         low, high = self.lora_sigma_range
-        return low < float(sigma) <= high
+        inside = [low < s <= high for s in torch.as_tensor(sigma, dtype=torch.float64).reshape(-1).tolist()]
+        if len(set(inside)) > 1:
+            raise ValueError(f"one velocity call mixes sigmas inside and outside lora.sigma_range {list(self.lora_sigma_range)}")
+        return inside[0]
+
+    def timestep_rows(self, sigma: float | torch.Tensor, rows: int, scale: float = 1.0) -> torch.Tensor:
+        """scale x sigma as one fp32 value per row [rows] on the device (one float repeated, or a
+        tensor of the batch's sigmas, tiled when guidance doubles the batch); the product is taken
+        in fp64, then rounded once."""
+        s = (torch.as_tensor(sigma, dtype=torch.float64).reshape(-1) * scale).to(self.device, torch.float32)
+        return s.expand(rows) if s.numel() == 1 else s.repeat(rows // s.numel())
 
     def _velocity(self, x: torch.Tensor, sigma: float, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError

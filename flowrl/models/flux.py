@@ -56,7 +56,7 @@ class FluxPolicy(FlowPolicy):
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((b,), self.guidance_scale, device=self.device, dtype=torch.float32)
-        t = torch.full((b,), float(sigma), device=self.device, dtype=torch.float32)  # FLUX takes sigma itself
+        t = self.timestep_rows(sigma, b)  # FLUX takes sigma itself
         v = self.net(
             hidden_states=x.to(self.device, self.dtype),
             timestep=t,

@@ -60,7 +60,7 @@ class SD3Policy(FlowPolicy):
             emb = torch.cat([cond["neg_embeds"], emb])
             pooled = torch.cat([cond["neg_pooled"], pooled])
         # SD3 is conditioned on t = 1000 sigma (FlowMatchEulerDiscreteScheduler.timesteps)
-        t = torch.full((x_in.shape[0],), float(sigma) * 1000.0, device=self.device, dtype=torch.float32)
+        t = self.timestep_rows(sigma, x_in.shape[0], scale=1000.0)
         v = self.net(hidden_states=x_in, timestep=t, encoder_hidden_states=emb, pooled_projections=pooled, return_dict=False)[0]
         v = v.float()
         if use_cfg:

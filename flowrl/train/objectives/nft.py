@@ -1,13 +1,17 @@
 """objective.kind nft: DiffusionNFT (Zheng et al., arXiv:2509.16117; docs/algorithms.md section 4).
+The defaults are the reference code's (NVlabs/DiffusionNFT, scripts/train_nft_sd3.py).
 
 Flow matching on the clean samples, pulled toward the better-than-group ones and pushed from the
 worse (flowrl.core.nft_loss). Each sample batch is noised afresh at `objective.nft.timesteps`
-sigmas, stratified inside lora.sigma_range (where the adapter acts), and makes one optimizer
-step, for `trainer.inner_epochs` passes. The old policy v_old is, with `old_policy: current`, the
-weights before each step (its detached prediction: the gradient is then (2r - 1) beta times the
-plain flow-matching gradient); with `sampling`, the weights that sampled the iteration, which
-stay fixed through its steps, so the loss's minimiser v_old + (2r - 1)(u - v_old) / beta bounds
-how far an iteration can move, and are soft-updated after it.
+sigmas per sample and makes one optimizer step, for `trainer.inner_epochs` passes. With
+`sigma_draw: grid` (the reference) each sample walks its own random permutation of the sampling
+grid's sigmas (those where the adapter acts); with `stratified` the batch shares one sigma per
+stratum of lora.sigma_range. With `r_scale: adv_clip` (the reference) r = 0.5 + 0.5 A / A_max and
+the loss is multiplied by A_max / beta. The old policy v_old is, with `old_policy: sampling`,
+the weights that sampled the iteration, which stay fixed through its steps, so the loss's
+minimiser v_old + (2r - 1)(u - v_old) / beta bounds how far an iteration can move, and are
+soft-updated after it; with `current`, the weights before each step (its detached prediction:
+the gradient is then (2r - 1) beta times the plain flow-matching gradient).
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ from flowrl.train.experience import SAMPLES, Experience, advantages_at
 from flowrl.train.parts import Objective, register_objective
 
 OLD_POLICIES = ("current", "sampling")
-R_SCALES = ("clip", "group_max")
+R_SCALES = ("adv_clip", "clip", "group_max")
+SIGMA_DRAWS = ("grid", "stratified")
+
+
+def trained_timesteps(opts, num_steps: int) -> int:
+    """objective.nft.timesteps, or for 0 the reference's int(0.99 x num_steps) (stratified: 2)."""
+    if opts.timesteps:
+        return opts.timesteps
+    return max(1, int(0.99 * num_steps)) if opts.sigma_draw == "grid" else 2
 
 
 @register_objective
@@ -45,11 +57,15 @@ class NFT(Objective):
     @classmethod
     def validate(cls, cfg) -> None:
         o = cfg.objective.nft
-        check_positive("objective.nft.timesteps", o.timesteps)
+        check_choice("objective.nft.sigma_draw", o.sigma_draw, SIGMA_DRAWS)
+        check_positive("objective.nft.timesteps", o.timesteps, strict=False)
+        if o.sigma_draw == "grid" and o.timesteps > cfg.sampling.num_steps:
+            raise ConfigError(f"objective.nft.timesteps must be at most sampling.num_steps ({cfg.sampling.num_steps}) with "
+                              f"objective.nft.sigma_draw grid (each sample trains distinct grid sigmas); got {o.timesteps}")
         check_positive("objective.nft.beta", o.beta)
         check_positive("objective.nft.sigma_shift", o.sigma_shift)
         check_choice("objective.nft.r_scale", o.r_scale, R_SCALES)
-        if o.r_scale != "clip" and cfg.rollout.kind != "flat":
+        if o.r_scale == "group_max" and cfg.rollout.kind != "flat":
             raise ConfigError(f"objective.nft.r_scale {o.r_scale} needs rollout.kind flat (whole groups in one batch); got '{cfg.rollout.kind}'")
         if o.guidance_scale is not None and not o.guidance_scale >= 1.0:
             raise ConfigError(f"objective.nft.guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
@@ -66,19 +82,52 @@ class NFT(Objective):
         return self.old.swapped_in(self.ctx.params) if self.old is not None else contextlib.nullcontext()
 
     def optimality(self, experience: Experience) -> torch.Tensor:
-        """DiffusionNFT's r of every real sample: 0.5 + 0.5 clip(A, -1, 1), or with r_scale
-        group_max each group's A divided by max(1, its largest |A|) (pulls and pushes still cancel)."""
+        """The advantages that DiffusionNFT's r is made of (r = 0.5 + 0.5 clip(A', -1, 1)): with
+        r_scale adv_clip A' = A / advantage.clip (the reference's A / A_max), with clip A itself,
+        with group_max each group's A divided by max(1, its largest |A|) (pulls and pushes still cancel)."""
         adv = experience.advantages.clone()
+        if self.opts.r_scale == "adv_clip":
+            return adv / self.ctx.cfg.advantage.clip
         if self.opts.r_scale == "group_max":
             valid = experience.valid
             adv[valid] = unit_scale_per_group(adv[valid], experience.prompt_ids[valid])
         return adv
 
+    def loss_scale(self) -> float:
+        """The reference multiplies its loss by A_max / beta (r_scale adv_clip); the variants by 1."""
+        return self.ctx.cfg.advantage.clip / self.opts.beta if self.opts.r_scale == "adv_clip" else 1.0
+
+    def loss(self, v: torch.Tensor, v_old: torch.Tensor, target: torch.Tensor, r: torch.Tensor,
+             sigma: float | torch.Tensor) -> torch.Tensor:
+        """The batch's DiffusionNFT loss (without the KL): the mean over samples of nft_loss, times
+        `loss_scale`, with the adaptive weight at each sample's sigma when objective.nft.adaptive_weight."""
+        o = self.opts
+        per_sample = nft_loss(v, v_old, target, r, o.beta, sigma=sigma if o.adaptive_weight else None, negatives=o.negatives)
+        return self.loss_scale() * per_sample.mean()
+
+    def grid(self) -> torch.Tensor:
+        """sigma_draw grid: the sampling grid's sigmas (without the final 0) where the adapter acts."""
+        s, policy = self.ctx.cfg.sampling, self.ctx.policy
+        sigmas = policy.sigmas(s.num_steps, s.schedule, s.shift)[:-1].double()
+        low, high = policy.lora_sigma_range or (0.0, 1.0)
+        return sigmas[(sigmas > low) & (sigmas <= high)]
+
+    def batch_sigmas(self, n: int, k_steps: int, gen: torch.Generator) -> list[float | torch.Tensor]:
+        """The sigmas of one batch of n samples, one entry per training step: with sigma_draw grid a
+        tensor [n] (sample i at step k: the k-th entry of its own random permutation of the grid),
+        with stratified one float per step shared by the batch."""
+        o = self.opts
+        if o.sigma_draw == "stratified":
+            low, high = self.ctx.policy.lora_sigma_range or (0.0, 1.0)
+            return [stratified_sigma(k, k_steps, low, high, o.sigma_shift, gen) for k in range(k_steps)]
+        grid = self.grid()
+        order = torch.stack([torch.randperm(len(grid), generator=gen) for _ in range(n)])  # [n, len(grid)]
+        return [grid[order[:, k]].float() for k in range(min(k_steps, len(grid)))]
+
     def update(self, experience: Experience) -> dict:
         ctx, t, o = self.ctx, self.ctx.cfg.trainer, self.opts
         acc, policy = ctx.accelerator, ctx.policy
-        k_steps = o.timesteps
-        low, high = policy.lora_sigma_range or (0.0, 1.0)
+        k_steps = trained_timesteps(o, ctx.cfg.sampling.num_steps)
         gen = torch.Generator().manual_seed(sample_seed(t.seed, experience.iteration, Stream.NFT_ORDER))
         advantages = self.optimality(experience)
         batches = [(b, optimality_probability(advantages_at(advantages, b.index))) for b in experience.samples]
@@ -94,27 +143,27 @@ class NFT(Objective):
                     x0 = batch.x0.to(acc.device, torch.float32)  # a low-precision explorer's samples too
                     cond = policy.encode(batch.prompts)
                     seeds = batch.seeds.tolist()
-                    for k in range(k_steps):
-                        sigma = stratified_sigma(k, k_steps, low, high, o.sigma_shift, gen)
-                        sigmas.append(sigma)
+                    steps = self.batch_sigmas(len(x0), k_steps, gen)
+                    for k, sigma in enumerate(steps):
+                        sigmas.append(sigma if isinstance(sigma, float) else float(sigma.double().mean()))
+                        rows = sigma if isinstance(sigma, float) else sigma.to(acc.device).reshape(-1, *[1] * (x0.ndim - 1))
                         eps = seeded_noise(seeds, FORWARD_NOISING - epoch * k_steps - k, x0.shape[1:], acc.device)
-                        x_t = forward_noise(x0, eps, sigma)
+                        x_t = forward_noise(x0, eps, rows)
                         v_old = None
                         if self.old is not None and needs_old:  # before the forward with grad: the swap writes the weights in place
                             with torch.no_grad(), self.old.swapped_in(ctx.params):
                                 v_old = policy.velocity(x_t, sigma, cond)
-                        with contextlib.nullcontext() if k == k_steps - 1 else acc.no_sync(policy.net):
+                        with contextlib.nullcontext() if k == len(steps) - 1 else acc.no_sync(policy.net):
                             v = policy.velocity(x_t, sigma, cond)
-                            loss = nft_loss(v, v.detach() if v_old is None else v_old, flow_matching_target(x0, eps),
-                                            r.to(acc.device), o.beta, sigma=sigma if o.adaptive_weight else None,
-                                            negatives=o.negatives).mean()
+                            loss = self.loss(v, v.detach() if v_old is None else v_old, flow_matching_target(x0, eps),
+                                             r.to(acc.device), sigma)
                             if t.kl_beta > 0:  # anchor to the reference: the velocity's squared distance to the base network's
                                 with torch.no_grad(), policy.reference():
                                     v_ref = policy.velocity(x_t, sigma, cond)
                                 kl = ((v - v_ref) ** 2).mean()
                                 kls.append(kl.item())
                                 loss = loss + t.kl_beta * kl
-                            acc.backward(loss / k_steps)
+                            acc.backward(loss / len(steps))
                         losses.append(loss.item())
                         bar.update(1)
                     grad_norms.append(ctx.optimizer_step())
