@@ -16,8 +16,9 @@ first passes the half. After the run (not counted in the budget) the half-budget
 checkpoints (EMA weights) are scored on the two eval sets bench_shapes uses (400 held-out prompts
 each, 20-step ODE, eval seeds from 10000 and 20000); the base model is scored once per eval set
 and cached in the --runs directory. Each finished (cell, seed) appends one JSON line to --out;
-a rerun skips what is recorded there for the same commit, config hash and eval sets, so a
-stopped arena resumes by running the same command again (an unfinished run starts over).
+a rerun skips what is recorded there for the same code (the git tree of the flowrl package, so
+committing results or docs does not invalidate them), config hash and eval sets, so a stopped
+arena resumes by running the same command again (an unfinished run starts over).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ TABLE_START, TABLE_END = "<!-- arena:results -->", "<!-- /arena:results -->"
 
 # --smoke: every cell in seconds on a CPU (the test's mode): small groups, a 2-iteration probe, one process,
 # 8 held-out prompts per eval set on a 4-step ODE. Nothing it records is a result.
-SMOKE = ["trainer.budget_probe=2", "run.cpu_processes=1"]
+SMOKE = ["trainer.budget_probe=2", "run.cpu_processes=1", "model.compile=none"]  # no compile warm-up in seconds-long checks
 SMOKE_EVAL = ["sampling.eval_num_steps=4"]
 SMALL = ["data.prompts_per_iteration=2", "data.group_size=4", "sampling.batch_size=8"]
 SMOKE_CELL = {
@@ -68,15 +69,18 @@ def log(start: float, text: str) -> None:
 
 
 # ---- identities: the code, the config, the eval ----------------------------------------------------
-def git_commit() -> tuple[str, bool]:
-    """HEAD's commit and whether tracked files differ from it (other work in the tree)."""
+def git_commit() -> tuple[str, bool, str]:
+    """HEAD's commit, whether the flowrl package differs from it (uncommitted code in the tree), and
+    the git tree hash of HEAD's flowrl package (the code a result belongs to; "+dirty" when it differs)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, check=True).stdout.strip() != ""
-        return head, dirty
+        head, tree = git("rev-parse", "HEAD"), git("rev-parse", "HEAD:flowrl")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "flowrl") != ""
+        return head, dirty, tree + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return "unknown", True
+        return "unknown", True, "unknown"
 
 
 def config_hash(cfg, drop=()) -> str:
@@ -280,7 +284,8 @@ def run_cell(cell: str, seed: int, args, judge: Judge, base: dict, start: float,
     mean = statistics.mean
     s1, s2 = seeds[0], seeds[-1]
     record = {
-        "task": "image", "cell": cell, "seed": seed, "commit": ident["commit"], "dirty": ident["dirty"], "machine": machine_name(),
+        "task": "image", "cell": cell, "seed": seed, "commit": ident["commit"], "dirty": ident["dirty"], "code": ident["code"],
+        "machine": machine_name(),
         "config_hash": chash, "preset": f"configs/arena/{cell}.yaml", "smoke": args.smoke,
         "eval": {"prompts": "builtin:shapes-heldout", "per_category": judge.per_category, "seeds": list(seeds),
                  "eval_num_steps": judge.cfg.sampling.eval_num_steps},
@@ -313,7 +318,7 @@ def recorded(out: Path) -> list[dict]:
 
 
 def already_done(lines: list[dict], cell: str, seed: int, chash: str, ident: dict, judge: Judge, seeds) -> bool:
-    return any(r.get("cell") == cell and r.get("seed") == seed and r.get("config_hash") == chash and r.get("commit") == ident["commit"]
+    return any(r.get("cell") == cell and r.get("seed") == seed and r.get("config_hash") == chash and r.get("code") == ident["code"]
                and r.get("eval", {}).get("per_category") == judge.per_category and r.get("eval", {}).get("seeds") == list(seeds)
                for r in lines)
 
@@ -341,8 +346,8 @@ def run_arena(args) -> int:
     from flowrl.train.budget import machine_name
 
     start = time.perf_counter()
-    commit, dirty = git_commit()
-    ident = {"commit": commit, "dirty": dirty, "torch": torch.__version__}
+    commit, dirty, code = git_commit()
+    ident = {"commit": commit, "dirty": dirty, "code": code, "torch": torch.__version__}
     runs = Path(args.runs)
     with arena_lock(runs):
         judge = Judge(runs, args.per_category, args.smoke)
@@ -352,7 +357,7 @@ def run_arena(args) -> int:
             for seed in args.seeds:
                 cfg = load_config(preset(cell), cell_overrides(cell, seed, args.budget_minutes, args.smoke), validate_paths=False)
                 if already_done(lines, cell, seed, config_hash(cfg), ident, judge, args.eval_seeds):
-                    log(start, f"{cell} seed {seed}: recorded for commit {commit[:10]} and this config; skipped")
+                    log(start, f"{cell} seed {seed}: recorded for this code (flowrl tree {code[:10]}) and config; skipped")
                 else:
                     todo.append((cell, seed))
         log(start, f"{len(todo)} of {len(args.cells) * len(args.seeds)} runs to do, {args.budget_minutes:g} min each, on "

@@ -4,6 +4,8 @@ script's smoke mode runs one cell end to end and writes one valid JSON line and 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +34,9 @@ def test_arena_preset_validates_on_the_default_world(cell):
     default = load_config(None)
     cfg = load_config(ARENA_DIR / f"{cell}.yaml", validate_paths=False)  # gdro_offline's store is built by the arena
     # the default preset's world: the same model, prompts, rewards and eval sampler in every cell
-    assert cfg.model == default.model and cfg.reward == default.reward
+    # compiled blocks: the same network and numerics, 1.2x the iterations per minute (bench_compile)
+    assert cfg.model.compile == "blocks" and replace(cfg.model, compile=default.model.compile) == default.model
+    assert cfg.reward == default.reward
     assert (cfg.data.prompt_file, cfg.data.eval_prompts) == (default.data.prompt_file, default.data.eval_prompts)
     assert (cfg.sampling.num_steps, cfg.sampling.eval_num_steps, cfg.sampling.shift) == (10, 20, 1.0)
     # the budget ends the run, with a backstop (gdro_offline's: what a typical store build leaves of 12 minutes);
@@ -124,7 +128,7 @@ def test_smoke_run_records_one_line_resumes_and_reports(tmp_path, capsys):
     assert r["half_at"] == "checkpoint" and [m["checkpoint_at_minutes"] for m in marked] == [0.05]
     capsys.readouterr()
 
-    assert arena.main(argv) == 0  # resumable: recorded for this commit and config, so skipped
+    assert arena.main(argv) == 0  # resumable: recorded for this code and config, so skipped
     assert "skipped" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
 
     doc, image = tmp_path / "docs" / "arena.md", tmp_path / "docs" / "images" / "arena.png"
