@@ -53,9 +53,14 @@ import json
 import math
 import os
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from flowrl.train.processes import rank0
 
 PLAN_FILE = "plan.json"
 
@@ -211,3 +216,49 @@ def write_plan(run_path: Path, plan: SchedulePlan) -> None:
     tmp = run_path / f".{PLAN_FILE}.tmp"
     tmp.write_text(json.dumps(plan.to_state(), indent=1) + "\n")
     os.replace(tmp, run_path / PLAN_FILE)
+
+
+def replan(cfg, plan: SchedulePlan, measured: Measured, iteration: int, elapsed: float, run_path: Path | None) -> None:
+    """Plan the iteration count that fits trainer.budget_minutes from the speed measured so far
+    (rank 0's clock decides for every process), record the plan in the run directory (`run_path`:
+    rank 0's, None elsewhere), and say so when the count is new. The first plan follows the probe;
+    later ones, the checkpoints."""
+    t, r = cfg.trainer, cfg.run
+    planned = plan_count(t.budget_minutes * 60, elapsed, iteration, plan.nominal, measured, r.sample_every, r.checkpoint_every)
+    planned, speed, elapsed = rank0((planned, measured.seconds_per_iteration(), elapsed))
+    first, before = not plan.fixed, plan.planned
+    plan.replan(iteration, planned, speed, elapsed)
+    plan.budget_minutes = t.budget_minutes
+    plan.machine = machine_name()
+    if run_path is None:
+        return
+    write_plan(run_path, plan)
+    if first:
+        tqdm.write(f"budget: {speed:.2f} s per iteration over the first {measured.iterations}; {planned} iterations "
+                   f"of trainer.iterations {plan.nominal} fit trainer.budget_minutes {t.budget_minutes:g}")
+    elif planned != before:
+        tqdm.write(f"budget: at iteration {iteration}, {speed:.2f} s per iteration so far; {before} -> {planned} "
+                   f"iterations fit trainer.budget_minutes {t.budget_minutes:g}")
+
+
+def pending_marks(marks: list[float], history: list[dict]) -> list[float]:
+    """The marks of run.checkpoint_at_minutes not yet passed, ascending: minutes on the budget's
+    clock (from the trainer's start). A resumed run skips the marks its metrics show as passed."""
+    passed = max((row["checkpoint_at_minutes"] for row in history if "checkpoint_at_minutes" in row), default=-math.inf)
+    return sorted(m for m in marks if m > passed)
+
+
+def cross_marks(row: dict, marks: list[float], started: float) -> bool:
+    """Whether the iteration just trained ended past the next mark (rank 0's clock, counted from
+    `started`, decides for every process). Its metrics row then names the mark
+    (`checkpoint_at_minutes`, the last one if it passed several) with the minutes elapsed, and its
+    checkpoint holds the weights there. Pops the passed marks."""
+    if not marks:
+        return False
+    elapsed = rank0(time.perf_counter() - started) / 60
+    if elapsed < marks[0]:
+        return False
+    while marks and elapsed >= marks[0]:
+        row["checkpoint_at_minutes"] = marks.pop(0)
+    row["elapsed_minutes"] = elapsed
+    return True

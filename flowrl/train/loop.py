@@ -29,7 +29,7 @@ from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
-from flowrl.train.budget import Measured, SchedulePlan, machine_name, plan_count, write_plan
+from flowrl.train.budget import Measured, SchedulePlan, cross_marks, pending_marks, replan, write_plan
 from flowrl.train.checkpoint import (SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, load_checkpoint, restore_rng,
                                     restore_weights, save_checkpoint)
 from flowrl.train.ema import EMA
@@ -193,13 +193,13 @@ class Trainer:
             self.save_samples("iter_000000_before")
             self.measured.add_grid(time.perf_counter() - t0)
         started, out_of_time = time.perf_counter(), False
-        marks = self.pending_checkpoint_marks()
+        marks = pending_marks(self.cfg.run.checkpoint_at_minutes, self.history)
         while self.iteration < self.plan.planned and not out_of_time:
             t0 = time.perf_counter()
             for group in self.optimizer.param_groups:
                 group["lr"] = t.lr * lr_factor(t.lr_schedule, self.plan.progress(self.iteration), self.plan.nominal)
             row = self.train_iteration()
-            marked = self.cross_checkpoint_marks(row, marks)
+            marked = cross_marks(row, marks, self.started)
             self.history.append(row)
             acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
             if acc.is_main_process:
@@ -231,46 +231,9 @@ class Trainer:
         return self.history
 
     def replan(self) -> None:
-        """Plan the iteration count that fits trainer.budget_minutes from the speed measured so far
-        (rank 0's clock decides for every process), record the plan in the run directory, and say
-        so when the count is new. The first plan follows the probe; later ones, the checkpoints."""
-        t, r = self.cfg.trainer, self.cfg.run
-        elapsed = time.perf_counter() - self.started
-        planned = plan_count(t.budget_minutes * 60, elapsed, self.iteration, self.plan.nominal, self.measured, r.sample_every,
-                             r.checkpoint_every)
-        planned, speed, elapsed = rank0((planned, self.measured.seconds_per_iteration(), elapsed))
-        first, before = not self.plan.fixed, self.plan.planned
-        self.plan.replan(self.iteration, planned, speed, elapsed)
-        self.plan.budget_minutes = t.budget_minutes
-        self.plan.machine = machine_name()
-        if self.accelerator.is_main_process:
-            write_plan(self.run.path, self.plan)
-            if first:
-                tqdm.write(f"budget: {speed:.2f} s per iteration over the first {self.measured.iterations}; {planned} iterations "
-                           f"of trainer.iterations {self.plan.nominal} fit trainer.budget_minutes {t.budget_minutes:g}")
-            elif planned != before:
-                tqdm.write(f"budget: at iteration {self.iteration}, {speed:.2f} s per iteration so far; {before} -> {planned} "
-                           f"iterations fit trainer.budget_minutes {t.budget_minutes:g}")
-
-    def pending_checkpoint_marks(self) -> list[float]:
-        """The marks of run.checkpoint_at_minutes not yet passed, ascending: minutes on the budget's
-        clock (from the trainer's start). A resumed run skips the marks its metrics show as passed."""
-        passed = max((row["checkpoint_at_minutes"] for row in self.history if "checkpoint_at_minutes" in row), default=-math.inf)
-        return sorted(m for m in self.cfg.run.checkpoint_at_minutes if m > passed)
-
-    def cross_checkpoint_marks(self, row: dict, marks: list[float]) -> bool:
-        """Whether the iteration just trained ended past the next mark (rank 0's clock decides for
-        every process). Its metrics row then names the mark (`checkpoint_at_minutes`, the last one
-        if it passed several) with the minutes elapsed, and its checkpoint holds the weights there."""
-        if not marks:
-            return False
-        elapsed = rank0(time.perf_counter() - self.started) / 60
-        if elapsed < marks[0]:
-            return False
-        while marks and elapsed >= marks[0]:
-            row["checkpoint_at_minutes"] = marks.pop(0)
-        row["elapsed_minutes"] = elapsed
-        return True
+        """Plan the iteration count that fits trainer.budget_minutes again (flowrl/train/budget.py, `replan`)."""
+        replan(self.cfg, self.plan, self.measured, self.iteration, time.perf_counter() - self.started,
+               self.run.path if self.accelerator.is_main_process else None)
 
     def _start_over(self) -> None:
         """`--resume` of a run that has no checkpoint yet: every draw is keyed by (seed, iteration),
