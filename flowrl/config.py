@@ -621,7 +621,7 @@ def _validate_sigma_range(cfg: Config) -> None:
         raise ConfigError(f"lora.sigma_range other than [0, 1] needs rollout.kind flat and sampling.window.strategy fixed "
                           f"(a fixed set of trained steps); got rollout.kind '{cfg.rollout.kind}', window '{w.strategy}'")
     if resolve_schedule(s.schedule, cfg.model.path) == "shifted_linear":  # the pipeline's grid is checked once it is loaded
-        from flowrl.train.rollouts.flat import check_trained_sigmas
+        from flowrl.train.rollouts.common import check_trained_sigmas
 
         check_trained_sigmas(cfg, shifted_sigmas(s.num_steps, s.shift))
 

@@ -17,7 +17,7 @@ from flowrl.config import ConfigError, load_config
 from flowrl.core.lr_schedule import lr_factor
 from flowrl.train.budget import Measured, SchedulePlan, plan_iterations
 from flowrl.train.loop import Trainer
-from flowrl.train.rollouts.flat import training_spec
+from flowrl.train.rollouts.common import training_spec
 from run_checks import run_metrics, trainable
 
 BUDGET = [

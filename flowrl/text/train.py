@@ -33,7 +33,7 @@ from flowrl.text.policy import CausalLMPolicy
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, restore_weights, save_checkpoint
 from flowrl.train.experience import ProcessShard, gather_real
 from flowrl.train.processes import rank0, start_processes
-from flowrl.train.rollouts.flat import successes
+from flowrl.train.rollouts.common import successes
 from flowrl.train.run_dir import RunDir
 from rewards.text import TextReward
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -27,20 +25,19 @@ from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
-from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
-from flowrl.train.budget import Measured, SchedulePlan, cross_marks, pending_marks, replan, write_plan
-from flowrl.train.checkpoint import (SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, load_checkpoint, restore_rng,
-                                    restore_weights, save_checkpoint)
+from flowrl.train.budget import Measured, SchedulePlan, cross_marks, pending_marks, replan
+from flowrl.train.checkpoint import latest_checkpoint
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
 from flowrl.train.parts import TrainContext
-from flowrl.train.registry import objective_class, rollout_class
-from flowrl.train.processes import rank0, start_processes
+from flowrl.train.processes import launch_image_run, rank0
 from flowrl.train.prompts import load_prompts
-from flowrl.train.run_dir import RunDir, default_run_dir
-from flowrl.train.sharding import make_layout, reference_copy
+from flowrl.train.registry import objective_class, rollout_class
+from flowrl.train.run_dir import default_run_dir
+from flowrl.train.sharding import reference_copy
+from flowrl.train.trainer_state import resume_trainer, save_trainer
 from rewards import AsyncRewardRunner, MultiReward
 
 if TYPE_CHECKING:  # the config module imports the training parts to validate against them
@@ -73,7 +70,8 @@ class Trainer:
         self.plan = SchedulePlan(nominal=t.iterations, planned=t.iterations, fixed=not t.budget_minutes,
                                  budget_minutes=t.budget_minutes)
         self.measured = Measured()
-        self.accelerator = acc = self._accelerator(run_dir)
+        self.accelerator, self.run, self.mixed_precision, self.layout = launch_image_run(cfg, run_dir or default_run_dir(cfg))
+        acc = self.accelerator
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
         self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
         self.eval_prompts = list(cfg.data.eval_prompts) or self.prompts[:4]
@@ -98,8 +96,10 @@ class Trainer:
         self.ema = EMA(self.params, t.ema_decay) if t.ema else None
         self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards) if rollout_cls.needs_rewards else None
         self.reward_runner = AsyncRewardRunner(self.reward_fn)
-        ctx = TrainContext(cfg, acc, self.policy, self.params, self.prompts, self.reward_fn, self.reward_runner, self.allocator,
-                           self.optimizer_step, self.optimizer, objective_cls.needs, self.plan)
+        ctx = TrainContext(cfg=cfg, accelerator=acc, policy=self.policy, params=self.params, prompts=self.prompts,
+                           reward_fn=self.reward_fn, reward_runner=self.reward_runner, allocator=self.allocator,
+                           optimizer_step=self.optimizer_step, optimizer=self.optimizer, objective_needs=objective_cls.needs,
+                           plan=self.plan)
         self.objective = objective_cls(ctx)
         self.rollout = rollout_cls(ctx)
         self.iteration = 0
@@ -116,27 +116,6 @@ class Trainer:
         acc.wait_for_everyone()
         if cfg.run.tracker != "none":
             acc.init_trackers("tracker", config=flat_config(cfg))
-
-    def _accelerator(self, run_dir):
-        from accelerate import Accelerator, DistributedDataParallelKwargs
-
-        cfg = self.cfg
-        cpu, run_dir = start_processes(cfg.model.device, run_dir or default_run_dir(cfg))
-        self.run = RunDir(run_dir)
-        self.mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
-        sharded = cfg.run.distributed == "fsdp2"  # mixed precision is then FSDP2's own policy, not accelerate's autocast
-        acc = Accelerator(
-            mixed_precision="no" if sharded else self.mixed_precision, cpu=cpu, log_with=None if cfg.run.tracker == "none" else cfg.run.tracker,
-            project_dir=str(self.run.path),
-            # DDP would broadcast the transformer's buffers (constant position embeddings) in every
-            # forward: a collective that hangs when only rank 0 samples (grids, evals)
-            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
-        )
-        if acc.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):  # its prepare would wrap the network its own way
-            raise UserError(f"flowrl shards the network itself (run.distributed=fsdp2); launch with a plain multi-GPU accelerate "
-                            f"config such as configs/accelerate/multi_gpu.yaml, not distributed_type {acc.distributed_type.value}")
-        self.layout = make_layout(cfg.run.distributed, acc, self.mixed_precision)
-        return acc
 
     # ---- one iteration ------------------------------------------------------------------
     def train_iteration(self) -> dict:
@@ -230,27 +209,14 @@ class Trainer:
         acc.end_training()
         return self.history
 
+    def now(self) -> float:
+        """The loop's clock, in seconds (what a wall-clock budget counts)."""
+        return time.perf_counter()
+
     def replan(self) -> None:
         """Plan the iteration count that fits trainer.budget_minutes again (flowrl/train/budget.py, `replan`)."""
         replan(self.cfg, self.plan, self.measured, self.iteration, time.perf_counter() - self.started,
                self.run.path if self.accelerator.is_main_process else None)
-
-    def _start_over(self) -> None:
-        """`--resume` of a run that has no checkpoint yet: every draw is keyed by (seed, iteration),
-        so training again from iteration 0 repeats what was lost. What the run wrote (metrics,
-        sample grids) moves to RUN/restart-N first, so nothing is deleted."""
-        acc = self.accelerator
-        if acc.is_main_process:
-            written = [p for p in (self.run.metrics_file, self.run.samples) if p.exists()]
-            if written:
-                n = 1 + sum(1 for _ in self.run.path.glob("restart-*"))
-                backup = self.run.path / f"restart-{n}"
-                backup.mkdir()
-                for p in written:
-                    p.rename(backup / p.name)
-                print(f"flowrl: '{self.run.path}' has no checkpoint yet; training it again from iteration 0 (what it wrote "
-                      f"is kept in {backup})", file=sys.stderr)
-        acc.wait_for_everyone()
 
     # ---- outputs ------------------------------------------------------------------------
     def eval_spec(self) -> SamplerSpec:
@@ -274,121 +240,9 @@ class Trainer:
         return save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2, captions=prompts)
 
     def save(self) -> Path | None:
-        """A checkpoint of everything a resume needs, with the user-facing exports (the LoRA, or the
-        fully fine-tuned transformer, each also with EMA weights). Under fsdp2 every process writes
-        its shards and helps gather the exports; rank 0 writes the rest."""
-        acc, lay = self.accelerator, self.layout
-        acc.wait_for_everyone()
-        main, root = acc.is_main_process, self.run.checkpoints
-        ema = self.ema.shadow if self.ema is not None else None
-        objective_state = self.objective.state_dict()
-        sharded = None
-        if lay.sharded:
-            opt_tensors, opt_meta = lay.optimizer_state(self.policy.transformer, self.optimizer)
-            groups = {"trainable": self.params, "optimizer": opt_tensors, **({"ema": ema} if ema is not None else {}),
-                      **{k: v for k, v in objective_state.items() if v is not None and any(map(is_sharded, v.values()))}}
-            bad = lay.non_finite(groups)  # asked of every process: one refusal, before anyone writes
-            if bad is not None:
-                raise UserError(f"checkpoint {checkpoint_name(self.iteration)} was not written: {bad} holds NaN or inf; "
-                                f"the last checkpoint is {latest_checkpoint(root) or 'none'}")
-            shards = root / f".shards-{checkpoint_name(self.iteration)}"
-            if main:
-                root.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(shards, ignore_errors=True)
-            acc.wait_for_everyone()
-            lay.save(shards, groups)
-            sharded = {"dir": shards, "groups": sorted(groups), "optimizer": opt_meta}
-            objective_state = {k: v for k, v in objective_state.items() if k not in groups}
-        exports = self._exports() if (main or lay.sharded) else {}
-        path = None
-        if main:
-            def export(tmp: Path):
-                for name, state in exports.items():
-                    if self.cfg.lora.enabled:
-                        self.policy.save_lora(tmp / name, state)
-                    else:
-                        self.policy.save_transformer(tmp / name, state)
-
-            path = save_checkpoint(root, self.iteration, None if sharded else self.params,
-                                   None if sharded else self.optimizer.state_dict(), None if sharded else ema,
-                                   {"policy_version": self.iteration, "num_processes": acc.num_processes,
-                                    "distributed": lay.name,
-                                    "plan": self.plan.to_state() if self.plan.fixed and self.plan.budget_minutes else None,
-                                    **({"budget": {"elapsed_s": time.perf_counter() - self.started,
-                                                   "measured": self.measured.to_state()}} if self.cfg.trainer.budget_minutes else {})},
-                                   export=export, sharded=sharded,
-                                   allocator=self.allocator.state_dict(), **objective_state)
-            self.run.plot_reward_curve(self.run.read_metrics())
-        acc.wait_for_everyone()
-        return path
-
-    def _exports(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{folder: whole weights} for the checkpoint's user-facing exports, on rank 0: `lora` and
-        `ema_lora`, or under full fine-tuning `transformer` and `ema_transformer` (diffusers'
-        format). Collective under fsdp2."""
-        lora = self.cfg.lora.enabled
-        prefix = "lora" if lora else "transformer"
-
-        def whole() -> dict[str, torch.Tensor]:
-            return self.layout.full(self.params if lora else self.policy.transformer.state_dict())
-
-        out = {prefix: whole()}
-        if self.ema is not None:
-            with self.ema.swapped_in(self.params):
-                out[f"ema_{prefix}"] = whole()
-        return out
+        """A checkpoint of everything a resume needs, with the user-facing exports
+        (flowrl/train/trainer_state.py)."""
+        return save_trainer(self)
 
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.run.checkpoints)
-        if ckpt is None:  # stopped before its first checkpoint: start over in place, keeping what it wrote
-            self._start_over()
-            return
-        data = load_checkpoint(ckpt)
-        if data["state"]["sharded"]:
-            self._load_shards(ckpt, data)
-        else:
-            self._load_whole(ckpt, data)
-        if data["allocator"] is not None:
-            self.allocator.load_state_dict(data["allocator"])
-        self.objective.load_state_dict(data, str(ckpt))
-        restore_rng(data["rng"], data["state"]["python_random"])
-        self.iteration = int(data["state"]["iteration"])
-        if self.cfg.trainer.budget_minutes:  # the plans made so far, the budget's clock and what it measured, as recorded
-            state = data["state"]
-            if state.get("plan"):
-                vars(self.plan).update(vars(SchedulePlan.from_state(state["plan"])))  # in place: the parts hold it
-                if self.accelerator.is_main_process:  # plans made after the checkpoint are undone
-                    write_plan(self.run.path, self.plan)
-            if state.get("budget"):
-                self.started = time.perf_counter() - state["budget"]["elapsed_s"]
-                self.measured = Measured.from_state(state["budget"]["measured"])
-        if self.accelerator.is_main_process:
-            self.history = self.run.truncate_metrics(self.iteration)
-        else:
-            self.history = [r for r in self.run.read_metrics() if r["iteration"] < self.iteration]
-
-    def _load_whole(self, ckpt: Path, data: dict) -> None:
-        """Weights, optimizer and EMA of a checkpoint written whole (run.distributed ddp)."""
-        if self.layout.sharded:
-            raise UserError(f"--resume: checkpoint '{ckpt}' was written whole (run.distributed ddp); resume it with "
-                            "run.distributed=ddp")
-        restore_weights(self.params, data["params"], ckpt)
-        self.optimizer.load_state_dict(data["optimizer"])
-        if self.ema is not None and data["ema"] is not None:
-            self.ema.shadow = {n: t.clone() for n, t in data["ema"].items()}
-
-    def _load_shards(self, ckpt: Path, data: dict) -> None:
-        """Every process loads its own shards of a sharded checkpoint (onto any number of
-        processes): the current tensors are the templates, filled in place."""
-        if not self.layout.sharded:
-            raise UserError(f"--resume: checkpoint '{ckpt}' holds shards (run.distributed fsdp2); resume it with "
-                            "run.distributed=fsdp2")
-        names = set(data["state"]["sharded"])
-        opt_tensors, _ = self.layout.optimizer_state(self.policy.transformer, self.optimizer)
-        templates = {"trainable": {n: p.detach() for n, p in self.params.items()}, "optimizer": opt_tensors}
-        if "ema" in names and self.ema is not None:
-            templates["ema"] = self.ema.shadow
-        templates.update({k: v for k, v in self.objective.state_dict().items() if k in names and v is not None})
-        self.layout.load(ckpt / SHARDED_DIR, templates, str(ckpt))
-        self.layout.load_optimizer_state(self.policy.transformer, self.optimizer, templates["optimizer"], data["optimizer"])
-        data.update({k: v for k, v in templates.items() if k not in ("trainable", "optimizer", "ema")})
+        resume_trainer(self)
