@@ -20,6 +20,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.selection import SELECTION_KINDS
+from flowrl.devices import DTYPES
 from flowrl.errors import ConfigError, check_choice, check_range
 from flowrl.presets import CONFIG_DIR, DEFAULT_PRESET, preset_names
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
@@ -30,7 +31,6 @@ from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 from flowrl.train.sharding import DISTRIBUTED
 
 MODEL_KINDS = ("sd3", "flux")
-DTYPES = ("fp32", "bf16", "fp16")
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 LR_SCHEDULES = ("constant", "cosine", "linear")

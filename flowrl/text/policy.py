@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from flowrl.errors import UserError
-from flowrl.models.base import DTYPES, pick_device
+from flowrl.devices import DTYPES, pick_device
 from flowrl.text.config import TextGenerationConfig, TextLoraConfig, TextModelConfig
 from flowrl.text.generate import Generation, generate, sequence_log_probs
 

@@ -18,7 +18,7 @@ def start_processes(device: str, run_dir: str | Path) -> tuple[bool, Path]:
     processes would otherwise each draw for themselves)."""
     from accelerate import PartialState
 
-    from flowrl.models.base import pick_device
+    from flowrl.devices import pick_device
 
     cpu = pick_device(device).type == "cpu"  # refuses a device that is not there
     PartialState(cpu=cpu)
@@ -87,7 +87,7 @@ def launches_cpu_processes(cfg) -> bool:
     not itself one of the processes of a launcher."""
     import torch
 
-    from flowrl.models.base import pick_device
+    from flowrl.devices import pick_device
 
     inside = LAUNCHED_ENV in os.environ or "WORLD_SIZE" in os.environ
     return cfg.run.cpu_processes > 1 and not inside and pick_device(cfg.model.device) == torch.device("cpu")
