@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.core.advantages import estimate_advantages
+from flowrl.core.allocation import allocate_in_stages
 from flowrl.core.token_losses import aggregate, k3_kl, overlong_mask, token_policy_loss
 from flowrl.errors import UserError
 from flowrl.sampling.noise import Stream, sample_seed
@@ -120,13 +121,11 @@ class TextTrainer:
         """The allocator's stages: sample, score, let it see the outcomes, repeat. Each process
         samples and scores its slice of a stage; the scores are gathered, so every process sees
         every outcome."""
-        cfg, n, acc = self.cfg, len(self.data), self.accelerator
-        totals = torch.zeros(n, dtype=torch.long)
+        cfg, acc = self.cfg, self.accelerator
         ids_all, gens, local_rows, rewards, valid, lengths, truncated = [], [], [], [], [], [], []
-        extra = self.allocator.first_stage(iteration)
-        while int(extra.sum()) > 0:
-            ids = torch.repeat_interleave(torch.arange(n), extra)
-            offset, m = int(totals.sum()), len(ids)
+
+        def sample_stage(ids: torch.Tensor, offset: int) -> torch.Tensor:
+            m = len(ids)
             seeds = [sample_seed(cfg.trainer.seed, iteration, offset + j) for j in range(m)]
             shard = ProcessShard(m, acc.num_processes, acc.process_index)
             prompts, columns = self.data.take(shard.take(ids.tolist()))
@@ -139,11 +138,9 @@ class TextTrainer:
             k = r.shape[1]
             rewards.append(outcome[:, :k]), valid.append(outcome[:, k].bool())
             lengths.append(outcome[:, k + 1].long()), truncated.append(outcome[:, k + 2].bool())
-            totals += extra
-            seen, scored = torch.cat(ids_all), torch.cat(rewards)
-            won = successes(cfg, self.reward.total(scored))
-            per_prompt = torch.bincount(seen, weights=won.double(), minlength=n).long()
-            extra = self.allocator.next_stage(totals, per_prompt, totals - per_prompt)
+            return successes(cfg, self.reward.total(torch.cat(rewards)))
+
+        allocate_in_stages(self.allocator, iteration, sample_stage)
         prompt_ids, rewards, valid = torch.cat(ids_all), torch.cat(rewards), torch.cat(valid)
         gen = concat(gens, self.policy.tokenizer.pad_token_id)
         if not bool(valid.any()):

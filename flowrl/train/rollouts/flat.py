@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.core.allocation import allocate_in_stages
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience, ProcessShard
@@ -54,23 +55,17 @@ class FlatRollout(Rollout):
 
     def sample_allocated(self, iteration: int, spec: SamplerSpec) -> list[Stage]:
         """The iteration's rollouts in allocation stages: the allocator decides, we sample, it
-        sees the outcomes, repeat."""
+        sees the outcomes, repeat (flowrl/core/allocation.py, `allocate_in_stages`)."""
         ctx = self.ctx
         stages: list[Stage] = []
-        n_prompts = len(ctx.prompts)
-        totals = torch.zeros(n_prompts, dtype=torch.long)
-        extra = ctx.allocator.first_stage(iteration)
-        while int(extra.sum()) > 0:
-            ids = torch.repeat_interleave(torch.arange(n_prompts), extra).tolist()
-            offset = int(totals.sum())
+
+        def sample_stage(ids: torch.Tensor, offset: int) -> torch.Tensor:
             seeds = [sample_seed(ctx.cfg.trainer.seed, iteration, offset + j) for j in range(len(ids))]
             desc = f"iter {iteration} sampling" + (f" (stage {len(stages) + 1})" if stages else "")
-            stages.append(self.sample_stage(ids, seeds, spec, desc, iteration))
-            totals += extra
-            seen = torch.cat([st.prompt_ids for st in stages])
-            ok = successes(ctx.cfg, torch.cat([st.rewards for st in stages]) @ ctx.reward_fn.channel_weights)
-            successes_per_prompt = torch.bincount(seen, weights=ok.double(), minlength=n_prompts).long()
-            extra = ctx.allocator.next_stage(totals, successes_per_prompt, totals - successes_per_prompt)
+            stages.append(self.sample_stage(ids.tolist(), seeds, spec, desc, iteration))
+            return successes(ctx.cfg, torch.cat([st.rewards for st in stages]) @ ctx.reward_fn.channel_weights)
+
+        allocate_in_stages(ctx.allocator, iteration, sample_stage)
         return stages
 
     def collect(self, iteration: int) -> Experience:
