@@ -390,6 +390,7 @@ class TrainerConfig:
     # constant, or decayed to 0 over the run's iterations (cosine or linear), set at each iteration's start;
     # resuming with more iterations stretches the rest of the curve, and a max_minutes stop cuts it short
     lr_schedule: str = "constant"
+    warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations (times lr_schedule)
     weight_decay: float = 1e-4
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -672,6 +673,7 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "trainer.kl_beta": ">= 0",
     "trainer.max_grad_norm": "> 0",
     "trainer.max_skipped_steps": ">= 1",
+    "trainer.warmup_iterations": ">= 0",
     "trainer.ema_decay": "[0, 1)",
     "run.sample_every": ">= 0",
     "run.checkpoint_every": ">= 0",

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Do refactors leave training bit for bit where it was? The first iterations of five runs,
-compared with metrics recorded on an earlier commit.
+"""Do refactors leave training bit for bit where it was? The first iterations of five image runs
+and the text default, compared with metrics recorded on an earlier commit.
 
 Each run is `flowrl train` (through the CLI, so the default preset runs as its two CPU
 processes) with the overrides below and no sample grids. Every metric except wall-clock ones
@@ -42,7 +42,10 @@ RUNS = {
                   "rollout.two_stage.explore_precision=nvfp4", "rollout.two_stage.fidelity_every=2"],
     "tiny_allocated": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "allocator.kind=dars", "allocator.round_size=2",
                        "trainer.gradient_accumulation_steps=2", "trainer.inner_epochs=2"],
+    # the text default: RLVR on the shipped arithmetic model (its config has no trackers or sample grids)
+    "text": ["text_add", "trainer.iterations=3"],
 }
+TEXT_QUIET = ["run.progress=false", "run.checkpoint_every=0"]
 
 
 def is_timing(key: str) -> bool:
@@ -51,7 +54,8 @@ def is_timing(key: str) -> bool:
 
 def run(name: str, tmp: Path) -> list[dict]:
     config, *overrides = RUNS[name]
-    args = [sys.executable, "-m", "flowrl.cli", "train", *([config] if config else []), *overrides, *QUIET,
+    quiet = TEXT_QUIET if name == "text" else QUIET
+    args = [sys.executable, "-m", "flowrl.cli", "train", *([config] if config else []), *overrides, *quiet,
             "--run-dir", str(tmp / name)]
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:

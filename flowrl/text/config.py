@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from flowrl.config import AllocatorConfig, merge_config, read_yaml
+from flowrl.config import LR_SCHEDULES, AllocatorConfig, merge_config, read_yaml
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
@@ -83,11 +83,14 @@ class TextTrainerConfig:
     iterations: int = 100
     max_minutes: float = 0.0  # > 0: stop (with a checkpoint) after this much wall time
     lr: float = 1e-4
-    warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations
+    lr_schedule: str = "constant"  # constant, or decayed to 0 over trainer.iterations (cosine or linear), as the image trainer's
+    warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations (times lr_schedule)
     weight_decay: float = 0.0
     inner_epochs: int = 1
     micro_batch: int = 64  # sequences per training forward
     max_grad_norm: float = 1.0
+    # an optimizer step whose gradient norm is NaN or inf is skipped (counted in skipped_steps); this many in a row stop the run
+    max_skipped_steps: int = 3
     seed: int = 0
     threads: int = 0  # torch threads on the CPU; 0: torch's default
 
@@ -153,13 +156,15 @@ def validate_text(cfg: TextConfig) -> None:
                             ("generation.max_new_tokens", g.max_new_tokens, 1), ("generation.batch_size", g.batch_size, 1),
                             ("trainer.micro_batch", t.micro_batch, 1), ("trainer.inner_epochs", t.inner_epochs, 1),
                             ("trainer.iterations", t.iterations, 1), ("lora.rank", cfg.lora.rank, 1),
-                            ("run.cpu_processes", cfg.run.cpu_processes, 1)):
+                            ("run.cpu_processes", cfg.run.cpu_processes, 1), ("trainer.max_skipped_steps", t.max_skipped_steps, 1),
+                            ("trainer.warmup_iterations", t.warmup_iterations, 0)):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}; got {value}")
     if g.temperature < 0:
         raise ConfigError(f"generation.temperature must be >= 0 (0: greedy); got {g.temperature}")
     if not 0 < g.top_p <= 1:
         raise ConfigError(f"generation.top_p must be in (0, 1]; got {g.top_p}")
+    check_choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     check_choice("loss.aggregation", l.aggregation, AGGREGATIONS)
     check_choice("loss.ratio_level", l.ratio_level, RATIO_LEVELS)
     check_choice("loss.scale_rewards", l.scale_rewards, ("group", "global", "none"))

@@ -12,7 +12,6 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -20,24 +19,23 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.core.lr_schedule import lr_factor
 from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.train.budget import Measured, SchedulePlan, cross_marks, pending_marks, replan
-from flowrl.train.checkpoint import latest_checkpoint
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
 from flowrl.train.parts import TrainContext
-from flowrl.train.processes import launch_image_run, rank0
+from flowrl.train.processes import launch_image_run
 from flowrl.train.prompts import load_prompts
 from flowrl.train.registry import objective_class, rollout_class
 from flowrl.train.run_dir import default_run_dir
+from flowrl.train.run_manager import RunManager
 from flowrl.train.sharding import reference_copy
-from flowrl.train.trainer_state import resume_trainer, save_trainer
+from flowrl.train.trainer_state import restore_trainer, save_trainer
 from rewards import AsyncRewardRunner, MultiReward
 
 if TYPE_CHECKING:  # the config module imports the training parts to validate against them
@@ -61,9 +59,9 @@ def flat_config(cfg: Config) -> dict:
     return out
 
 
-class Trainer:
+class Trainer(RunManager):
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
-        self.started = time.perf_counter()  # a wall-clock budget counts from here (a resume: from the checkpoint's count)
+        self.started = self.now()  # a wall-clock budget counts from here (a resume: from the checkpoint's count)
         self.cfg, t = cfg, cfg.trainer
         # fixed at the start without a budget; with one, after the probe iterations (or from the checkpoint), then
         # planned again at every checkpoint from what `measured` holds (flowrl/train/budget.py)
@@ -102,18 +100,7 @@ class Trainer:
                            plan=self.plan)
         self.objective = objective_cls(ctx)
         self.rollout = rollout_cls(ctx)
-        self.iteration = 0
-        self.history: list[dict] = []
-        self.skipped_steps, self.skipped_in_a_row = 0, 0  # optimizer steps skipped for a non-finite gradient norm
-
-        if resume:
-            self._resume()
-        elif (self.run.path / "metrics.jsonl").exists():
-            raise UserError(f"run directory '{self.run.path}' already holds a run; resume it with --resume {self.run.path} "
-                            "or choose another run.name")
-        if acc.is_main_process:
-            self.run.create(cfg)  # on resume too: the run directory shows the config in force
-        acc.wait_for_everyone()
+        self.start_run(resume)
         if cfg.run.tracker != "none":
             acc.init_trackers("tracker", config=flat_config(cfg))
 
@@ -137,85 +124,63 @@ class Trainer:
             row["compiled_graphs"] = self.compile_watch.after_iteration(self.iteration - 1, say)
         return row
 
-    def optimizer_step(self) -> float:
-        """Clip, step, zero, update the EMA; returns the gradient norm before clipping.
+    # ---- what the run manager asks of the image trainer (flowrl/train/run_manager.py) ------
+    def clip_grad_norm(self) -> float:
+        return self.layout.clip_grad_norm(list(self.params.values()), self.cfg.trainer.max_grad_norm)
 
-        A NaN or inf anywhere in the loss or the gradients makes the norm non-finite (on every
-        process alike: it is taken after the all-reduce). That step is skipped: the gradients are
-        dropped, and the weights, the optimizer's moments and the EMA stay as they were.
-        trainer.max_skipped_steps such steps in a row stop the run."""
-        norm = self.layout.clip_grad_norm(list(self.params.values()), self.cfg.trainer.max_grad_norm)
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-            self.skipped_in_a_row += 1
-            if self.skipped_in_a_row >= self.cfg.trainer.max_skipped_steps:
-                last = latest_checkpoint(self.run.checkpoints)
-                raise UserError(f"iteration {self.iteration}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
-                                f"gradient norm ({norm}), so the run stopped; the last checkpoint, all finite, is "
-                                f"{last if last is not None else 'none (no checkpoint yet)'}; try a lower trainer.lr")
-            return norm
-        self.skipped_in_a_row = 0
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def after_step(self) -> None:
         if self.ema is not None:
             self.ema.update(self.params)
-        return norm
 
-    # ---- the loop -----------------------------------------------------------------------
-    def train(self) -> list[dict]:
-        cfg, acc, r, t = self.cfg, self.accelerator, self.cfg.run, self.cfg.trainer
-        bar = tqdm(total=self.plan.planned, initial=self.iteration, desc="flowrl train", unit="iter",
-                   disable=not (r.progress and acc.is_local_main_process))
-        if self.iteration == 0 and r.sample_every:
-            t0 = time.perf_counter()
+    def planned_iterations(self) -> int:
+        return self.plan.planned
+
+    def schedule_position(self) -> tuple[float, int]:
+        return self.plan.progress(self.iteration), self.plan.nominal  # a budget's plan maps iterations onto the nominal count
+
+    def before_loop(self) -> None:
+        if self.iteration == 0 and self.cfg.run.sample_every:
+            t0 = self.now()
             self.save_samples("iter_000000_before")
-            self.measured.add_grid(time.perf_counter() - t0)
-        started, out_of_time = time.perf_counter(), False
-        marks = pending_marks(self.cfg.run.checkpoint_at_minutes, self.history)
-        while self.iteration < self.plan.planned and not out_of_time:
-            t0 = time.perf_counter()
-            for group in self.optimizer.param_groups:
-                group["lr"] = t.lr * lr_factor(t.lr_schedule, self.plan.progress(self.iteration), self.plan.nominal)
-            row = self.train_iteration()
-            marked = cross_marks(row, marks, self.started)
-            self.history.append(row)
-            acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
-            if acc.is_main_process:
-                self.run.append_metrics(row)
-            bar.update(1)
-            bar.set_postfix({k: f"{row[k]:.4g}" for k in ("reward_mean", "kl") if k in row})
-            if t.max_minutes:  # every process calls the broadcast, so all agree with rank 0's clock
-                out_of_time = bool(rank0(time.perf_counter() - started >= t.max_minutes * 60))
-            self.measured.add_iteration(time.perf_counter() - t0)
-            if t.budget_minutes and not out_of_time and self.iteration < self.plan.planned and (
-                    self.measured.iterations >= t.budget_probe if not self.plan.fixed
-                    else r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
-                self.replan()  # before the checkpoint, which records it
-                bar.total = self.plan.planned
-                bar.refresh()
-            done = self.iteration >= self.plan.planned or out_of_time
-            if r.sample_every and (self.iteration % r.sample_every == 0 or done):
-                t0 = time.perf_counter()
-                self.save_samples(f"iter_{self.iteration:06d}")
-                self.measured.add_grid(time.perf_counter() - t0)
-            if done or marked or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
-                t0 = time.perf_counter()
-                self.save()
-                self.measured.add_checkpoint(time.perf_counter() - t0)
-        bar.close()
+            self.measured.add_grid(self.now() - t0)
+        self.marks = pending_marks(self.cfg.run.checkpoint_at_minutes, self.history)
+
+    def mark(self, row: dict) -> bool:
+        return cross_marks(row, self.marks, self.started)
+
+    def log(self, row: dict) -> None:
+        self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
+
+    def after_iteration(self, seconds: float, out_of_time: bool) -> None:
+        t, r = self.cfg.trainer, self.cfg.run
+        self.measured.add_iteration(seconds)
+        if t.budget_minutes and not out_of_time and self.iteration < self.plan.planned and (
+                self.measured.iterations >= t.budget_probe if not self.plan.fixed
+                else r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
+            self.replan()  # before the checkpoint, which records it
+            self.bar.total = self.plan.planned
+            self.bar.refresh()
+
+    def before_checkpoint(self, done: bool) -> None:
+        every = self.cfg.run.sample_every
+        if every and (self.iteration % every == 0 or done):
+            t0 = self.now()
+            self.save_samples(f"iter_{self.iteration:06d}")
+            self.measured.add_grid(self.now() - t0)
+
+    def checkpoint(self) -> None:
+        t0 = self.now()
+        self.save()
+        self.measured.add_checkpoint(self.now() - t0)
+
+    def finish(self) -> None:
         self.rollout.close()
         self.reward_runner.close()
-        acc.end_training()
-        return self.history
-
-    def now(self) -> float:
-        """The loop's clock, in seconds (what a wall-clock budget counts)."""
-        return time.perf_counter()
+        self.accelerator.end_training()
 
     def replan(self) -> None:
         """Plan the iteration count that fits trainer.budget_minutes again (flowrl/train/budget.py, `replan`)."""
-        replan(self.cfg, self.plan, self.measured, self.iteration, time.perf_counter() - self.started,
+        replan(self.cfg, self.plan, self.measured, self.iteration, self.now() - self.started,
                self.run.path if self.accelerator.is_main_process else None)
 
     # ---- outputs ------------------------------------------------------------------------
@@ -244,5 +209,6 @@ class Trainer:
         (flowrl/train/trainer_state.py)."""
         return save_trainer(self)
 
-    def _resume(self) -> None:
-        resume_trainer(self)
+    def restore(self, ckpt: Path, data: dict) -> None:
+        """Weights, optimizer, EMA, objective state and the budget's plans (flowrl/train/trainer_state.py)."""
+        restore_trainer(self, ckpt, data)

@@ -45,11 +45,24 @@ class Launch(NamedTuple):
     layout: Any  # flowrl.train.sharding.Replicated or Sharded
 
 
-def launch_image_run(cfg, run_dir: str | Path) -> Launch:
-    """Start the processes and build the image trainer's Accelerator for `cfg` (flowrl.config.Config)."""
+def plain_accelerator(cpu: bool, refusal: str, **kwargs):
+    """accelerate's Accelerator for one process or plain data parallelism (DDP), with `kwargs`;
+    a launch under accelerate's FSDP, DeepSpeed or Megatron config is refused, `refusal` saying why."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
     from flowrl.errors import UserError
+
+    # DDP would broadcast the transformer's buffers (constant position embeddings) in every
+    # forward: a collective that hangs when only rank 0 samples (grids, evals)
+    acc = Accelerator(cpu=cpu, kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)], **kwargs)
+    if acc.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):  # its prepare would wrap the network its own way
+        raise UserError(f"{refusal}; launch with a plain multi-GPU accelerate config such as configs/accelerate/multi_gpu.yaml, "
+                        f"not distributed_type {acc.distributed_type.value}")
+    return acc
+
+
+def launch_image_run(cfg, run_dir: str | Path) -> Launch:
+    """Start the processes and build the image trainer's Accelerator for `cfg` (flowrl.config.Config)."""
     from flowrl.sampling.precision import autocast_precision
     from flowrl.train.run_dir import RunDir
     from flowrl.train.sharding import make_layout
@@ -58,16 +71,9 @@ def launch_image_run(cfg, run_dir: str | Path) -> Launch:
     run = RunDir(run_dir)
     mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
     sharded = cfg.run.distributed == "fsdp2"  # mixed precision is then FSDP2's own policy, not accelerate's autocast
-    acc = Accelerator(
-        mixed_precision="no" if sharded else mixed_precision, cpu=cpu, log_with=None if cfg.run.tracker == "none" else cfg.run.tracker,
-        project_dir=str(run.path),
-        # DDP would broadcast the transformer's buffers (constant position embeddings) in every
-        # forward: a collective that hangs when only rank 0 samples (grids, evals)
-        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
-    )
-    if acc.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):  # its prepare would wrap the network its own way
-        raise UserError(f"flowrl shards the network itself (run.distributed=fsdp2); launch with a plain multi-GPU accelerate "
-                        f"config such as configs/accelerate/multi_gpu.yaml, not distributed_type {acc.distributed_type.value}")
+    acc = plain_accelerator(cpu, "flowrl shards the network itself (run.distributed=fsdp2)",
+                            mixed_precision="no" if sharded else mixed_precision,
+                            log_with=None if cfg.run.tracker == "none" else cfg.run.tracker, project_dir=str(run.path))
     return Launch(acc, run, mixed_precision, make_layout(cfg.run.distributed, acc, mixed_precision))
 
 

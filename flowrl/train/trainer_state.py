@@ -1,5 +1,5 @@
-"""A Trainer's checkpoint: what it writes (`save_trainer`) and how `--resume` restores it
-(`resume_trainer`). A checkpoint holds everything a resume needs to repeat an uninterrupted run:
+"""The image Trainer's checkpoint: what it writes (`save_trainer`) and how `--resume` restores its
+part (`restore_trainer`; the run manager restores the rest, flowrl/train/run_manager.py). A checkpoint holds everything a resume needs to repeat an uninterrupted run:
 weights, optimizer, EMA, allocator and objective state, random generators, the budget's plans and
 clock, plus the user-facing exports (the LoRA, or the fully fine-tuned transformer, each also with
 EMA weights). Under fsdp2 every process writes and reads its own shards.
@@ -8,7 +8,6 @@ EMA weights). Under fsdp2 every process writes and reads its own shards.
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,8 +15,7 @@ import torch
 
 from flowrl.errors import UserError
 from flowrl.train.budget import Measured, SchedulePlan, write_plan
-from flowrl.train.checkpoint import (SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, load_checkpoint, restore_rng,
-                                    restore_weights, save_checkpoint)
+from flowrl.train.checkpoint import SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, restore_weights, save_checkpoint
 
 if TYPE_CHECKING:
     from flowrl.train.loop import Trainer
@@ -88,23 +86,16 @@ def trainer_exports(tr: Trainer) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def resume_trainer(tr: Trainer) -> None:
-    """Restore the run's latest checkpoint into `tr`, or start over in place when it has none."""
-    ckpt = latest_checkpoint(tr.run.checkpoints)
-    if ckpt is None:  # stopped before its first checkpoint
-        start_over(tr)
-        return
-    data = load_checkpoint(ckpt)
+def restore_trainer(tr: Trainer, ckpt: Path, data: dict) -> None:
+    """The image trainer's part of checkpoint `ckpt` (the run manager restores the allocator, the
+    random generators, the iteration and the metrics): weights, optimizer and EMA, whole or
+    sharded; the objective's state; the budget's plans, clock and measurements as recorded."""
     if data["state"]["sharded"]:
         load_shards(tr, ckpt, data)
     else:
         load_whole(tr, ckpt, data)
-    if data["allocator"] is not None:
-        tr.allocator.load_state_dict(data["allocator"])
     tr.objective.load_state_dict(data, str(ckpt))
-    restore_rng(data["rng"], data["state"]["python_random"])
-    tr.iteration = int(data["state"]["iteration"])
-    if tr.cfg.trainer.budget_minutes:  # the plans made so far, the budget's clock and what it measured, as recorded
+    if tr.cfg.trainer.budget_minutes:
         state = data["state"]
         if state.get("plan"):
             vars(tr.plan).update(vars(SchedulePlan.from_state(state["plan"])))  # in place: the parts hold it
@@ -113,28 +104,6 @@ def resume_trainer(tr: Trainer) -> None:
         if state.get("budget"):
             tr.started = tr.now() - state["budget"]["elapsed_s"]
             tr.measured = Measured.from_state(state["budget"]["measured"])
-    if tr.accelerator.is_main_process:
-        tr.history = tr.run.truncate_metrics(tr.iteration)
-    else:
-        tr.history = [r for r in tr.run.read_metrics() if r["iteration"] < tr.iteration]
-
-
-def start_over(tr: Trainer) -> None:
-    """`--resume` of a run that has no checkpoint yet: every draw is keyed by (seed, iteration),
-    so training again from iteration 0 repeats what was lost. What the run wrote (metrics,
-    sample grids) moves to RUN/restart-N first, so nothing is deleted."""
-    acc, run = tr.accelerator, tr.run
-    if acc.is_main_process:
-        written = [p for p in (run.metrics_file, run.samples) if p.exists()]
-        if written:
-            n = 1 + sum(1 for _ in run.path.glob("restart-*"))
-            backup = run.path / f"restart-{n}"
-            backup.mkdir()
-            for p in written:
-                p.rename(backup / p.name)
-            print(f"flowrl: '{run.path}' has no checkpoint yet; training it again from iteration 0 (what it wrote "
-                  f"is kept in {backup})", file=sys.stderr)
-    acc.wait_for_everyone()
 
 
 def load_whole(tr: Trainer, ckpt: Path, data: dict) -> None:
