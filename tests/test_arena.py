@@ -14,7 +14,8 @@ import pytest
 
 import flowrl.train.budget as budget
 import flowrl.train.run_manager as run_manager
-from flowrl.config import CONFIG_DIR, ConfigError, load_config
+from flowrl.config import ConfigError, load_config
+from flowrl.presets import CONFIG_DIR
 from flowrl.train.loop import Trainer
 from script_loader import load_script
 

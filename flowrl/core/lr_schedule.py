@@ -3,6 +3,8 @@ run continues the same curve without a scheduler state to save)."""
 
 import math
 
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
 
 def lr_factor(schedule: str, iteration: float, total: int) -> float:
     """The factor on the base learning rate at `iteration` (0-based) of `total`: 1 for constant;

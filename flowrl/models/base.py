@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -19,9 +19,8 @@ from flowrl.devices import DTYPES, pick_device
 from flowrl.errors import UserError
 from flowrl.models.compile import compile_network, padded_velocity
 from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.schema import LoraConfig, ModelConfig
 
-if TYPE_CHECKING:  # the config module imports the built-in model names from here
-    from flowrl.config import LoraConfig, ModelConfig
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")  # model.path builtin:NAME

@@ -42,6 +42,7 @@ from torch import nn
 
 from flowrl.devices import DTYPES
 from flowrl.errors import UserError
+from flowrl.schema import HIGH_PRECISION_LAYERS  # rollout.two_stage.high_precision_layers' default
 
 EXPLORE_PRECISIONS = ("nvfp4", "fp8", "bf16", "fp16", "fp32")
 BACKENDS = ("auto", "emulated", "torchao")
@@ -51,7 +52,6 @@ E2M1_MAX = 6.0
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # 2**-6, the smallest normal
 NVFP4_BLOCK = 16
-HIGH_PRECISION_LAYERS = ("embed", "proj_out", "norm_out")
 CAST_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
 
 

@@ -9,11 +9,13 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from flowrl.config import LR_SCHEDULES, AllocatorConfig, merge_config, read_yaml
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
+from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
 from flowrl.errors import ConfigError, check_choice
+from flowrl.schema import AllocatorConfig
+from flowrl.yaml_config import merge_config, preset_path, read_yaml
 
 TASK = "text"
 BUILTIN_TEXT_MODELS = ("add",)  # model.path builtin:NAME, shipped in the package
@@ -139,8 +141,6 @@ def is_text_config(path: str | Path | None) -> bool:
 
 
 def load_text_config(path: str | Path, overrides: list[str] | None = None) -> TextConfig:
-    from flowrl.config import preset_path
-
     src = preset_path(str(path))
     cfg: TextConfig = merge_config(TextConfig, read_yaml(src), str(src), overrides, ("reward.weights",))
     validate_text(cfg)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
@@ -24,6 +23,7 @@ from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, rollout
+from flowrl.schema import Config
 from flowrl.train.budget import Measured, SchedulePlan, cross_marks, pending_marks, replan
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
@@ -38,8 +38,6 @@ from flowrl.train.sharding import reference_copy
 from flowrl.train.trainer_state import restore_trainer, save_trainer
 from rewards import AsyncRewardRunner, MultiReward
 
-if TYPE_CHECKING:  # the config module imports the training parts to validate against them
-    from flowrl.config import Config
 
 
 def flat_config(cfg: Config) -> dict:

@@ -2,26 +2,22 @@
 part (`restore_trainer`; the run manager restores the rest, flowrl/train/run_manager.py). A checkpoint holds everything a resume needs to repeat an uninterrupted run:
 weights, optimizer, EMA, allocator and objective state, random generators, the budget's plans and
 clock, plus the user-facing exports (the LoRA, or the fully fine-tuned transformer, each also with
-EMA weights). Under fsdp2 every process writes and reads its own shards.
+EMA weights). Under fsdp2 every process writes and reads its own shards. `tr` is the image
+Trainer (flowrl/train/loop.py), which imports this module.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import torch
 
 from flowrl.errors import UserError
 from flowrl.train.budget import Measured, SchedulePlan, write_plan
 from flowrl.train.checkpoint import SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, restore_weights, save_checkpoint
 
-if TYPE_CHECKING:
-    from flowrl.train.loop import Trainer
 
-
-def save_trainer(tr: Trainer) -> Path | None:
+def save_trainer(tr) -> Path | None:
     """Write the trainer's checkpoint at its current iteration; rank 0 returns its path. Under
     fsdp2 every process writes its shards and helps gather the exports; rank 0 writes the rest."""
     acc, lay = tr.accelerator, tr.layout
@@ -69,7 +65,7 @@ def save_trainer(tr: Trainer) -> Path | None:
     return path
 
 
-def trainer_exports(tr: Trainer) -> dict[str, dict[str, torch.Tensor]]:
+def trainer_exports(tr) -> dict[str, dict[str, torch.Tensor]]:
     """{folder: whole weights} for the checkpoint's user-facing exports, on rank 0: `lora` and
     `ema_lora`, or under full fine-tuning `transformer` and `ema_transformer` (diffusers'
     format). Collective under fsdp2."""
@@ -86,7 +82,7 @@ def trainer_exports(tr: Trainer) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-def restore_trainer(tr: Trainer, ckpt: Path, data: dict) -> None:
+def restore_trainer(tr, ckpt: Path, data: dict) -> None:
     """The image trainer's part of checkpoint `ckpt` (the run manager restores the allocator, the
     random generators, the iteration and the metrics): weights, optimizer and EMA, whole or
     sharded; the objective's state; the budget's plans, clock and measurements as recorded."""
@@ -106,7 +102,7 @@ def restore_trainer(tr: Trainer, ckpt: Path, data: dict) -> None:
             tr.measured = Measured.from_state(state["budget"]["measured"])
 
 
-def load_whole(tr: Trainer, ckpt: Path, data: dict) -> None:
+def load_whole(tr, ckpt: Path, data: dict) -> None:
     """Weights, optimizer and EMA of a checkpoint written whole (run.distributed ddp)."""
     if tr.layout.sharded:
         raise UserError(f"--resume: checkpoint '{ckpt}' was written whole (run.distributed ddp); resume it with "
@@ -117,7 +113,7 @@ def load_whole(tr: Trainer, ckpt: Path, data: dict) -> None:
         tr.ema.shadow = {n: t.clone() for n, t in data["ema"].items()}
 
 
-def load_shards(tr: Trainer, ckpt: Path, data: dict) -> None:
+def load_shards(tr, ckpt: Path, data: dict) -> None:
     """Every process loads its own shards of a sharded checkpoint (onto any number of
     processes): the current tensors are the templates, filled in place."""
     if not tr.layout.sharded:
