@@ -34,7 +34,7 @@ from flowrl.train.prompts import BUILTIN_PROMPT_SETS
 from flowrl.train.registry import check_compatible, objective_class, rollout_class
 from flowrl.train.rollouts.common import check_trained_sigmas
 from flowrl.train.sharding import DISTRIBUTED
-from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml
+from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml, refuse_moved_keys
 from rewards import available_rewards, check_reward_config
 
 MODEL_KINDS = ("sd3", "flux")
@@ -53,23 +53,13 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, validate_paths: bool = True) -> Config:
     """Load a preset or YAML file, apply `key=value` overrides, validate, return a `Config`."""
     src = preset_path(str(path) if path is not None else None)
-    loaded = read_yaml(src)
-    _refuse_moved_keys([k for k in MOVED_KEYS if OmegaConf.select(loaded, k, default=None) is not None], str(src))
-    for item in overrides or []:
-        key = item.partition("=")[0]
-        _refuse_moved_keys([key] if key in MOVED_KEYS else [], "the command line")
-    cfg: Config = merge_config(Config, loaded, str(src), overrides, REPLACED_MAPPINGS)
+    cfg: Config = merge_config(Config, read_yaml(src), str(src), overrides, REPLACED_MAPPINGS, moved=MOVED_KEYS)
     validate(cfg, validate_paths=validate_paths)
     return cfg
 
 
-def _refuse_moved_keys(keys: list[str], source: str) -> None:
-    if keys:
-        raise ConfigError(f"config key '{keys[0]}' in {source} has moved to '{MOVED_KEYS[keys[0]]}'; rename it")
-
-
 def config_from_dict(data: dict, validate_paths: bool = True) -> Config:
-    _refuse_moved_keys([k for k in MOVED_KEYS if OmegaConf.select(OmegaConf.create(data), k, default=None) is not None], "the given config")
+    refuse_moved_keys(OmegaConf.create(data), [], MOVED_KEYS, "the given config")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
     except OmegaConfBaseException as exc:

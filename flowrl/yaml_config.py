@@ -42,9 +42,21 @@ def read_yaml(src: Path) -> DictConfig:
     return loaded
 
 
-def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[str] | None, replaced_mappings=()) -> Any:
+def refuse_moved_keys(loaded: DictConfig, overrides: list[str], moved: dict[str, str], source: str) -> None:
+    """A key that has moved (`moved`: old name -> new name), in the file or an override, is refused
+    with one sentence naming its new name."""
+    for key in [k for k in moved if OmegaConf.select(loaded, k, default=None) is not None]:
+        raise ConfigError(f"config key '{key}' in {source} has moved to '{moved[key]}'; rename it")
+    for key in [item.partition("=")[0] for item in overrides]:
+        if key in moved:
+            raise ConfigError(f"config key '{key}' in the command line has moved to '{moved[key]}'; rename it")
+
+
+def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[str] | None, replaced_mappings=(),
+                 moved: dict[str, str] | None = None) -> Any:
     """`loaded` (a YAML file's mapping) over the dataclass `schema`'s defaults, then `key=value`
-    overrides; any mistake is one sentence naming the key."""
+    overrides; a key of `moved` is refused naming its new name; any mistake is one sentence naming the key."""
+    refuse_moved_keys(loaded, overrides or [], moved or {}, source)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), loaded)
         # a mapping given in the file replaces the default instead of adding to it

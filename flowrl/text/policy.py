@@ -88,7 +88,7 @@ class CausalLMPolicy:
         elif self._reference is not None:
             yield self._reference
         else:
-            raise UserError("the reference policy needs lora.enabled=true or loss.kl_beta > 0 (which keeps a frozen copy)")
+            raise UserError("the reference policy needs lora.enabled=true or trainer.kl_beta > 0 (which keeps a frozen copy)")
 
     # ---- sampling and scoring -------------------------------------------------------------
     def format(self, prompts: list[str]) -> list[str]:

@@ -75,7 +75,7 @@ def load_text_policy(cfg: TextConfig, trainable: bool = True, device: torch.devi
         if cfg.lora.enabled:
             policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
         else:
-            policy.enable_full_finetune(keep_reference=cfg.loss.kl_beta > 0)
+            policy.enable_full_finetune(keep_reference=cfg.trainer.kl_beta > 0)
     return policy
 
 
@@ -130,8 +130,8 @@ class TextTrainer(RunManager):
         gen = concat(gens, self.policy.tokenizer.pad_token_id)
         if not bool(valid.any()):
             raise UserError(f"every reward of iteration {iteration} was invalid (NaN or inf); see reward.on_invalid")
-        out = estimate_advantages(cfg.loss.advantage, rewards[valid], prompt_ids[valid], self.reward.weights,
-                                  std=cfg.loss.scale_rewards)
+        out = estimate_advantages(cfg.advantage.kind, rewards[valid], prompt_ids[valid], self.reward.weights,
+                                  std=cfg.advantage.std)
         advantages = torch.zeros(len(prompt_ids))
         advantages[valid] = out.advantages * out.mask
         self.allocator.observe(prompt_ids[valid], successes(cfg, self.reward.total(rewards[valid])))
@@ -192,11 +192,11 @@ class TextTrainer(RunManager):
         pl = token_policy_loss(lp, gen.log_probs[rows].to(lp.device), advantages.to(lp.device), md, l.clip_low, l.clip_high,
                                l.aggregation, l.ratio_level, horizon)
         loss, kl = pl.loss, torch.zeros(())
-        if l.kl_beta > 0:
+        if cfg.trainer.kl_beta > 0:
             with torch.no_grad(), self.policy.reference() as ref:
                 ref_lp, _ = self.policy.log_probs(gen, rows, temp, model=ref)
             kl = aggregate(k3_kl(lp, ref_lp), md, l.aggregation, horizon)
-            loss = loss + l.kl_beta * kl
+            loss = loss + cfg.trainer.kl_beta * kl
         tokens = max(int(m.sum()), 1)
         logged = {"loss": loss.item(), "kl": kl.item(), "entropy": float((ent * md).sum()) / tokens,
                   "clip_low": float(pl.clipped_low.sum()) / tokens, "clip_high": float(pl.clipped_high.sum()) / tokens}
