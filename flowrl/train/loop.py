@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
@@ -37,7 +36,6 @@ from flowrl.train.run_manager import RunManager
 from flowrl.train.sharding import reference_copy
 from flowrl.train.trainer_state import restore_trainer, save_trainer
 from rewards import AsyncRewardRunner, MultiReward
-
 
 
 def flat_config(cfg: Config) -> dict:
