@@ -23,4 +23,4 @@ demo: install
 	$(BIN)/flowrl train
 
 test: install
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests -n auto  # one worker per core (pytest-xdist)

@@ -4,7 +4,6 @@ sentence on stderr and exit 2, without a traceback."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -12,6 +11,8 @@ from pathlib import Path
 from flowrl.errors import UserError
 from flowrl.presets import preset_names
 from flowrl.quiet import silence_known_messages
+from flowrl.train.processes import (EXIT_INTERRUPTED, LAUNCHED_ENV, die_with_launcher, interrupted_message, is_first_process,
+                                    launches_cpu_processes, relaunch)
 
 EXIT_USER_ERROR = 2
 
@@ -187,14 +188,14 @@ def cmd_train(args) -> int:
         run_dir = run if args.resume else Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
         start = lambda: _train_images(cfg, run_dir, bool(args.resume))  # noqa: E731
     _no_file_on_the_way(run_dir, "the run directory (--run-dir, run.output_dir)")
-    if _launches_cpu_processes(cfg):
+    if launches_cpu_processes(cfg):
         argv = args.argv if args.resume or args.run_dir else [*args.argv, "--run-dir", str(run_dir)]
-        return _relaunch(cfg.run.cpu_processes, argv, run_dir)
+        return relaunch(cfg.run.cpu_processes, argv, run_dir)
     try:
         return start()
     except KeyboardInterrupt:
-        if _is_first_process() and LAUNCHED_ENV not in os.environ:  # a relaunched run: its launcher says it
-            print(_interrupted(run_dir), file=sys.stderr)
+        if is_first_process() and LAUNCHED_ENV not in os.environ:  # a relaunched run: its launcher says it
+            print(interrupted_message(run_dir), file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -214,83 +215,6 @@ def _train_images(cfg, run_dir: Path, resume: bool) -> int:
         else:
             print(f"{len(history)} iterations; run: {trainer.run.path}")
     return 0
-
-
-LAUNCHED_ENV = "FLOWRL_LAUNCHED"  # set for the processes a relaunch starts, so they never relaunch again
-LAUNCHER_PID_ENV = "FLOWRL_LAUNCHER_PID"  # the launcher's pid: its processes end when it does
-EXIT_INTERRUPTED = 130
-
-
-def _interrupted(run_dir: Path) -> str:
-    return (f"flowrl: interrupted; `flowrl train --resume {run_dir}` continues from its last checkpoint "
-            "(or trains it again from the start if it has none yet)")
-
-
-def _launches_cpu_processes(cfg) -> bool:
-    """Whether this `flowrl train` should start `run.cpu_processes` copies of itself: a CPU run,
-    not itself one of the processes of a launcher."""
-    import torch
-
-    from flowrl.models.base import pick_device
-
-    inside = LAUNCHED_ENV in os.environ or "WORLD_SIZE" in os.environ
-    return cfg.run.cpu_processes > 1 and not inside and pick_device(cfg.model.device) == torch.device("cpu")
-
-
-def _relaunch(processes: int, argv: list[str], run_dir: Path) -> int:
-    """The same command as `processes` processes joined by gloo, in torchrun's environment
-    (accelerate reads it): rank 0 writes the run directory, the processes split every
-    iteration's rollouts, and the cores are split between them. Started here rather than by a
-    launcher so that a user error keeps its one sentence and exit code 2: when one process
-    fails, the others are stopped and its exit code is returned."""
-    import socket
-    import subprocess
-    import time
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // processes)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, LAUNCHED_ENV: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes), "OMP_NUM_THREADS": str(threads),
-           "CUDA_VISIBLE_DEVICES": "", LAUNCHER_PID_ENV: str(os.getpid())}  # a CPU run
-    print(f"flowrl: launching {processes} CPU processes of {threads} thread(s) each (run.cpu_processes)", file=sys.stderr)
-    procs = [subprocess.Popen([sys.executable, "-m", "flowrl.cli", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(processes)]
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed or all(c == 0 for c in codes):
-                for p in procs:
-                    if p.poll() is None:
-                        p.terminate()
-                for p in procs:
-                    p.wait()
-                return failed[0] if failed else 0
-            time.sleep(0.2)
-    except KeyboardInterrupt:  # the processes got the same Ctrl-C and stop on their own
-        for p in procs:
-            p.wait()
-        print(_interrupted(run_dir), file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def _die_with_launcher() -> None:
-    """In a process a relaunch started: end when the launcher ends, however it ends (kill -9
-    included), instead of training on alone. Linux's parent-death signal; elsewhere a no-op."""
-    launcher = os.environ.get(LAUNCHER_PID_ENV)
-    if not launcher or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != int(launcher):  # the launcher died before the signal was armed
-        os._exit(EXIT_INTERRUPTED)
 
 
 def _load_run_policy(run: Path, overrides=(), iteration: int | None = None):
@@ -464,7 +388,7 @@ def cmd_offline(args) -> int:
     from flowrl.models import load_policy
     from flowrl.offline.build import build_store
     from flowrl.train.prompts import load_prompts
-    from flowrl.train.rollouts.flat import training_spec
+    from flowrl.train.rollouts.common import training_spec
     from rewards import MultiReward
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)
@@ -538,12 +462,8 @@ def cmd_serve_reward(args) -> int:
     return 0
 
 
-def _is_first_process() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 def main(argv: list[str] | None = None) -> int:
-    _die_with_launcher()
+    die_with_launcher()
     silence_known_messages()
     try:
         args = _parse(argv)
@@ -556,11 +476,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except UserError as exc:
-        if _is_first_process():  # the processes of one run hit the same mistake: say it once
+        if is_first_process():  # the processes of one run hit the same mistake: say it once
             print(f"flowrl: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        if _is_first_process() and LAUNCHED_ENV not in os.environ:
+        if is_first_process() and LAUNCHED_ENV not in os.environ:
             print("flowrl: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 

@@ -1,6 +1,6 @@
 """`flowrl config show`: a resolved config as YAML, each key with its description.
 
-The descriptions are the comments written beside (or just above) each field in flowrl/config.py,
+The descriptions are the comments written beside (or just above) each field in flowrl/schema.py,
 read from its source, so the help cannot drift from the code that defines the field."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from omegaconf import OmegaConf
 @lru_cache(maxsize=1)
 def field_comments() -> dict[tuple[str, str], str]:
     """(dataclass name, field name) -> the comment on the field's line, or the comment lines
-    directly above it, from flowrl/config.py."""
-    from flowrl import config
+    directly above it, from flowrl/schema.py."""
+    from flowrl import schema
 
-    source = inspect.getsource(config)
+    source = inspect.getsource(schema)
     comments: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:

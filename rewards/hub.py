@@ -9,9 +9,9 @@ from typing import Callable
 
 import torch
 
+from flowrl.devices import DTYPES
 from flowrl.errors import UserError
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve_device(device: str) -> torch.device:

@@ -84,6 +84,7 @@ class MultiReward:
         self.batch_sizes: dict[str, int] = {}
         self.channels: dict[str, tuple[str, ...]] = {}
         self.channel_names: list[str] = []
+        self.breakdowns: dict[str, Callable] = {}  # reward name -> its registered breakdown
         options = options or {}
         for name in self.weights:
             if rewards and name in rewards:  # a plain function passed in directly
@@ -92,6 +93,8 @@ class MultiReward:
             else:
                 plan = plan_reward(name, options.get(name))
                 self.fns[name], channels = plan.build()
+                if plan.spec.breakdown is not None:
+                    self.breakdowns[name] = plan.spec.breakdown
                 self.batch_sizes[name] = plan.batch_size or batch_size
             self.channels[name] = channels
             self.channel_names += [name if len(channels) == 1 else f"{name}/{c}" for c in channels]
@@ -109,6 +112,16 @@ class MultiReward:
         a judge, or the reward a search looks for."""
         return cls({name: 1.0}, reward_cfg.batch_size, options={k: v for k, v in reward_cfg.options.items() if k == name},
                    on_invalid=reward_cfg.on_invalid)
+
+    def breakdown(self, prompts: Sequence[str], scores: torch.Tensor) -> dict[str, dict[str, float]] | None:
+        """The first breakdown among the rewards (the shapes reward's GenEval categories) of scores
+        [N, K] by kind of prompt, with an "overall" row; None when no reward has one."""
+        start = 0
+        for name, channels in self.channels.items():
+            if name in self.breakdowns:
+                return self.breakdowns[name](list(prompts), scores[:, start : start + len(channels)])
+            start += len(channels)
+        return None
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> torch.Tensor:
         """Scores [N, K]; any invalid output raises UserError, whatever `on_invalid` says

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flowrl.errors import ConfigError
-from rewards.hub import DTYPES, looks_local
+from flowrl.devices import DTYPES
+from rewards.hub import looks_local
 from rewards.registry import REQUIRED, RewardSpec, available_rewards, get_reward
 
 SHARED_OPTIONS = ("kind", "batch_size")

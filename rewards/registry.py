@@ -15,6 +15,9 @@ class RewardSpec:
     description: str
     factory: Callable[..., Callable]  # (**options) -> reward callable
     channels: tuple[str, ...] = ()  # channel names if the reward returns [N, K]; default (name,)
+    # (prompts, this reward's scores [N, K]) -> {prompt kind: {column: mean}} with an "overall" row: a
+    # breakdown that metrics rows and `flowrl eval` show (the shapes reward: GenEval's categories)
+    breakdown: Callable[..., dict] | None = None
 
     def options(self) -> dict[str, object]:
         """The factory's keyword options and their defaults (`REQUIRED` where it has none)."""
@@ -29,14 +32,16 @@ REQUIRED = object()  # marks a factory option without a default
 _REGISTRY: dict[str, RewardSpec] = {}
 
 
-def register(name: str, description: str, channels: tuple[str, ...] = (), factory: bool = False):
+def register(name: str, description: str, channels: tuple[str, ...] = (), factory: bool = False,
+             breakdown: Callable[..., dict] | None = None):
     """Decorator: register a reward under `name`. A plain function is the reward itself; a
     class, or a function registered with factory=True, builds the reward when first used; its
-    keyword arguments are the reward's options (reward.options.NAME in the config)."""
+    keyword arguments are the reward's options (reward.options.NAME in the config). `breakdown`
+    (prompts, scores [N, K]) -> {prompt kind: {column: mean}} splits its scores by kind of prompt."""
 
     def wrap(obj):
         make = obj if factory or isinstance(obj, type) else (lambda: obj)
-        _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,))
+        _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,), breakdown)
         return obj
 
     return wrap

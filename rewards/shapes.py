@@ -308,8 +308,13 @@ def category_table(prompts: Sequence[str], strict: Sequence[float], partial: Seq
     return table
 
 
+def category_breakdown(prompts: Sequence[str], scores) -> dict[str, dict[str, float]]:
+    """The shapes reward's breakdown: `category_table` of its strict and partial channels [N, 2]."""
+    return category_table(prompts, scores[:, 0].tolist(), scores[:, 1].tolist())
+
+
 @register("shapes", "verifiable compositional reward of the shapes world: strict (all checks, GenEval-style) and partial (fraction of checks)",
-          channels=("strict", "partial"))
+          channels=("strict", "partial"), breakdown=category_breakdown)
 def shapes(images, prompts, metadata=None):
     return score_batch(images, prompts)
 

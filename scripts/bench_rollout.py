@@ -85,7 +85,7 @@ def _fmt(times: list[float]) -> str:
 
 
 def build_policy(directory: Path, width: int, num_layers: int, resolution: int, device: str):
-    from flowrl.config import ModelConfig
+    from flowrl.schema import ModelConfig
     from flowrl.models import load_policy
     from flowrl.models.tiny import build_tiny_sd3
 

@@ -68,7 +68,7 @@ def trl_grpo(seed: int, minutes: float, out: Path) -> dict:
 
     cfg = load_text_config(CONFIG, [f"trainer.seed={seed}"])
     d, g, lo, t = cfg.data, cfg.generation, cfg.loss, cfg.trainer
-    if lo.aggregation != "token_mean" or lo.kl_beta or lo.clip_low != lo.clip_high or t.inner_epochs != 1:
+    if lo.aggregation != "token_mean" or t.kl_beta or lo.clip_low != lo.clip_high or t.inner_epochs != 1:
         raise SystemExit("the TRL side-by-side maps only the default's loss: token_mean, no KL, a symmetric clip, one inner epoch")
     pool = load_prompt_set(cfg, d.split)
     dataset = Dataset.from_dict({"prompt": pool.prompts, **{k: list(v) for k, v in pool.columns.items()}})
@@ -93,7 +93,7 @@ def trl_grpo(seed: int, minutes: float, out: Path) -> dict:
         num_generations=d.group_size, max_completion_length=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
         top_k=0, learning_rate=t.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=t.weight_decay,
         max_grad_norm=t.max_grad_norm, loss_type="dapo", epsilon=lo.clip_low, beta=0.0,
-        scale_rewards=lo.scale_rewards, mask_truncated_completions=lo.overlong_mask)
+        scale_rewards=cfg.advantage.std, mask_truncated_completions=lo.overlong_mask)
     budget = Budget()
     trainer = trl.GRPOTrainer(model=policy.model, reward_funcs=[exact_match_reward], args=args, train_dataset=dataset,
                               processing_class=policy.tokenizer, callbacks=[budget])

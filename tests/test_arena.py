@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 import flowrl.train.budget as budget
-import flowrl.train.loop as loop
-from flowrl.config import CONFIG_DIR, ConfigError, load_config
+import flowrl.train.run_manager as run_manager
+from flowrl.config import ConfigError, load_config
+from flowrl.presets import CONFIG_DIR
 from flowrl.train.loop import Trainer
 from script_loader import load_script
 
@@ -77,7 +78,7 @@ class FakeClock:
 
 def test_a_checkpoint_is_written_when_the_clock_first_passes_each_mark(tmp_path, tiny_sd3_dir, monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(run_manager, "time", SimpleNamespace(perf_counter=clock.perf_counter))
     monkeypatch.setattr(budget, "time", SimpleNamespace(perf_counter=clock.perf_counter))  # the marks' clock
     cfg = load_config("tiny_jpeg", [*FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=4", "run.checkpoint_every=0",
                                     "run.checkpoint_at_minutes=[0.2,0.1]"])

@@ -12,12 +12,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import flowrl.train.loop as loop
+import flowrl.train.run_manager as run_manager
 from flowrl.config import ConfigError, load_config
 from flowrl.core.lr_schedule import lr_factor
 from flowrl.train.budget import Measured, SchedulePlan, plan_iterations
 from flowrl.train.loop import Trainer
-from flowrl.train.rollouts.flat import training_spec
+from flowrl.train.rollouts.common import training_spec
 from run_checks import run_metrics, trainable
 
 BUDGET = [
@@ -44,7 +44,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch):
     c = FakeClock()
-    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=c.perf_counter))
+    monkeypatch.setattr(run_manager, "time", SimpleNamespace(perf_counter=c.perf_counter))
     return c
 
 

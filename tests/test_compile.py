@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.config import ModelConfig, load_config
+from flowrl.config import load_config
+from flowrl.schema import ModelConfig
 from flowrl.errors import ConfigError
 from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch, compiled_graphs

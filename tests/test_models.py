@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowrl.config import LoraConfig, ModelConfig
+from flowrl.schema import LoraConfig, ModelConfig
 from flowrl.core import gaussian_kl
 from flowrl.models import load_policy
 from flowrl.sampling.rollout import SamplerSpec, rollout, transition

@@ -13,7 +13,8 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
 
 from flowrl.cli import _load_run_policy, _ode_images, main
-from flowrl.config import ModelConfig, load_config
+from flowrl.config import load_config
+from flowrl.schema import ModelConfig
 from flowrl.models import load_policy
 from flowrl.models.flux import flux_pipeline_sigmas
 from flowrl.models.sd3 import sd3_pipeline_sigmas

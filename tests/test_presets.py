@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.config import CONFIG_DIR, ModelConfig, check_model_path, load_config
+from flowrl.config import check_model_path, load_config
+from flowrl.presets import CONFIG_DIR
+from flowrl.schema import ModelConfig
 from flowrl.errors import UserError
 
 TEXT_PRESETS = ("text_add", "qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu", "qwen25_05b_gsm8k_8gpu", "qwen25_15b_gsm8k_8gpu")  # task: text, tested in test_text.py

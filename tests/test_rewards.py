@@ -358,3 +358,26 @@ def test_runner_reraises_a_reward_error_after_all_calls_finish():
         with pytest.raises(UserError, match="NaN"):
             runner.wait_all()
         assert ok.done()
+
+
+def test_a_rewards_breakdown_reaches_metrics_and_evals_through_the_reward():
+    """The shapes reward registers its GenEval category table as its breakdown: MultiReward hands it
+    the reward's own channels wherever they sit among the others, and the metrics row takes its
+    headline column; a reward set without a breakdown gives none."""
+    from flowrl.train.metrics import reward_columns
+    from rewards.shapes import category_table
+
+    prompts = ["a red circle", "two blue squares", "a red circle", "a green triangle above a blue square"]
+    quality = torch.tensor([0.9, 0.2, 0.4, 0.7])
+    strict, partial = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([1.0, 0.5, 0.25, 1.0])
+    expected = category_table(prompts, strict.tolist(), partial.tolist())
+    first = MultiReward({"shapes": 1.0, "shapes_quality": 1.0})
+    second = MultiReward({"shapes_quality": 1.0, "shapes": 1.0})
+    assert first.breakdown(prompts, torch.stack([strict, partial, quality], 1)) == expected
+    assert second.breakdown(prompts, torch.stack([quality, strict, partial], 1)) == expected
+    assert MultiReward({"shapes_quality": 1.0}).breakdown(prompts, quality[:, None]) is None
+
+    columns = reward_columns(second, prompts, torch.stack([quality, strict, partial], 1), torch.arange(4))
+    assert {k: v for k, v in columns.items() if k.startswith("strict/")} == {
+        f"strict/{c}": row["strict"] for c, row in expected.items() if c != "overall"}
+    assert columns["reward/shapes/partial"] == pytest.approx(partial.mean().item())

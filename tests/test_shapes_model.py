@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.config import LoraConfig, ModelConfig
+from flowrl.schema import LoraConfig, ModelConfig
 from flowrl.models import load_policy
 from flowrl.models.shapes import build_shapes_pipeline, save_shapes_pipeline, word_tokenizer
 from flowrl.sampling.schedules import shifted_sigmas

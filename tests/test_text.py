@@ -199,7 +199,7 @@ FAST = ["data.prompts_per_iteration=4", "data.group_size=4", "run.progress=false
 
 
 def test_text_default_trains_resumes_exactly_and_evaluates_per_bucket(tmp_path, capsys):
-    args = ["configs/text_add.yaml", *FAST, "run.checkpoint_every=2", "loss.kl_beta=0.02"]
+    args = ["configs/text_add.yaml", *FAST, "run.checkpoint_every=2", "trainer.kl_beta=0.02"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert main(["train", *args, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
     rows = run_metrics(straight)
@@ -223,6 +223,45 @@ def test_text_default_trains_resumes_exactly_and_evaluates_per_bucket(tmp_path, 
     assert out.count("'12+34=' ->") == 0 and capsys.readouterr().out.count("'12+34=' ->") == 2
 
 
+def test_the_text_trainer_shares_the_image_loops_run_manager(tmp_path, capsys, monkeypatch):
+    """What the two trainers share behaves alike: a run stopped before its first checkpoint trains
+    again in place on --resume (what it wrote kept aside), the learning rate warms up and follows
+    trainer.lr_schedule from the iteration alone, and trainer.max_skipped_steps non-finite steps
+    in a row stop the run with one sentence."""
+    from flowrl.text.train import TextTrainer
+
+    args = ["configs/text_add.yaml", *FAST, "trainer.iterations=2", "run.checkpoint_every=0"]
+    run = tmp_path / "run"
+    assert main(["train", *args, "trainer.warmup_iterations=4", "trainer.lr_schedule=linear", "--run-dir", str(run)]) == 0
+    lrs = [r["lr"] for r in run_metrics(run)]
+    assert lrs == pytest.approx([1e-4 * 1 / 4 * 1.0, 1e-4 * 2 / 4 * 0.5])  # warm-up x linear decay over 2 iterations
+    straight = run_metrics(run)
+    for ckpt in (run / "checkpoints").glob("iter_*"):  # as if killed before its first checkpoint
+        import shutil
+
+        shutil.rmtree(ckpt)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run)]) == 0
+    assert "has no checkpoint yet; training it again from iteration 0" in capsys.readouterr().err
+    assert run_metrics(run) == straight and (run / "restart-1" / "metrics.jsonl").is_file()
+
+    monkeypatch.setattr(TextTrainer, "clip_grad_norm", lambda self: float("nan"))
+    assert main(["train", *args, "trainer.max_skipped_steps=1", "--run-dir", str(tmp_path / "nan")]) == 2
+    err = capsys.readouterr().err
+    assert "1 optimizer steps in a row had a non-finite gradient norm" in err and "Traceback" not in err
+
+
+def test_moved_text_keys_name_their_new_place():
+    from flowrl.text.config import load_text_config
+
+    for old, new in (("loss.kl_beta=0.1", "trainer.kl_beta"), ("loss.scale_rewards=none", "advantage.std"),
+                     ("loss.advantage=rank", "advantage.kind")):
+        with pytest.raises(ConfigError, match=f"has moved to '{new}'"):
+            load_text_config("configs/text_add.yaml", [old])
+    cfg = load_text_config("configs/text_add.yaml", ["trainer.kl_beta=0.1", "advantage.std=none", "advantage.kind=rank"])
+    assert (cfg.trainer.kl_beta, cfg.advantage.std, cfg.advantage.kind) == (0.1, "none", "rank")
+
+
 def test_two_cpu_processes_train_as_one_process_on_the_same_batch(tmp_path):
     """run.cpu_processes=2: each process samples and trains its slice (5 prompts x 3 = 15
     completions, so the second slice ends with a padding copy), the rewards are gathered and the
@@ -231,7 +270,7 @@ def test_two_cpu_processes_train_as_one_process_on_the_same_batch(tmp_path):
     from safetensors.torch import load_file
 
     args = ["configs/text_add.yaml", *FAST, "data.prompts_per_iteration=5", "data.group_size=3", "trainer.micro_batch=4",
-            "trainer.iterations=3", "loss.kl_beta=0.02", "run.checkpoint_every=3"]
+            "trainer.iterations=3", "trainer.kl_beta=0.02", "run.checkpoint_every=3"]
     assert main(["train", *args, "--run-dir", str(tmp_path / "one")]) == 0
     assert main(["train", *args, "run.cpu_processes=2", "--run-dir", str(tmp_path / "two")]) == 0
     one, two = run_metrics(tmp_path / "one"), run_metrics(tmp_path / "two")
@@ -279,7 +318,7 @@ def test_a_tiny_qwen2_saved_with_save_pretrained_trains_a_lora_through_model_pat
 
     run = tmp_path / "run"
     assert main(["train", "configs/text_add.yaml", *FAST, f"model.path={tiny_qwen_dir}", "lora.enabled=true",
-                 "lora.target_modules=[q_proj, v_proj]", "trainer.iterations=2", "trainer.lr=1e-2", "loss.kl_beta=0.1",
+                 "lora.target_modules=[q_proj, v_proj]", "trainer.iterations=2", "trainer.lr=1e-2", "trainer.kl_beta=0.1",
                  "reward.weights={format: 1.0}",  # a random model is never right, but its completions vary in form
                  "--run-dir", str(run)]) == 0
     rows = run_metrics(run)
@@ -318,7 +357,7 @@ def test_text_settings_get_one_sentence(capsys):
     for override, key in (("loss.aggregation=mean", "loss.aggregation"), ("loss.ratio_level=step", "loss.ratio_level"),
                           ("data.group_size=1", "data.group_size"), ("reward.weights={nope: 1.0}", "reward.weights"),
                           ("generation.top_p=0", "generation.top_p"), ("data.prompt_template=Q", "data.prompt_template"),
-                          ("model.path=builtin:sub", "model.path"), ("loss.scale_rewards=max", "loss.scale_rewards"),
+                          ("model.path=builtin:sub", "model.path"), ("advantage.std=max", "advantage.std"),
                           ("trainer.lrr=1", "trainer.lrr")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_text_config("configs/text_add.yaml", [override])
@@ -338,7 +377,7 @@ def test_text_presets_load_and_validate(name):
     cfg = load_text_config(name)
     assert cfg.task == "text" and cfg.data.prompts_per_iteration * cfg.data.group_size >= cfg.trainer.micro_batch
     if name != "text_add":  # DAPO's loss settings
-        assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.aggregation, cfg.loss.kl_beta) == (0.2, 0.28, "token_mean", 0.0)
+        assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.aggregation, cfg.trainer.kl_beta) == (0.2, 0.28, "token_mean", 0.0)
         assert cfg.reward.weights == {"numeric": 1.0} and cfg.data.source == "openai/gsm8k"
 
 

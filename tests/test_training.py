@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.train.loop import Trainer
-from flowrl.train.rollouts.flat import training_spec
+from flowrl.train.rollouts.common import training_spec
 from run_checks import assert_resume_repeats, run_metrics, trainable
 
 FAST = [

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl.cli import main
-from flowrl.config import ModelConfig, load_config
+from flowrl.config import load_config
+from flowrl.schema import ModelConfig
 from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, step_depths, trained_depths, tree_nfe, width_prune
 from flowrl.errors import ConfigError
 from flowrl.sampling.noise import seeded_noise

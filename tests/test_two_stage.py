@@ -20,7 +20,7 @@ from flowrl.sampling.precision import (E2M1_GRID, ExplorationCopy, fp8_fake_quan
                                        round_to_e2m1)
 from flowrl.sampling.rollout import rollout
 from flowrl.train.loop import Trainer
-from flowrl.train.rollouts.flat import Stage, stage_experience, training_spec
+from flowrl.train.rollouts.common import Stage, stage_experience, training_spec
 
 FAST = ["sampling.num_steps=3", "sampling.eval_num_steps=3", "data.prompts_per_iteration=2", "data.group_size=4",
         "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8",

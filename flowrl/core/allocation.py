@@ -14,6 +14,8 @@ sampled at all gets at least `min_group` rollouts (a group of one has no baselin
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 ALLOCATOR_KINDS = ("uniform", "vade", "xrpo", "dars", "successive_elimination", "sqrt")
@@ -310,18 +312,36 @@ def make_allocator(kind: str, **kwargs) -> Allocator:
     return ALLOCATORS[kind](**kwargs)
 
 
-def run_stages(alloc: Allocator, iteration: int, outcome) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Drive one iteration with `outcome(prompt_ids [n]) -> success [n] bool` standing in for
-    sampling + reward (simulations, tests). Returns the total counts and each stage's prompt ids."""
+def allocate_in_stages(alloc: Allocator, iteration: int,
+                       sample_stage: Callable[[torch.Tensor, int], torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Drive one iteration's allocation stages, the one loop of the image and text rollouts: the
+    allocator decides how many samples each prompt gets, `sample_stage(ids, offset)` draws and
+    scores samples of the prompt ids [m] (the first being the iteration's sample `offset`) and
+    returns whether each sample drawn so far in the iteration succeeded (bool [offset + m], every
+    stage in order: a threshold set by the iteration's rewards so far may move), and the allocator
+    sees per-prompt successes and failures before the next stage. Returns the total counts [n]
+    and each stage's prompt ids."""
     n = alloc.num_prompts
-    stage = alloc.first_stage(iteration)
     total = torch.zeros(n, dtype=torch.long)
-    successes = torch.zeros(n, dtype=torch.long)
-    stages = []
-    while int(stage.sum()) > 0:
-        ids = torch.repeat_interleave(torch.arange(n), stage)
-        successes += torch.bincount(ids, weights=outcome(ids).double(), minlength=n).long()
-        total += stage
+    stages: list[torch.Tensor] = []
+    extra = alloc.first_stage(iteration)
+    while int(extra.sum()) > 0:
+        ids = torch.repeat_interleave(torch.arange(n), extra)
+        won = sample_stage(ids, int(total.sum()))
+        total += extra
         stages.append(ids)
-        stage = alloc.next_stage(total, successes, total - successes)
+        successes = torch.bincount(torch.cat(stages), weights=won.double(), minlength=n).long()
+        extra = alloc.next_stage(total, successes, total - successes)
     return total, stages
+
+
+def run_stages(alloc: Allocator, iteration: int, outcome) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`allocate_in_stages` with `outcome(prompt_ids [m]) -> success [m] bool` standing in for
+    sampling + reward (simulations, tests). Returns the total counts and each stage's prompt ids."""
+    outcomes: list[torch.Tensor] = []
+
+    def sample_stage(ids: torch.Tensor, offset: int) -> torch.Tensor:
+        outcomes.append(outcome(ids))
+        return torch.cat(outcomes)
+
+    return allocate_in_stages(alloc, iteration, sample_stage)

@@ -3,6 +3,8 @@ run continues the same curve without a scheduler state to save)."""
 
 import math
 
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
 
 def lr_factor(schedule: str, iteration: float, total: int) -> float:
     """The factor on the base learning rate at `iteration` (0-based) of `total`: 1 for constant;
@@ -17,3 +19,9 @@ def lr_factor(schedule: str, iteration: float, total: int) -> float:
     if schedule == "linear":
         return 1.0 - p
     raise ValueError(f"unknown learning-rate schedule '{schedule}' (constant, cosine or linear)")
+
+
+def warmup_factor(iteration: int, warmup: int) -> float:
+    """A linear warm-up over the first `warmup` iterations (0-based `iteration`): (iteration + 1) /
+    warmup, then 1; no warm-up when `warmup` is 0."""
+    return min(1.0, (iteration + 1) / warmup) if warmup else 1.0

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from flowrl.models.base import FlowPolicy
+from flowrl.schema import ModelConfig
 
-if TYPE_CHECKING:  # the config module imports the built-in model names from flowrl.models.base
-    from flowrl.config import ModelConfig
 
 
 def policy_class(kind: str) -> type[FlowPolicy]:

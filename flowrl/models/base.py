@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from flowrl.devices import DTYPES, pick_device
 from flowrl.errors import UserError
 from flowrl.models.compile import compile_network, padded_velocity
 from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.schema import LoraConfig, ModelConfig
 
-if TYPE_CHECKING:  # the config module imports the built-in model names from here
-    from flowrl.config import LoraConfig, ModelConfig
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")  # model.path builtin:NAME
@@ -36,7 +36,6 @@ def resolve_schedule(schedule: str, model_path: str) -> str:
         return "shifted_linear" if model_path.startswith(BUILTIN_PREFIX) else "pipeline"
     return schedule
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def builtin_model_dir(name: str) -> Path:
@@ -84,22 +83,6 @@ def absent_components(path: str) -> dict[str, None]:
 
 
 PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}  # model_index.json's class -> model.kind
-
-
-def pick_device(name: str) -> torch.device:
-    """model.device as a torch device: auto is CUDA where there is one, else the CPU. A device
-    that torch cannot name, or CUDA on a machine without it, is refused rather than replaced."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise UserError(f"model.device must be auto, cpu, cuda or cuda:N; got '{name}'") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"model.device is '{name}' but torch sees no CUDA device here; use model.device=cpu or auto")
-    if device.type not in ("cpu", "cuda"):
-        raise UserError(f"model.device must be auto, cpu, cuda or cuda:N; got '{name}'")
-    return device
 
 
 class FlowPolicy:

@@ -40,18 +40,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flowrl.devices import DTYPES
 from flowrl.errors import UserError
+from flowrl.schema import HIGH_PRECISION_LAYERS  # rollout.two_stage.high_precision_layers' default
 
 EXPLORE_PRECISIONS = ("nvfp4", "fp8", "bf16", "fp16", "fp32")
 BACKENDS = ("auto", "emulated", "torchao")
-PLAIN_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # code 0..7, sign in a separate bit
 E2M1_MAX = 6.0
 E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 E4M3_TINY = float(torch.finfo(torch.float8_e4m3fn).tiny)  # 2**-6, the smallest normal
 NVFP4_BLOCK = 16
-HIGH_PRECISION_LAYERS = ("embed", "proj_out", "norm_out")
 CAST_INPUTS = ("hidden_states", "encoder_hidden_states", "pooled_projections")
 
 
@@ -220,9 +220,9 @@ class ExplorationCopy:
         self.source, self.requested = policy, precision
         device = policy.device
         self.quantized: list[str] = []
-        if precision in PLAIN_DTYPES:
-            self.mode = "identity" if PLAIN_DTYPES[precision] == policy.dtype else "plain"
-            compute = PLAIN_DTYPES[precision]
+        if precision in DTYPES:
+            self.mode = "identity" if DTYPES[precision] == policy.dtype else "plain"
+            compute = DTYPES[precision]
         elif backend == "emulated" or (backend == "auto" and not real_kernels_available(precision, device)):
             self.mode, compute = "emulated", policy.dtype
         else:

@@ -9,13 +9,17 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from flowrl.config import AllocatorConfig, merge_config, read_yaml
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
+from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
 from flowrl.errors import ConfigError, check_choice
+from flowrl.schema import AllocatorConfig
+from flowrl.yaml_config import merge_config, preset_path, read_yaml
 
 TASK = "text"
+# keys that moved to the image config's names for the same concept: the old name is refused with a sentence naming the new one
+TEXT_MOVED_KEYS = {"loss.kl_beta": "trainer.kl_beta", "loss.advantage": "advantage.kind", "loss.scale_rewards": "advantage.std"}
 BUILTIN_TEXT_MODELS = ("add",)  # model.path builtin:NAME, shipped in the package
 
 
@@ -29,7 +33,7 @@ class TextModelConfig:
 
 @dataclass
 class TextLoraConfig:
-    enabled: bool = False  # false: full fine-tuning (the reference is a frozen copy, made only when loss.kl_beta > 0)
+    enabled: bool = False  # false: full fine-tuning (the reference is a frozen copy, made only when trainer.kl_beta > 0)
     rank: int = 16
     alpha: int = 32
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -65,10 +69,13 @@ class TextLossConfig:
     ratio_level: str = "token"  # token | sequence (GSPO)
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO's clip-higher (0.28)
-    kl_beta: float = 0.0  # x the k3 KL estimator per token, against the reference
-    scale_rewards: str = "group"  # group (GRPO) | global (the batch std) | none (Dr. GRPO)
-    advantage: str = "grpo"  # an advantage estimator of the shared core
     overlong_mask: bool = False  # DAPO: completions cut at max_new_tokens carry no loss
+
+
+@dataclass
+class TextAdvantageConfig:
+    kind: str = "grpo"  # an advantage estimator of the shared core (advantage.kind of the image config)
+    std: str = "group"  # group (GRPO) | global (the batch std) | none (Dr. GRPO)
 
 
 @dataclass
@@ -83,11 +90,15 @@ class TextTrainerConfig:
     iterations: int = 100
     max_minutes: float = 0.0  # > 0: stop (with a checkpoint) after this much wall time
     lr: float = 1e-4
-    warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations
+    lr_schedule: str = "constant"  # constant, or decayed to 0 over trainer.iterations (cosine or linear), as the image trainer's
+    warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations (times lr_schedule)
     weight_decay: float = 0.0
     inner_epochs: int = 1
     micro_batch: int = 64  # sequences per training forward
     max_grad_norm: float = 1.0
+    kl_beta: float = 0.0  # x the k3 KL estimator per token, against the reference
+    # an optimizer step whose gradient norm is NaN or inf is skipped (counted in skipped_steps); this many in a row stop the run
+    max_skipped_steps: int = 3
     seed: int = 0
     threads: int = 0  # torch threads on the CPU; 0: torch's default
 
@@ -109,6 +120,7 @@ class TextConfig:
     data: TextDataConfig = field(default_factory=TextDataConfig)
     generation: TextGenerationConfig = field(default_factory=TextGenerationConfig)
     loss: TextLossConfig = field(default_factory=TextLossConfig)
+    advantage: TextAdvantageConfig = field(default_factory=TextAdvantageConfig)
     reward: TextRewardConfig = field(default_factory=TextRewardConfig)
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     trainer: TextTrainerConfig = field(default_factory=TextTrainerConfig)
@@ -136,10 +148,8 @@ def is_text_config(path: str | Path | None) -> bool:
 
 
 def load_text_config(path: str | Path, overrides: list[str] | None = None) -> TextConfig:
-    from flowrl.config import preset_path
-
     src = preset_path(str(path))
-    cfg: TextConfig = merge_config(TextConfig, read_yaml(src), str(src), overrides, ("reward.weights",))
+    cfg: TextConfig = merge_config(TextConfig, read_yaml(src), str(src), overrides, ("reward.weights",), moved=TEXT_MOVED_KEYS)
     validate_text(cfg)
     return cfg
 
@@ -153,22 +163,24 @@ def validate_text(cfg: TextConfig) -> None:
                             ("generation.max_new_tokens", g.max_new_tokens, 1), ("generation.batch_size", g.batch_size, 1),
                             ("trainer.micro_batch", t.micro_batch, 1), ("trainer.inner_epochs", t.inner_epochs, 1),
                             ("trainer.iterations", t.iterations, 1), ("lora.rank", cfg.lora.rank, 1),
-                            ("run.cpu_processes", cfg.run.cpu_processes, 1)):
+                            ("run.cpu_processes", cfg.run.cpu_processes, 1), ("trainer.max_skipped_steps", t.max_skipped_steps, 1),
+                            ("trainer.warmup_iterations", t.warmup_iterations, 0)):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}; got {value}")
     if g.temperature < 0:
         raise ConfigError(f"generation.temperature must be >= 0 (0: greedy); got {g.temperature}")
     if not 0 < g.top_p <= 1:
         raise ConfigError(f"generation.top_p must be in (0, 1]; got {g.top_p}")
+    check_choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     check_choice("loss.aggregation", l.aggregation, AGGREGATIONS)
     check_choice("loss.ratio_level", l.ratio_level, RATIO_LEVELS)
-    check_choice("loss.scale_rewards", l.scale_rewards, ("group", "global", "none"))
-    check_choice("loss.advantage", l.advantage, ADVANTAGE_KINDS)
+    check_choice("advantage.std", cfg.advantage.std, ("group", "global", "none"))
+    check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
     for key, value in (("loss.clip_low", l.clip_low), ("loss.clip_high", l.clip_high), ("trainer.lr", t.lr)):
         if not value > 0:
             raise ConfigError(f"{key} must be > 0; got {value}")
-    if l.kl_beta < 0:
-        raise ConfigError(f"loss.kl_beta must be >= 0; got {l.kl_beta}")
+    if t.kl_beta < 0:
+        raise ConfigError(f"trainer.kl_beta must be >= 0; got {t.kl_beta}")
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
     check_choice("allocator.kind", cfg.allocator.kind, ALLOCATOR_KINDS)
     from rewards.text import available_text_rewards

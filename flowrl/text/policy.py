@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from flowrl.errors import UserError
-from flowrl.models.base import DTYPES, pick_device
+from flowrl.devices import DTYPES, pick_device
 from flowrl.text.config import TextGenerationConfig, TextLoraConfig, TextModelConfig
 from flowrl.text.generate import Generation, generate, sequence_log_probs
 
@@ -88,7 +88,7 @@ class CausalLMPolicy:
         elif self._reference is not None:
             yield self._reference
         else:
-            raise UserError("the reference policy needs lora.enabled=true or loss.kl_beta > 0 (which keeps a frozen copy)")
+            raise UserError("the reference policy needs lora.enabled=true or trainer.kl_beta > 0 (which keeps a frozen copy)")
 
     # ---- sampling and scoring -------------------------------------------------------------
     def format(self, prompts: list[str]) -> list[str]:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from flowrl.core.advantages import estimate_advantages
+from flowrl.core.allocation import allocate_in_stages
 from flowrl.core.token_losses import aggregate, k3_kl, overlong_mask, token_policy_loss
 from flowrl.errors import UserError
 from flowrl.sampling.noise import Stream, sample_seed
@@ -30,11 +30,12 @@ from flowrl.text.config import TextConfig
 from flowrl.text.data import PromptSet, load_prompt_set
 from flowrl.text.generate import Generation, concat
 from flowrl.text.policy import CausalLMPolicy
-from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng, restore_weights, save_checkpoint
+from flowrl.train.checkpoint import restore_weights, save_checkpoint
 from flowrl.train.experience import ProcessShard, gather_real
-from flowrl.train.processes import rank0, start_processes
-from flowrl.train.rollouts.flat import successes
+from flowrl.train.processes import plain_accelerator, start_processes
+from flowrl.train.rollouts.common import successes
 from flowrl.train.run_dir import RunDir
+from flowrl.train.run_manager import RunManager
 from rewards.text import TextReward
 
 
@@ -74,16 +75,20 @@ def load_text_policy(cfg: TextConfig, trainable: bool = True, device: torch.devi
         if cfg.lora.enabled:
             policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
         else:
-            policy.enable_full_finetune(keep_reference=cfg.loss.kl_beta > 0)
+            policy.enable_full_finetune(keep_reference=cfg.trainer.kl_beta > 0)
     return policy
 
 
-class TextTrainer:
+class TextTrainer(RunManager):
+    progress_label = "flowrl train (text)"
+
     def __init__(self, cfg: TextConfig, run_dir: str | Path | None = None, resume: bool = False):
         self.cfg, t = cfg, cfg.trainer
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.accelerator = acc = self._accelerator(run_dir)
+        cpu, run_dir = start_processes(cfg.model.device, run_dir or default_text_run_dir(cfg))
+        self.run = RunDir(run_dir)
+        self.accelerator = acc = plain_accelerator(cpu, "the text trainer replicates the model on every process", mixed_precision="no")
         self.data = load_prompt_set(cfg, cfg.data.split)
         self.policy = load_text_policy(cfg, device=acc.device)
         self.params = self.policy.trainable_parameters()
@@ -94,39 +99,18 @@ class TextTrainer:
         self.reward = TextReward(dict(cfg.reward.weights), dict(cfg.reward.options), cfg.reward.on_invalid)
         d = cfg.data
         self.allocator = cfg.allocator.build(len(self.data), d.prompts_per_iteration, d.group_size, t.seed)
-        self.iteration = 0
-        self.history: list[dict] = []
-        if resume:
-            self._resume()
-        elif self.run.metrics_file.exists():
-            raise UserError(f"run directory '{self.run.path}' already holds a run; resume it with --resume {self.run.path}")
-        if acc.is_main_process:
-            self.run.create(cfg)
-        acc.wait_for_everyone()
-
-    def _accelerator(self, run_dir):
-        from accelerate import Accelerator, DistributedDataParallelKwargs
-
-        cpu, run_dir = start_processes(self.cfg.model.device, run_dir or default_text_run_dir(self.cfg))
-        self.run = RunDir(run_dir)
-        acc = Accelerator(cpu=cpu, mixed_precision="no", kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])
-        if acc.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
-            raise UserError(f"the text trainer replicates the model on every process; launch it with a plain multi-GPU accelerate "
-                            f"config such as configs/accelerate/multi_gpu.yaml, not distributed_type {acc.distributed_type.value}")
-        return acc
+        self.start_run(resume)
 
     # ---- one iteration ------------------------------------------------------------------
     def collect(self, iteration: int) -> TextExperience:
         """The allocator's stages: sample, score, let it see the outcomes, repeat. Each process
         samples and scores its slice of a stage; the scores are gathered, so every process sees
         every outcome."""
-        cfg, n, acc = self.cfg, len(self.data), self.accelerator
-        totals = torch.zeros(n, dtype=torch.long)
+        cfg, acc = self.cfg, self.accelerator
         ids_all, gens, local_rows, rewards, valid, lengths, truncated = [], [], [], [], [], [], []
-        extra = self.allocator.first_stage(iteration)
-        while int(extra.sum()) > 0:
-            ids = torch.repeat_interleave(torch.arange(n), extra)
-            offset, m = int(totals.sum()), len(ids)
+
+        def sample_stage(ids: torch.Tensor, offset: int) -> torch.Tensor:
+            m = len(ids)
             seeds = [sample_seed(cfg.trainer.seed, iteration, offset + j) for j in range(m)]
             shard = ProcessShard(m, acc.num_processes, acc.process_index)
             prompts, columns = self.data.take(shard.take(ids.tolist()))
@@ -139,17 +123,15 @@ class TextTrainer:
             k = r.shape[1]
             rewards.append(outcome[:, :k]), valid.append(outcome[:, k].bool())
             lengths.append(outcome[:, k + 1].long()), truncated.append(outcome[:, k + 2].bool())
-            totals += extra
-            seen, scored = torch.cat(ids_all), torch.cat(rewards)
-            won = successes(cfg, self.reward.total(scored))
-            per_prompt = torch.bincount(seen, weights=won.double(), minlength=n).long()
-            extra = self.allocator.next_stage(totals, per_prompt, totals - per_prompt)
+            return successes(cfg, self.reward.total(torch.cat(rewards)))
+
+        allocate_in_stages(self.allocator, iteration, sample_stage)
         prompt_ids, rewards, valid = torch.cat(ids_all), torch.cat(rewards), torch.cat(valid)
         gen = concat(gens, self.policy.tokenizer.pad_token_id)
         if not bool(valid.any()):
             raise UserError(f"every reward of iteration {iteration} was invalid (NaN or inf); see reward.on_invalid")
-        out = estimate_advantages(cfg.loss.advantage, rewards[valid], prompt_ids[valid], self.reward.weights,
-                                  std=cfg.loss.scale_rewards)
+        out = estimate_advantages(cfg.advantage.kind, rewards[valid], prompt_ids[valid], self.reward.weights,
+                                  std=cfg.advantage.std)
         advantages = torch.zeros(len(prompt_ids))
         advantages[valid] = out.advantages * out.mask
         self.allocator.observe(prompt_ids[valid], successes(cfg, self.reward.total(rewards[valid])))
@@ -188,11 +170,7 @@ class TextTrainer:
                 first_ratio_dev = dev if first_ratio_dev is None else first_ratio_dev
                 for key, value in logged.items():
                     sums[key] += value * share
-            norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), t.max_grad_norm))
-            if math.isfinite(norm):  # a non-finite gradient never reaches the weights
-                self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            grad_norms.append(norm)
+            grad_norms.append(self.optimizer_step())  # a non-finite gradient never reaches the weights
         self.policy.model.eval()
         epochs = t.inner_epochs
         # every process's share of the whole batch's aggregate, summed
@@ -214,11 +192,11 @@ class TextTrainer:
         pl = token_policy_loss(lp, gen.log_probs[rows].to(lp.device), advantages.to(lp.device), md, l.clip_low, l.clip_high,
                                l.aggregation, l.ratio_level, horizon)
         loss, kl = pl.loss, torch.zeros(())
-        if l.kl_beta > 0:
+        if cfg.trainer.kl_beta > 0:
             with torch.no_grad(), self.policy.reference() as ref:
                 ref_lp, _ = self.policy.log_probs(gen, rows, temp, model=ref)
             kl = aggregate(k3_kl(lp, ref_lp), md, l.aggregation, horizon)
-            loss = loss + l.kl_beta * kl
+            loss = loss + cfg.trainer.kl_beta * kl
         tokens = max(int(m.sum()), 1)
         logged = {"loss": loss.item(), "kl": kl.item(), "entropy": float((ent * md).sum()) / tokens,
                   "clip_low": float(pl.clipped_low.sum()) / tokens, "clip_high": float(pl.clipped_high.sum()) / tokens}
@@ -226,9 +204,6 @@ class TextTrainer:
 
     def train_iteration(self) -> dict:
         t0 = time.perf_counter()
-        t = self.cfg.trainer
-        for group in self.optimizer.param_groups:  # set from the iteration alone, so a resume sets the same
-            group["lr"] = t.lr * min(1.0, (self.iteration + 1) / t.warmup_iterations) if t.warmup_iterations else t.lr
         exp = self.collect(self.iteration)
         t1 = time.perf_counter()
         stats = self.update(exp)
@@ -248,28 +223,9 @@ class TextTrainer:
         row.update({f"reward/{name}": float(exp.rewards[exp.valid, k].mean()) for k, name in enumerate(self.reward.names)})
         return row
 
-    # ---- the loop -----------------------------------------------------------------------
-    def train(self) -> list[dict]:
-        t, r, acc = self.cfg.trainer, self.cfg.run, self.accelerator
-        bar = tqdm(total=t.iterations, initial=self.iteration, desc="flowrl train (text)", unit="iter",
-                   disable=not (r.progress and acc.is_main_process))
-        started = time.perf_counter()
-        while self.iteration < t.iterations:
-            row = self.train_iteration()
-            self.history.append(row)
-            if acc.is_main_process:
-                self.run.append_metrics(row)
-            bar.update(1)
-            bar.set_postfix({"reward": f"{row['reward_mean']:.3f}"})
-            # rank 0's clock decides for every process
-            out_of_time = bool(t.max_minutes) and bool(rank0(time.perf_counter() - started >= t.max_minutes * 60))
-            done = self.iteration >= t.iterations or out_of_time
-            if done or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
-                self.save()
-            if out_of_time:
-                break
-        bar.close()
-        return self.history
+    # ---- what the run manager asks of the text trainer (flowrl/train/run_manager.py) -------
+    def clip_grad_norm(self) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.trainer.max_grad_norm))
 
     def save(self) -> Path | None:
         """Rank 0 writes the checkpoint (the processes hold the same weights); the others wait."""
@@ -282,21 +238,9 @@ class TextTrainer:
         acc.wait_for_everyone()
         return path
 
-    def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.run.checkpoints)
-        if ckpt is None:
-            raise UserError(f"--resume: '{self.run.path}' has no checkpoint yet; train it again with another run directory")
-        data = load_checkpoint(ckpt)
+    def restore(self, ckpt: Path, data: dict) -> None:
         restore_weights(self.params, data["params"], ckpt)
         self.optimizer.load_state_dict(data["optimizer"])
-        if data["allocator"] is not None:
-            self.allocator.load_state_dict(data["allocator"])
-        restore_rng(data["rng"], data["state"]["python_random"])
-        self.iteration = int(data["state"]["iteration"])
-        if self.accelerator.is_main_process:
-            self.history = self.run.truncate_metrics(self.iteration)
-        else:
-            self.history = [r for r in self.run.read_metrics() if r["iteration"] < self.iteration]
 
 
 @torch.no_grad()

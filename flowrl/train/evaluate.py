@@ -1,5 +1,5 @@
-"""Evaluation: ODE samples of a policy on a prompt set, scored by the configured rewards, with a
-GenEval-style per-category table when the shapes reward is among them."""
+"""Evaluation: ODE samples of a policy on a prompt set, scored by the configured rewards, with the
+rewards' breakdown by kind of prompt (GenEval's categories when the shapes reward is among them)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ class EvalResult(NamedTuple):
     channel_weights: torch.Tensor  # [K]
     judge: torch.Tensor | None = None  # [N] the auxiliary judge's scores on the same images (reward.judge)
     judge_range: tuple[float, float] = (0.0, 1.0)
+    breakdown: dict[str, dict[str, float]] | None = None  # the reward's breakdown by kind of prompt (MultiReward.breakdown)
 
     def means(self) -> dict[str, float]:
         out = {name: self.scores[:, k].mean().item() for k, name in enumerate(self.channel_names)}
@@ -29,8 +30,8 @@ class EvalResult(NamedTuple):
         return out
 
     def category_table(self) -> dict[str, dict[str, float]] | None:
-        """Per-category strict/partial means when a shapes reward was scored, else None."""
-        return shapes_category_table(self.prompts, self.channel_names, self.scores)
+        """Per-category strict/partial means when a shapes reward was scored (its breakdown), else None."""
+        return self.breakdown
 
 
 def corrected_score(reward: torch.Tensor, judge: torch.Tensor, judge_range=(0.0, 1.0)) -> torch.Tensor:
@@ -40,17 +41,6 @@ def corrected_score(reward: torch.Tensor, judge: torch.Tensor, judge_range=(0.0,
     low, high = judge_range
     u = 1 + 4 * (judge.float() - low) / (high - low)
     return reward.float() * (u - 3) + 0.2
-
-
-def shapes_category_table(prompts: list[str], channel_names: list[str], scores: torch.Tensor) -> dict[str, dict[str, float]] | None:
-    """GenEval-style per-category strict/partial means of scores [N, K] when the shapes reward
-    is among the channels (else None)."""
-    if "shapes/strict" not in channel_names:
-        return None
-    from rewards.shapes import category_table
-
-    k_strict, k_partial = channel_names.index("shapes/strict"), channel_names.index("shapes/partial")
-    return category_table(prompts, scores[:, k_strict].tolist(), scores[:, k_partial].tolist())
 
 
 def ode_images(policy, prompts: list[str], seeds: list[int], sigmas: torch.Tensor, batch_size: int,
@@ -78,8 +68,9 @@ def evaluate(cfg, policy, reward, prompts: list[str], seed: int = 0, num_steps: 
 def score_images(cfg, reward, images: torch.Tensor, prompts: list[str], judge=None) -> EvalResult:
     """Score images [N, 3, H, W] of `prompts` with `reward`, and with `judge` when given."""
     judged = None if judge is None else judge(images, prompts)[:, 0]
-    return EvalResult(list(prompts), reward(images, prompts), list(reward.channel_names), reward.channel_weights, judged,
-                      tuple(cfg.reward.judge_range))
+    scores = reward(images, prompts)
+    return EvalResult(list(prompts), scores, list(reward.channel_names), reward.channel_weights, judged,
+                      tuple(cfg.reward.judge_range), reward.breakdown(prompts, scores))
 
 
 def format_category_table(tables: dict[str, dict[str, dict[str, float]]]) -> str:

@@ -12,39 +12,30 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import contextlib
-import math
-import shutil
-import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.core.lr_schedule import lr_factor
-from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
-from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import SamplerSpec, rollout
-from flowrl.train.budget import Measured, SchedulePlan, cross_marks, pending_marks, replan, write_plan
-from flowrl.train.checkpoint import (SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, load_checkpoint, restore_rng,
-                                    restore_weights, save_checkpoint)
+from flowrl.schema import Config
+from flowrl.train.budget import Measured, SchedulePlan, cross_marks, pending_marks, replan
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
 from flowrl.train.parts import TrainContext
-from flowrl.train.registry import objective_class, rollout_class
-from flowrl.train.processes import rank0, start_processes
+from flowrl.train.processes import launch_image_run
 from flowrl.train.prompts import load_prompts
-from flowrl.train.run_dir import RunDir, default_run_dir
-from flowrl.train.sharding import make_layout, reference_copy
+from flowrl.train.registry import objective_class, rollout_class
+from flowrl.train.run_dir import default_run_dir
+from flowrl.train.run_manager import RunManager
+from flowrl.train.sharding import reference_copy
+from flowrl.train.trainer_state import restore_trainer, save_trainer
 from rewards import AsyncRewardRunner, MultiReward
-
-if TYPE_CHECKING:  # the config module imports the training parts to validate against them
-    from flowrl.config import Config
 
 
 def flat_config(cfg: Config) -> dict:
@@ -64,16 +55,17 @@ def flat_config(cfg: Config) -> dict:
     return out
 
 
-class Trainer:
+class Trainer(RunManager):
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
-        self.started = time.perf_counter()  # a wall-clock budget counts from here (a resume: from the checkpoint's count)
+        self.started = self.now()  # a wall-clock budget counts from here (a resume: from the checkpoint's count)
         self.cfg, t = cfg, cfg.trainer
         # fixed at the start without a budget; with one, after the probe iterations (or from the checkpoint), then
         # planned again at every checkpoint from what `measured` holds (flowrl/train/budget.py)
         self.plan = SchedulePlan(nominal=t.iterations, planned=t.iterations, fixed=not t.budget_minutes,
                                  budget_minutes=t.budget_minutes)
         self.measured = Measured()
-        self.accelerator = acc = self._accelerator(run_dir)
+        self.accelerator, self.run, self.mixed_precision, self.layout = launch_image_run(cfg, run_dir or default_run_dir(cfg))
+        acc = self.accelerator
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
         self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
         self.eval_prompts = list(cfg.data.eval_prompts) or self.prompts[:4]
@@ -98,45 +90,15 @@ class Trainer:
         self.ema = EMA(self.params, t.ema_decay) if t.ema else None
         self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards) if rollout_cls.needs_rewards else None
         self.reward_runner = AsyncRewardRunner(self.reward_fn)
-        ctx = TrainContext(cfg, acc, self.policy, self.params, self.prompts, self.reward_fn, self.reward_runner, self.allocator,
-                           self.optimizer_step, self.optimizer, objective_cls.needs, self.plan)
+        ctx = TrainContext(cfg=cfg, accelerator=acc, policy=self.policy, params=self.params, prompts=self.prompts,
+                           reward_fn=self.reward_fn, reward_runner=self.reward_runner, allocator=self.allocator,
+                           optimizer_step=self.optimizer_step, optimizer=self.optimizer, objective_needs=objective_cls.needs,
+                           plan=self.plan)
         self.objective = objective_cls(ctx)
         self.rollout = rollout_cls(ctx)
-        self.iteration = 0
-        self.history: list[dict] = []
-        self.skipped_steps, self.skipped_in_a_row = 0, 0  # optimizer steps skipped for a non-finite gradient norm
-
-        if resume:
-            self._resume()
-        elif (self.run.path / "metrics.jsonl").exists():
-            raise UserError(f"run directory '{self.run.path}' already holds a run; resume it with --resume {self.run.path} "
-                            "or choose another run.name")
-        if acc.is_main_process:
-            self.run.create(cfg)  # on resume too: the run directory shows the config in force
-        acc.wait_for_everyone()
+        self.start_run(resume)
         if cfg.run.tracker != "none":
             acc.init_trackers("tracker", config=flat_config(cfg))
-
-    def _accelerator(self, run_dir):
-        from accelerate import Accelerator, DistributedDataParallelKwargs
-
-        cfg = self.cfg
-        cpu, run_dir = start_processes(cfg.model.device, run_dir or default_run_dir(cfg))
-        self.run = RunDir(run_dir)
-        self.mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
-        sharded = cfg.run.distributed == "fsdp2"  # mixed precision is then FSDP2's own policy, not accelerate's autocast
-        acc = Accelerator(
-            mixed_precision="no" if sharded else self.mixed_precision, cpu=cpu, log_with=None if cfg.run.tracker == "none" else cfg.run.tracker,
-            project_dir=str(self.run.path),
-            # DDP would broadcast the transformer's buffers (constant position embeddings) in every
-            # forward: a collective that hangs when only rank 0 samples (grids, evals)
-            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
-        )
-        if acc.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):  # its prepare would wrap the network its own way
-            raise UserError(f"flowrl shards the network itself (run.distributed=fsdp2); launch with a plain multi-GPU accelerate "
-                            f"config such as configs/accelerate/multi_gpu.yaml, not distributed_type {acc.distributed_type.value}")
-        self.layout = make_layout(cfg.run.distributed, acc, self.mixed_precision)
-        return acc
 
     # ---- one iteration ------------------------------------------------------------------
     def train_iteration(self) -> dict:
@@ -158,99 +120,64 @@ class Trainer:
             row["compiled_graphs"] = self.compile_watch.after_iteration(self.iteration - 1, say)
         return row
 
-    def optimizer_step(self) -> float:
-        """Clip, step, zero, update the EMA; returns the gradient norm before clipping.
+    # ---- what the run manager asks of the image trainer (flowrl/train/run_manager.py) ------
+    def clip_grad_norm(self) -> float:
+        return self.layout.clip_grad_norm(list(self.params.values()), self.cfg.trainer.max_grad_norm)
 
-        A NaN or inf anywhere in the loss or the gradients makes the norm non-finite (on every
-        process alike: it is taken after the all-reduce). That step is skipped: the gradients are
-        dropped, and the weights, the optimizer's moments and the EMA stay as they were.
-        trainer.max_skipped_steps such steps in a row stop the run."""
-        norm = self.layout.clip_grad_norm(list(self.params.values()), self.cfg.trainer.max_grad_norm)
-        if not math.isfinite(norm):
-            self.optimizer.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-            self.skipped_in_a_row += 1
-            if self.skipped_in_a_row >= self.cfg.trainer.max_skipped_steps:
-                last = latest_checkpoint(self.run.checkpoints)
-                raise UserError(f"iteration {self.iteration}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
-                                f"gradient norm ({norm}), so the run stopped; the last checkpoint, all finite, is "
-                                f"{last if last is not None else 'none (no checkpoint yet)'}; try a lower trainer.lr")
-            return norm
-        self.skipped_in_a_row = 0
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+    def after_step(self) -> None:
         if self.ema is not None:
             self.ema.update(self.params)
-        return norm
 
-    # ---- the loop -----------------------------------------------------------------------
-    def train(self) -> list[dict]:
-        cfg, acc, r, t = self.cfg, self.accelerator, self.cfg.run, self.cfg.trainer
-        bar = tqdm(total=self.plan.planned, initial=self.iteration, desc="flowrl train", unit="iter",
-                   disable=not (r.progress and acc.is_local_main_process))
-        if self.iteration == 0 and r.sample_every:
-            t0 = time.perf_counter()
+    def planned_iterations(self) -> int:
+        return self.plan.planned
+
+    def schedule_position(self) -> tuple[float, int]:
+        return self.plan.progress(self.iteration), self.plan.nominal  # a budget's plan maps iterations onto the nominal count
+
+    def before_loop(self) -> None:
+        if self.iteration == 0 and self.cfg.run.sample_every:
+            t0 = self.now()
             self.save_samples("iter_000000_before")
-            self.measured.add_grid(time.perf_counter() - t0)
-        started, out_of_time = time.perf_counter(), False
-        marks = pending_marks(self.cfg.run.checkpoint_at_minutes, self.history)
-        while self.iteration < self.plan.planned and not out_of_time:
-            t0 = time.perf_counter()
-            for group in self.optimizer.param_groups:
-                group["lr"] = t.lr * lr_factor(t.lr_schedule, self.plan.progress(self.iteration), self.plan.nominal)
-            row = self.train_iteration()
-            marked = cross_marks(row, marks, self.started)
-            self.history.append(row)
-            acc.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
-            if acc.is_main_process:
-                self.run.append_metrics(row)
-            bar.update(1)
-            bar.set_postfix({k: f"{row[k]:.4g}" for k in ("reward_mean", "kl") if k in row})
-            if t.max_minutes:  # every process calls the broadcast, so all agree with rank 0's clock
-                out_of_time = bool(rank0(time.perf_counter() - started >= t.max_minutes * 60))
-            self.measured.add_iteration(time.perf_counter() - t0)
-            if t.budget_minutes and not out_of_time and self.iteration < self.plan.planned and (
-                    self.measured.iterations >= t.budget_probe if not self.plan.fixed
-                    else r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
-                self.replan()  # before the checkpoint, which records it
-                bar.total = self.plan.planned
-                bar.refresh()
-            done = self.iteration >= self.plan.planned or out_of_time
-            if r.sample_every and (self.iteration % r.sample_every == 0 or done):
-                t0 = time.perf_counter()
-                self.save_samples(f"iter_{self.iteration:06d}")
-                self.measured.add_grid(time.perf_counter() - t0)
-            if done or marked or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
-                t0 = time.perf_counter()
-                self.save()
-                self.measured.add_checkpoint(time.perf_counter() - t0)
-        bar.close()
+            self.measured.add_grid(self.now() - t0)
+        self.marks = pending_marks(self.cfg.run.checkpoint_at_minutes, self.history)
+
+    def mark(self, row: dict) -> bool:
+        return cross_marks(row, self.marks, self.started)
+
+    def log(self, row: dict) -> None:
+        self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
+
+    def after_iteration(self, seconds: float, out_of_time: bool) -> None:
+        t, r = self.cfg.trainer, self.cfg.run
+        self.measured.add_iteration(seconds)
+        if t.budget_minutes and not out_of_time and self.iteration < self.plan.planned and (
+                self.measured.iterations >= t.budget_probe if not self.plan.fixed
+                else r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
+            self.replan()  # before the checkpoint, which records it
+            self.bar.total = self.plan.planned
+            self.bar.refresh()
+
+    def before_checkpoint(self, done: bool) -> None:
+        every = self.cfg.run.sample_every
+        if every and (self.iteration % every == 0 or done):
+            t0 = self.now()
+            self.save_samples(f"iter_{self.iteration:06d}")
+            self.measured.add_grid(self.now() - t0)
+
+    def checkpoint(self) -> None:
+        t0 = self.now()
+        self.save()
+        self.measured.add_checkpoint(self.now() - t0)
+
+    def finish(self) -> None:
         self.rollout.close()
         self.reward_runner.close()
-        acc.end_training()
-        return self.history
+        self.accelerator.end_training()
 
     def replan(self) -> None:
         """Plan the iteration count that fits trainer.budget_minutes again (flowrl/train/budget.py, `replan`)."""
-        replan(self.cfg, self.plan, self.measured, self.iteration, time.perf_counter() - self.started,
+        replan(self.cfg, self.plan, self.measured, self.iteration, self.now() - self.started,
                self.run.path if self.accelerator.is_main_process else None)
-
-    def _start_over(self) -> None:
-        """`--resume` of a run that has no checkpoint yet: every draw is keyed by (seed, iteration),
-        so training again from iteration 0 repeats what was lost. What the run wrote (metrics,
-        sample grids) moves to RUN/restart-N first, so nothing is deleted."""
-        acc = self.accelerator
-        if acc.is_main_process:
-            written = [p for p in (self.run.metrics_file, self.run.samples) if p.exists()]
-            if written:
-                n = 1 + sum(1 for _ in self.run.path.glob("restart-*"))
-                backup = self.run.path / f"restart-{n}"
-                backup.mkdir()
-                for p in written:
-                    p.rename(backup / p.name)
-                print(f"flowrl: '{self.run.path}' has no checkpoint yet; training it again from iteration 0 (what it wrote "
-                      f"is kept in {backup})", file=sys.stderr)
-        acc.wait_for_everyone()
 
     # ---- outputs ------------------------------------------------------------------------
     def eval_spec(self) -> SamplerSpec:
@@ -274,121 +201,10 @@ class Trainer:
         return save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2, captions=prompts)
 
     def save(self) -> Path | None:
-        """A checkpoint of everything a resume needs, with the user-facing exports (the LoRA, or the
-        fully fine-tuned transformer, each also with EMA weights). Under fsdp2 every process writes
-        its shards and helps gather the exports; rank 0 writes the rest."""
-        acc, lay = self.accelerator, self.layout
-        acc.wait_for_everyone()
-        main, root = acc.is_main_process, self.run.checkpoints
-        ema = self.ema.shadow if self.ema is not None else None
-        objective_state = self.objective.state_dict()
-        sharded = None
-        if lay.sharded:
-            opt_tensors, opt_meta = lay.optimizer_state(self.policy.transformer, self.optimizer)
-            groups = {"trainable": self.params, "optimizer": opt_tensors, **({"ema": ema} if ema is not None else {}),
-                      **{k: v for k, v in objective_state.items() if v is not None and any(map(is_sharded, v.values()))}}
-            bad = lay.non_finite(groups)  # asked of every process: one refusal, before anyone writes
-            if bad is not None:
-                raise UserError(f"checkpoint {checkpoint_name(self.iteration)} was not written: {bad} holds NaN or inf; "
-                                f"the last checkpoint is {latest_checkpoint(root) or 'none'}")
-            shards = root / f".shards-{checkpoint_name(self.iteration)}"
-            if main:
-                root.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(shards, ignore_errors=True)
-            acc.wait_for_everyone()
-            lay.save(shards, groups)
-            sharded = {"dir": shards, "groups": sorted(groups), "optimizer": opt_meta}
-            objective_state = {k: v for k, v in objective_state.items() if k not in groups}
-        exports = self._exports() if (main or lay.sharded) else {}
-        path = None
-        if main:
-            def export(tmp: Path):
-                for name, state in exports.items():
-                    if self.cfg.lora.enabled:
-                        self.policy.save_lora(tmp / name, state)
-                    else:
-                        self.policy.save_transformer(tmp / name, state)
+        """A checkpoint of everything a resume needs, with the user-facing exports
+        (flowrl/train/trainer_state.py)."""
+        return save_trainer(self)
 
-            path = save_checkpoint(root, self.iteration, None if sharded else self.params,
-                                   None if sharded else self.optimizer.state_dict(), None if sharded else ema,
-                                   {"policy_version": self.iteration, "num_processes": acc.num_processes,
-                                    "distributed": lay.name,
-                                    "plan": self.plan.to_state() if self.plan.fixed and self.plan.budget_minutes else None,
-                                    **({"budget": {"elapsed_s": time.perf_counter() - self.started,
-                                                   "measured": self.measured.to_state()}} if self.cfg.trainer.budget_minutes else {})},
-                                   export=export, sharded=sharded,
-                                   allocator=self.allocator.state_dict(), **objective_state)
-            self.run.plot_reward_curve(self.run.read_metrics())
-        acc.wait_for_everyone()
-        return path
-
-    def _exports(self) -> dict[str, dict[str, torch.Tensor]]:
-        """{folder: whole weights} for the checkpoint's user-facing exports, on rank 0: `lora` and
-        `ema_lora`, or under full fine-tuning `transformer` and `ema_transformer` (diffusers'
-        format). Collective under fsdp2."""
-        lora = self.cfg.lora.enabled
-        prefix = "lora" if lora else "transformer"
-
-        def whole() -> dict[str, torch.Tensor]:
-            return self.layout.full(self.params if lora else self.policy.transformer.state_dict())
-
-        out = {prefix: whole()}
-        if self.ema is not None:
-            with self.ema.swapped_in(self.params):
-                out[f"ema_{prefix}"] = whole()
-        return out
-
-    def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.run.checkpoints)
-        if ckpt is None:  # stopped before its first checkpoint: start over in place, keeping what it wrote
-            self._start_over()
-            return
-        data = load_checkpoint(ckpt)
-        if data["state"]["sharded"]:
-            self._load_shards(ckpt, data)
-        else:
-            self._load_whole(ckpt, data)
-        if data["allocator"] is not None:
-            self.allocator.load_state_dict(data["allocator"])
-        self.objective.load_state_dict(data, str(ckpt))
-        restore_rng(data["rng"], data["state"]["python_random"])
-        self.iteration = int(data["state"]["iteration"])
-        if self.cfg.trainer.budget_minutes:  # the plans made so far, the budget's clock and what it measured, as recorded
-            state = data["state"]
-            if state.get("plan"):
-                vars(self.plan).update(vars(SchedulePlan.from_state(state["plan"])))  # in place: the parts hold it
-                if self.accelerator.is_main_process:  # plans made after the checkpoint are undone
-                    write_plan(self.run.path, self.plan)
-            if state.get("budget"):
-                self.started = time.perf_counter() - state["budget"]["elapsed_s"]
-                self.measured = Measured.from_state(state["budget"]["measured"])
-        if self.accelerator.is_main_process:
-            self.history = self.run.truncate_metrics(self.iteration)
-        else:
-            self.history = [r for r in self.run.read_metrics() if r["iteration"] < self.iteration]
-
-    def _load_whole(self, ckpt: Path, data: dict) -> None:
-        """Weights, optimizer and EMA of a checkpoint written whole (run.distributed ddp)."""
-        if self.layout.sharded:
-            raise UserError(f"--resume: checkpoint '{ckpt}' was written whole (run.distributed ddp); resume it with "
-                            "run.distributed=ddp")
-        restore_weights(self.params, data["params"], ckpt)
-        self.optimizer.load_state_dict(data["optimizer"])
-        if self.ema is not None and data["ema"] is not None:
-            self.ema.shadow = {n: t.clone() for n, t in data["ema"].items()}
-
-    def _load_shards(self, ckpt: Path, data: dict) -> None:
-        """Every process loads its own shards of a sharded checkpoint (onto any number of
-        processes): the current tensors are the templates, filled in place."""
-        if not self.layout.sharded:
-            raise UserError(f"--resume: checkpoint '{ckpt}' holds shards (run.distributed fsdp2); resume it with "
-                            "run.distributed=fsdp2")
-        names = set(data["state"]["sharded"])
-        opt_tensors, _ = self.layout.optimizer_state(self.policy.transformer, self.optimizer)
-        templates = {"trainable": {n: p.detach() for n, p in self.params.items()}, "optimizer": opt_tensors}
-        if "ema" in names and self.ema is not None:
-            templates["ema"] = self.ema.shadow
-        templates.update({k: v for k, v in self.objective.state_dict().items() if k in names and v is not None})
-        self.layout.load(ckpt / SHARDED_DIR, templates, str(ckpt))
-        self.layout.load_optimizer_state(self.policy.transformer, self.optimizer, templates["optimizer"], data["optimizer"])
-        data.update({k: v for k, v in templates.items() if k not in ("trainable", "optimizer", "ema")})
+    def restore(self, ckpt: Path, data: dict) -> None:
+        """Weights, optimizer, EMA, objective state and the budget's plans (flowrl/train/trainer_state.py)."""
+        restore_trainer(self, ckpt, data)

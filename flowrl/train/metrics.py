@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.train.evaluate import shapes_category_table
 from flowrl.train.experience import Experience
 
 
-def reward_columns(channel_names, prompts: list[str], rewards: torch.Tensor, prompt_ids: torch.Tensor) -> dict[str, float]:
-    """The mean of every reward channel, and with the shapes reward the strict mean per GenEval
-    category (`strict/<category>`), so a run shows which categories RL moves (the overall mean
-    hides a gain in one behind a loss in another)."""
-    names = list(channel_names)
-    out = {f"reward/{c}": rewards[:, k].mean().item() for k, c in enumerate(names)}
-    table = shapes_category_table([prompts[i] for i in prompt_ids.tolist()], names, rewards)
-    out.update({f"strict/{c}": t["strict"] for c, t in (table or {}).items() if c != "overall"})
+def reward_columns(reward_fn, prompts: list[str], rewards: torch.Tensor, prompt_ids: torch.Tensor) -> dict[str, float]:
+    """The mean of every reward channel, and the headline (first) column of the reward's breakdown
+    by kind of prompt (the shapes reward: `strict/<category>` per GenEval category), so a run shows
+    which kinds RL moves (the overall mean hides a gain in one behind a loss in another)."""
+    out = {f"reward/{c}": rewards[:, k].mean().item() for k, c in enumerate(reward_fn.channel_names)}
+    table = reward_fn.breakdown([prompts[i] for i in prompt_ids.tolist()], rewards) or {}
+    headline = [(kind, next((c, v) for c, v in row.items() if c != "n")) for kind, row in table.items() if kind != "overall"]
+    out.update({f"{column}/{kind}": value for kind, (column, value) in headline})
     return out
 
 
@@ -29,7 +28,7 @@ def iteration_row(experience: Experience, stats: dict, reward_fn, prompts: list[
         rewards, ids = experience.rewards[valid], experience.prompt_ids[valid]
         total = rewards @ reward_fn.channel_weights
         row.update({"reward_mean": total.mean().item(), "reward_std": total.std(unbiased=False).item(),
-                    **reward_columns(reward_fn.channel_names, prompts, rewards, ids)})
+                    **reward_columns(reward_fn, prompts, rewards, ids)})
     row.update({"dropped_samples": int((~valid).sum()), "samples": len(valid),
                 "prompts": int(experience.prompt_ids.unique().numel())})
     return {**row, **stats, **experience.metrics}

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
+from flowrl.schema import Config
 from flowrl.train.budget import SchedulePlan
 from flowrl.train.experience import Experience
 
-if TYPE_CHECKING:
-    from flowrl.config import Config
 
 ROLLOUTS: dict[str, type["Rollout"]] = {}
 OBJECTIVES: dict[str, type["Objective"]] = {}

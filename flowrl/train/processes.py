@@ -1,10 +1,15 @@
-"""What every trainer does first when it may run as several processes (accelerate's launcher,
-`run.cpu_processes`, or one process alone): start the process group and agree on rank 0's values."""
+"""Processes: `run.cpu_processes`' launcher (`flowrl train` relaunched as that many processes
+joined by gloo), and what every trainer does first when it may run as several processes
+(accelerate's launcher, the relaunch, or one process alone): start the process group and agree on
+rank 0's values; for the image trainer, build its Accelerator and weight layout (`launch_image_run`)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def start_processes(device: str, run_dir: str | Path) -> tuple[bool, Path]:
@@ -13,7 +18,7 @@ def start_processes(device: str, run_dir: str | Path) -> tuple[bool, Path]:
     processes would otherwise each draw for themselves)."""
     from accelerate import PartialState
 
-    from flowrl.models.base import pick_device
+    from flowrl.devices import pick_device
 
     cpu = pick_device(device).type == "cpu"  # refuses a device that is not there
     PartialState(cpu=cpu)
@@ -28,3 +33,127 @@ def rank0(value: Any) -> Any:
     if PartialState().num_processes == 1:
         return value
     return broadcast_object_list([value])[0]
+
+
+class Launch(NamedTuple):
+    """What the image trainer starts with: accelerate's Accelerator, the run directory (rank 0's),
+    the autocast precision accelerate was given, and the layout of the weights (ddp or fsdp2)."""
+
+    accelerator: Any
+    run: Any  # flowrl.train.run_dir.RunDir
+    mixed_precision: str
+    layout: Any  # flowrl.train.sharding.Replicated or Sharded
+
+
+def plain_accelerator(cpu: bool, refusal: str, **kwargs):
+    """accelerate's Accelerator for one process or plain data parallelism (DDP), with `kwargs`;
+    a launch under accelerate's FSDP, DeepSpeed or Megatron config is refused, `refusal` saying why."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    from flowrl.errors import UserError
+
+    # DDP would broadcast the transformer's buffers (constant position embeddings) in every
+    # forward: a collective that hangs when only rank 0 samples (grids, evals)
+    acc = Accelerator(cpu=cpu, kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)], **kwargs)
+    if acc.distributed_type.value in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):  # its prepare would wrap the network its own way
+        raise UserError(f"{refusal}; launch with a plain multi-GPU accelerate config such as configs/accelerate/multi_gpu.yaml, "
+                        f"not distributed_type {acc.distributed_type.value}")
+    return acc
+
+
+def launch_image_run(cfg, run_dir: str | Path) -> Launch:
+    """Start the processes and build the image trainer's Accelerator for `cfg` (flowrl.config.Config)."""
+    from flowrl.sampling.precision import autocast_precision
+    from flowrl.train.run_dir import RunDir
+    from flowrl.train.sharding import make_layout
+
+    cpu, run_dir = start_processes(cfg.model.device, run_dir)
+    run = RunDir(run_dir)
+    mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
+    sharded = cfg.run.distributed == "fsdp2"  # mixed precision is then FSDP2's own policy, not accelerate's autocast
+    acc = plain_accelerator(cpu, "flowrl shards the network itself (run.distributed=fsdp2)",
+                            mixed_precision="no" if sharded else mixed_precision,
+                            log_with=None if cfg.run.tracker == "none" else cfg.run.tracker, project_dir=str(run.path))
+    return Launch(acc, run, mixed_precision, make_layout(cfg.run.distributed, acc, mixed_precision))
+
+
+# ---- `run.cpu_processes`: flowrl train relaunches itself as that many processes -------------------------
+LAUNCHED_ENV = "FLOWRL_LAUNCHED"  # set for the processes a relaunch starts, so they never relaunch again
+LAUNCHER_PID_ENV = "FLOWRL_LAUNCHER_PID"  # the launcher's pid: its processes end when it does
+EXIT_INTERRUPTED = 130
+
+
+def interrupted_message(run_dir: Path) -> str:
+    return (f"flowrl: interrupted; `flowrl train --resume {run_dir}` continues from its last checkpoint "
+            "(or trains it again from the start if it has none yet)")
+
+
+def launches_cpu_processes(cfg) -> bool:
+    """Whether this `flowrl train` should start `run.cpu_processes` copies of itself: a CPU run,
+    not itself one of the processes of a launcher."""
+    import torch
+
+    from flowrl.devices import pick_device
+
+    inside = LAUNCHED_ENV in os.environ or "WORLD_SIZE" in os.environ
+    return cfg.run.cpu_processes > 1 and not inside and pick_device(cfg.model.device) == torch.device("cpu")
+
+
+def relaunch(processes: int, argv: list[str], run_dir: Path) -> int:
+    """The same command as `processes` processes joined by gloo, in torchrun's environment
+    (accelerate reads it): rank 0 writes the run directory, the processes split every
+    iteration's rollouts, and the cores are split between them. Started here rather than by a
+    launcher so that a user error keeps its one sentence and exit code 2: when one process
+    fails, the others are stopped and its exit code is returned."""
+    import socket
+    import subprocess
+    import time
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // processes)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, LAUNCHED_ENV: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes), "OMP_NUM_THREADS": str(threads),
+           "CUDA_VISIBLE_DEVICES": "", LAUNCHER_PID_ENV: str(os.getpid())}  # a CPU run
+    print(f"flowrl: launching {processes} CPU processes of {threads} thread(s) each (run.cpu_processes)", file=sys.stderr)
+    procs = [subprocess.Popen([sys.executable, "-m", "flowrl.cli", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(processes)]
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed or all(c == 0 for c in codes):
+                for p in procs:
+                    if p.poll() is None:
+                        p.terminate()
+                for p in procs:
+                    p.wait()
+                return failed[0] if failed else 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:  # the processes got the same Ctrl-C and stop on their own
+        for p in procs:
+            p.wait()
+        print(interrupted_message(run_dir), file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def die_with_launcher() -> None:
+    """In a process a relaunch started: end when the launcher ends, however it ends (kill -9
+    included), instead of training on alone. Linux's parent-death signal; elsewhere a no-op."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if not launcher or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != int(launcher):  # the launcher died before the signal was armed
+        os._exit(EXIT_INTERRUPTED)
+
+
+def is_first_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from flowrl.errors import UserError
+from flowrl.schema import DataConfig
 
-if TYPE_CHECKING:  # the config module imports the training parts to validate against them
-    from flowrl.config import DataConfig
 
 
 BUILTIN_PROMPT_SETS = ("builtin:shapes-train", "builtin:shapes-heldout")

@@ -3,16 +3,14 @@ declarations (flowrl/train/parts.py). Importing this module registers the built-
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import flowrl.train.objectives  # noqa: F401  (registers grpo, nft)
 import flowrl.train.rollouts  # noqa: F401  (registers flat, tree, two_stage)
 from flowrl.errors import ConfigError, check_choice
+from flowrl.schema import Config
 from flowrl.train.experience import DATA_KINDS
 from flowrl.train.parts import OBJECTIVES, ROLLOUTS, Objective, Rollout
 
-if TYPE_CHECKING:
-    from flowrl.config import Config
 
 
 def rollout_class(kind: str) -> type[Rollout]:

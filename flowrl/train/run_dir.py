@@ -6,12 +6,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from flowrl.errors import UserError
+from flowrl.schema import Config
 
-if TYPE_CHECKING:  # the config module imports the training parts to validate against them
-    from flowrl.config import Config
 
 
 CONFIG_FILE = "config.yaml"

@@ -14,6 +14,8 @@ processes), and the branch steps are trained in increasing order, as the referen
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from flowrl.core.advantages import AdvantageOutput, multi_granularity_advantages
@@ -24,7 +26,7 @@ from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.sampling.tree import parent_batches
 from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.flat import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, successes,
+from flowrl.train.rollouts.common import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, successes,
                                        training_spec)
 from flowrl.train.scoring import Scoring
 
@@ -145,7 +147,7 @@ class GranularRollout(Rollout):
         for m in range(len(batch.branch_steps)):
             step = []
             for b in parent_batches(len(batch.prompts), bs):
-                step.append(TransitionBatch(lambda m=m, b=b: branch_edges(policy, batch, spec, m, b),
+                step.append(TransitionBatch(partial(branch_edges, policy, batch, spec, m, b),
                                             batch.log_probs[b, m].reshape(-1), local_adv[b, m].reshape(-1), kl,
                                             real[b].repeat_interleave(G)))
             per_step.append(step)

@@ -14,7 +14,7 @@ from flowrl.offline.store import GroupStore
 from flowrl.sampling.noise import sample_seed
 from flowrl.train.experience import SAMPLES, Experience, ProcessShard, SampleBatch
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.flat import group_advantages
+from flowrl.train.rollouts.common import group_advantages
 from rewards.multi import weights_for_channels
 
 STORE_ORDER = 999_941  # the `index` key of the store's visiting order (an epoch's permutation)

@@ -10,6 +10,7 @@ each process does its own.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -20,7 +21,7 @@ from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.sampling.tree import TreeTrajectory, edge_children, parent_batches, tree_edges, tree_rollout, tree_spec
 from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch, gather_real
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.flat import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, successes,
+from flowrl.train.rollouts.common import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, successes,
                                        training_spec)
 from flowrl.train.scoring import Scores, Scoring
 
@@ -35,6 +36,11 @@ class TreeBatch(NamedTuple):
     prompt_ids: torch.Tensor  # [n_trees x G] pool index of each real leaf
     num_trees: int  # real trees over all processes
     spec: SamplerSpec  # the sampler the trees were drawn with (training re-evaluates edges with it)
+
+
+def tree_edge_steps(policy, tree: TreeTrajectory, spec: SamplerSpec, t: int, parents: slice):
+    """The StepOutput of `tree_edges` alone: a TransitionBatch's `evaluate` over one parent batch."""
+    return tree_edges(policy, tree, spec, t, parents)[0]
 
 
 @register_rollout
@@ -157,7 +163,7 @@ class TreeRollout(Rollout):
                 children = edge_children(tree, t, parents)
                 if skip_empty and not bool(k[children].any()):
                     continue
-                groups.append([TransitionBatch(lambda t=t, parents=parents: tree_edges(policy, tree, spec, t, parents)[0],
+                groups.append([TransitionBatch(partial(tree_edge_steps, policy, tree, spec, t, parents),
                                                tree.log_probs[t][children], advantages[t + 1][children], kl, k[children])])
         return groups
 

@@ -32,7 +32,8 @@ from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, ExplorationC
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.flat import FlatRollout, Stage, group_advantages, stage_experience, successes, training_spec
+from flowrl.train.rollouts.common import Stage, group_advantages, stage_experience, successes, training_spec
+from flowrl.train.rollouts.flat import FlatRollout
 
 
 def subset_stage(stage: Stage, selected: torch.Tensor, num_processes: int, process_index: int) -> Stage:

@@ -1,0 +1,190 @@
+"""What the image and the text trainer share (flowrl/train/loop.py, flowrl/text/train.py), written
+once: the run directory's start (a fresh run refuses a directory that already holds one), resume
+(the latest checkpoint restored, or the run trained again in place when it has none), the outer
+loop (progress bar, metrics rows, trainer.max_minutes on rank 0's clock, a checkpoint every
+run.checkpoint_every iterations and at the end), the learning rate set from the iteration alone,
+and the non-finite step policy (a step whose gradient norm is NaN or inf is skipped;
+trainer.max_skipped_steps of them in a row stop the run).
+
+A trainer sets `cfg`, `accelerator`, `run`, `params`, `optimizer` and `allocator`, then calls
+`start_run`; it writes `train_iteration` (one row of metrics), `save` and `restore` (its own part of
+a checkpoint), and may fill the loop's hooks (the image trainer's budget, marks and sample grids).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from flowrl.core.lr_schedule import lr_factor, warmup_factor
+from flowrl.errors import UserError
+from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng
+from flowrl.train.processes import rank0
+
+
+class RunManager:
+    progress_label = "flowrl train"
+    progress_columns = ("reward_mean", "kl")  # the metrics the progress bar shows, where a row has them
+
+    def start_run(self, resume: bool) -> None:
+        """Iteration 0, or the latest checkpoint's state under `resume`; then the run directory
+        shows the config in force (on resume too)."""
+        self.iteration = 0
+        self.history: list[dict] = []
+        self.skipped_steps, self.skipped_in_a_row = 0, 0  # optimizer steps skipped for a non-finite gradient norm
+        if resume:
+            self.resume()
+        elif self.run.metrics_file.exists():
+            raise UserError(f"run directory '{self.run.path}' already holds a run; resume it with --resume {self.run.path} "
+                            "or choose another run.name")
+        if self.accelerator.is_main_process:
+            self.run.create(self.cfg)
+        self.accelerator.wait_for_everyone()
+
+    # ---- the loop ---------------------------------------------------------------------
+    def now(self) -> float:
+        """The loop's clock, in seconds (what trainer.max_minutes and a wall-clock budget count)."""
+        return time.perf_counter()
+
+    def planned_iterations(self) -> int:
+        return self.cfg.trainer.iterations
+
+    def train(self) -> list[dict]:
+        acc, r, t = self.accelerator, self.cfg.run, self.cfg.trainer
+        self.bar = bar = tqdm(total=self.planned_iterations(), initial=self.iteration, desc=self.progress_label, unit="iter",
+                              disable=not (r.progress and acc.is_local_main_process))
+        self.before_loop()
+        started, out_of_time = self.now(), False
+        while self.iteration < self.planned_iterations() and not out_of_time:
+            t0 = self.now()
+            self.set_lr()
+            row = self.train_iteration()
+            marked = self.mark(row)
+            self.history.append(row)
+            self.log(row)
+            if acc.is_main_process:
+                self.run.append_metrics(row)
+            bar.update(1)
+            bar.set_postfix({k: f"{row[k]:.4g}" for k in self.progress_columns if k in row})
+            if t.max_minutes:  # every process calls the broadcast, so all agree with rank 0's clock
+                out_of_time = bool(rank0(self.now() - started >= t.max_minutes * 60))
+            self.after_iteration(self.now() - t0, out_of_time)
+            done = self.iteration >= self.planned_iterations() or out_of_time
+            self.before_checkpoint(done)
+            if done or marked or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
+                self.checkpoint()
+        bar.close()
+        self.finish()
+        return self.history
+
+    # the loop's hooks: the image trainer's budget, marks, trackers and sample grids
+    def before_loop(self) -> None:
+        pass
+
+    def mark(self, row: dict) -> bool:
+        """Whether this iteration must end with a checkpoint (its row may say why)."""
+        return False
+
+    def log(self, row: dict) -> None:
+        pass
+
+    def after_iteration(self, seconds: float, out_of_time: bool) -> None:
+        pass
+
+    def before_checkpoint(self, done: bool) -> None:
+        pass
+
+    def checkpoint(self) -> None:
+        self.save()
+
+    def finish(self) -> None:
+        pass
+
+    # ---- learning rate and optimizer steps ---------------------------------------------
+    def schedule_position(self) -> tuple[float, int]:
+        """(iteration, total) on the learning-rate schedule's clock."""
+        return self.iteration, self.cfg.trainer.iterations
+
+    def set_lr(self) -> None:
+        """From the iteration alone, so a resumed run sets the same (core/lr_schedule.py)."""
+        t = self.cfg.trainer
+        position, total = self.schedule_position()
+        factor = lr_factor(t.lr_schedule, position, total) * warmup_factor(self.iteration, t.warmup_iterations)
+        for group in self.optimizer.param_groups:
+            group["lr"] = t.lr * factor
+
+    def clip_grad_norm(self) -> float:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> float:
+        """Clip, step, zero, `after_step`; returns the gradient norm before clipping.
+
+        A NaN or inf anywhere in the loss or the gradients makes the norm non-finite (on every
+        process alike: it is taken after the all-reduce). That step is skipped: the gradients are
+        dropped, and the weights, the optimizer's moments (and the EMA) stay as they were.
+        trainer.max_skipped_steps such steps in a row stop the run."""
+        norm = self.clip_grad_norm()
+        if not math.isfinite(norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            self.skipped_in_a_row += 1
+            if self.skipped_in_a_row >= self.cfg.trainer.max_skipped_steps:
+                last = latest_checkpoint(self.run.checkpoints)
+                raise UserError(f"iteration {self.iteration}: {self.skipped_in_a_row} optimizer steps in a row had a non-finite "
+                                f"gradient norm ({norm}), so the run stopped; the last checkpoint, all finite, is "
+                                f"{last if last is not None else 'none (no checkpoint yet)'}; try a lower trainer.lr")
+            return norm
+        self.skipped_in_a_row = 0
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.after_step()
+        return norm
+
+    def after_step(self) -> None:
+        pass
+
+    # ---- checkpoints and resume --------------------------------------------------------
+    def save(self) -> Path | None:
+        raise NotImplementedError
+
+    def restore(self, ckpt: Path, data: dict) -> None:
+        """The trainer's own part of checkpoint `ckpt` (`data`, as load_checkpoint reads it)."""
+        raise NotImplementedError
+
+    def resume(self) -> None:
+        """Restore the run's latest checkpoint, or train it again in place when it has none."""
+        ckpt = latest_checkpoint(self.run.checkpoints)
+        if ckpt is None:  # stopped before its first checkpoint
+            self.start_over()
+            return
+        data = load_checkpoint(ckpt)
+        self.restore(ckpt, data)
+        if data["allocator"] is not None:
+            self.allocator.load_state_dict(data["allocator"])
+        restore_rng(data["rng"], data["state"]["python_random"])
+        self.iteration = int(data["state"]["iteration"])
+        if self.accelerator.is_main_process:
+            self.history = self.run.truncate_metrics(self.iteration)
+        else:
+            self.history = [r for r in self.run.read_metrics() if r["iteration"] < self.iteration]
+
+    def start_over(self) -> None:
+        """`--resume` of a run that has no checkpoint yet: every draw is keyed by (seed, iteration),
+        so training again from iteration 0 repeats what was lost. What the run wrote (metrics,
+        sample grids) moves to RUN/restart-N first, so nothing is deleted."""
+        acc, run = self.accelerator, self.run
+        if acc.is_main_process:
+            written = [p for p in (run.metrics_file, run.samples) if p.exists()]
+            if written:
+                n = 1 + sum(1 for _ in run.path.glob("restart-*"))
+                backup = run.path / f"restart-{n}"
+                backup.mkdir()
+                for p in written:
+                    p.rename(backup / p.name)
+                print(f"flowrl: '{run.path}' has no checkpoint yet; training it again from iteration 0 (what it wrote "
+                      f"is kept in {backup})", file=sys.stderr)
+        acc.wait_for_everyone()

@@ -1,0 +1,106 @@
+"""Reading a config file: a preset name or YAML path, the YAML mapping, merged over a dataclass
+schema's defaults with `key=value` overrides. Shared by the image config (flowrl/config.py) and
+the text config (flowrl/text/config.py); every mistake is one sentence naming the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from flowrl.errors import ConfigError
+from flowrl.presets import CONFIG_DIR, DEFAULT_PRESET, preset_names
+
+
+def preset_path(name_or_path: str | None) -> Path:
+    """A config argument is a YAML path or the name of a preset in configs/."""
+    if name_or_path is None:
+        name_or_path = DEFAULT_PRESET
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise ConfigError(f"config file '{name_or_path}' does not exist; give a YAML path or a preset name from {CONFIG_DIR}")
+        return p
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        names = ", ".join(preset_names())
+        raise ConfigError(f"config '{name_or_path}' is neither a YAML file nor a preset; presets: {names}")
+    return candidate
+
+
+def read_yaml(src: Path) -> DictConfig:
+    try:
+        loaded = OmegaConf.load(src)
+    except Exception as exc:  # YAML syntax errors
+        raise ConfigError(f"config file '{src}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file '{src}' must hold a mapping of sections (model:, trainer:, ...) at its top level, "
+                          f"not a {type(loaded).__name__.removesuffix('Config').lower() or 'value'}")
+    return loaded
+
+
+def refuse_moved_keys(loaded: DictConfig, overrides: list[str], moved: dict[str, str], source: str) -> None:
+    """A key that has moved (`moved`: old name -> new name), in the file or an override, is refused
+    with one sentence naming its new name."""
+    for key in [k for k in moved if OmegaConf.select(loaded, k, default=None) is not None]:
+        raise ConfigError(f"config key '{key}' in {source} has moved to '{moved[key]}'; rename it")
+    for key in [item.partition("=")[0] for item in overrides]:
+        if key in moved:
+            raise ConfigError(f"config key '{key}' in the command line has moved to '{moved[key]}'; rename it")
+
+
+def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[str] | None, replaced_mappings=(),
+                 moved: dict[str, str] | None = None) -> Any:
+    """`loaded` (a YAML file's mapping) over the dataclass `schema`'s defaults, then `key=value`
+    overrides; a key of `moved` is refused naming its new name; any mistake is one sentence naming the key."""
+    refuse_moved_keys(loaded, overrides or [], moved or {}, source)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), loaded)
+        # a mapping given in the file replaces the default instead of adding to it
+        for key in replaced_mappings:
+            given = OmegaConf.select(loaded, key, default=None)
+            if given is not None:
+                OmegaConf.update(merged, key, given, merge=False)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(one_sentence(exc, source, schema)) from None
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must have the form key=value, for example trainer.lr=1e-5")
+        key, _, raw = item.partition("=")
+        try:
+            value = OmegaConf.to_container(OmegaConf.from_dotlist([f"v={raw}"]))["v"]
+            # an override replaces the value, mappings included (reward.weights={brightness: 1.0})
+            OmegaConf.update(merged, key, value, merge=False, force_add=False)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(one_sentence(exc, "the command line", schema)) from None
+    return OmegaConf.to_object(merged)
+
+
+def one_sentence(exc: OmegaConfBaseException, source: str, schema: type) -> str:
+    """OmegaConf's complaint about `source` against the dataclass `schema` as one sentence naming the key."""
+    key = getattr(exc, "full_key", None) or "?"
+    msg = str(getattr(exc, "msg", exc)).splitlines()[0].strip()
+    if isinstance(exc, (ConfigKeyError, ConfigAttributeError)):
+        parent = key.rsplit(".", 1)[0] if "." in key else ""
+        node = OmegaConf.structured(schema)
+        allowed = OmegaConf.select(node, parent) if parent else node
+        names = ", ".join(allowed.keys()) if hasattr(allowed, "keys") else "?"
+        return f"unknown config key '{key}' in {source}; allowed keys{' under ' + repr(parent) if parent else ''}: {names}"
+    if isinstance(exc, ValidationError):
+        value = msg.split("'", 2)[1] if msg.count("'") >= 2 else msg
+        expected = type_name_of(key, schema)
+        return f"config key '{key}' in {source} must be {expected}, got {value!r}"
+    return f"invalid config in {source}: {key}: {msg}"
+
+
+def type_name_of(key: str, schema: type) -> str:
+    node: Any = schema()
+    for part in key.split("."):
+        if not hasattr(node, part):
+            return "a valid value"
+        node = getattr(node, part)
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
+    return names.get(type(node), "a valid value")
