@@ -516,6 +516,9 @@ def main(argv=None) -> int:
     if args.report:
         return write_report(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from flowrl.quiet import silence_known_messages
+
+    silence_known_messages()  # third-party messages known to be harmless, as `flowrl` itself drops them
     if not args.smoke:
         return run_arena(args)
     import torch
