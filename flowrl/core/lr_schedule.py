@@ -18,7 +18,7 @@ def lr_factor(schedule: str, iteration: float, total: int) -> float:
         return 0.5 * (1.0 + math.cos(math.pi * p))
     if schedule == "linear":
         return 1.0 - p
-    raise ValueError(f"unknown learning-rate schedule '{schedule}' (constant, cosine or linear)")
+    raise ValueError(f"unknown learning-rate schedule '{schedule}' ({', '.join(LR_SCHEDULES)})")
 
 
 def warmup_factor(iteration: int, warmup: int) -> float:
