@@ -262,6 +262,43 @@ def test_moved_text_keys_name_their_new_place():
     assert (cfg.trainer.kl_beta, cfg.advantage.std, cfg.advantage.kind) == (0.1, "none", "rank")
 
 
+def test_reinforce_ada_trains_a_balanced_group_per_prompt_of_the_samples_it_drew(tmp_path):
+    # rounds of 2 until a prompt has 2 successes and 2 failures (at most 3 rounds); each trains on 4
+    run = tmp_path / "run"
+    assert main(["train", "configs/text_add.yaml", *FAST, "allocator.kind=reinforce_ada", "allocator.ada_round_size=2",
+                 "allocator.ada_max_rounds=3", "advantage.kind=reinforce_ada", "trainer.iterations=2",
+                 "run.checkpoint_every=0", "--run-dir", str(run)]) == 0
+    for row in run_metrics(run):
+        assert row["samples_trained"] == 16 and row["prompts_trained"] == 4
+        assert 8 <= row["samples"] <= 24 and row["samples"] % 2 == 0
+        assert sum(v for k, v in row.items() if k.startswith("rollouts/")) == row["samples"]
+        assert 0 <= row["nonzero_advantage_samples"] <= 16 and any(k.startswith("zero_variance/") for k in row)
+    assert (run / "reward_curve.png").is_file()  # with a panel of where the rollouts went
+
+
+def test_trained_share_pads_every_process_to_the_largest_share():
+    from flowrl.text.generate import Generation
+    from flowrl.text.train import trained_share
+
+    class Acc:  # the other process keeps 3 of its samples
+        device = torch.device("cpu")
+
+        def reduce(self, x, op):
+            return torch.maximum(x, torch.tensor(3))
+
+    n = 4
+    gen = Generation(torch.arange(n)[:, None], torch.ones(n, 1, dtype=torch.bool), torch.arange(n)[:, None] + 10,
+                     torch.ones(n, 1, dtype=torch.bool), torch.zeros(n, 1), torch.zeros(n, dtype=torch.bool), list("abcd"))
+    rows = torch.tensor([4, 5, 6, -1])  # this process holds samples 4-6 of 7 and a padding copy
+    trained = torch.tensor([True, True, True, True, False, True, False])
+    share, share_rows = trained_share(gen, rows, trained, Acc())
+    assert share_rows.tolist() == [5, -1, -1] and share.texts == ["b", "a", "a"]
+    assert share.completion_ids[:, 0].tolist() == [11, 10, 10]
+    everything = torch.ones(7, dtype=torch.bool)
+    same, same_rows = trained_share(gen, rows, everything, Acc())
+    assert same is gen and same_rows is rows  # nothing dropped: no collective, no copy
+
+
 def test_two_cpu_processes_train_as_one_process_on_the_same_batch(tmp_path):
     """run.cpu_processes=2: each process samples and trains its slice (5 prompts x 3 = 15
     completions, so the second slice ends with a padding copy), the rewards are gathered and the
@@ -358,9 +395,11 @@ def test_text_settings_get_one_sentence(capsys):
                           ("data.group_size=1", "data.group_size"), ("reward.weights={nope: 1.0}", "reward.weights"),
                           ("generation.top_p=0", "generation.top_p"), ("data.prompt_template=Q", "data.prompt_template"),
                           ("model.path=builtin:sub", "model.path"), ("advantage.std=max", "advantage.std"),
-                          ("trainer.lrr=1", "trainer.lrr")):
+                          ("trainer.lrr=1", "trainer.lrr"), ("allocator.ada_exit=both", "allocator.ada_exit"),
+                          ("allocator.ada_max_rounds=1", "allocator.ada_max_rounds")):
+        extra = ["allocator.kind=reinforce_ada", "allocator.ada_round_size=2"] if key.startswith("allocator") else []
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            load_text_config("configs/text_add.yaml", [override])
+            load_text_config("configs/text_add.yaml", [*extra, override])
     assert main(["train", "configs/text_add.yaml", "loss.aggregation=mean"]) == 2
     err = capsys.readouterr().err
     assert "loss.aggregation must be one of" in err and "Traceback" not in err

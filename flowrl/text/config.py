@@ -182,7 +182,7 @@ def validate_text(cfg: TextConfig) -> None:
     if t.kl_beta < 0:
         raise ConfigError(f"trainer.kl_beta must be >= 0; got {t.kl_beta}")
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
-    check_choice("allocator.kind", cfg.allocator.kind, ALLOCATOR_KINDS)
+    cfg.allocator.validate(d.group_size, ALLOCATOR_KINDS)
     from rewards.text import available_text_rewards
 
     for name in cfg.reward.weights:
