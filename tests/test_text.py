@@ -251,6 +251,37 @@ def test_the_text_trainer_shares_the_image_loops_run_manager(tmp_path, capsys, m
     assert "1 optimizer steps in a row had a non-finite gradient norm" in err and "Traceback" not in err
 
 
+def test_a_wall_clock_budget_plans_the_text_run_and_fits_its_schedule(tmp_path, monkeypatch):
+    """trainer.budget_minutes as the image trainer has it: 2 probe iterations of 1 s each (a fake
+    clock), then the count that fits 12 s of budget less its 3 % margin; the linear learning rate
+    written for 100 iterations ends at its last step with the last planned iteration."""
+    from types import SimpleNamespace
+
+    import flowrl.train.run_manager as run_manager
+    from flowrl.core.lr_schedule import lr_factor
+    from flowrl.text.config import load_text_config
+    from flowrl.text.train import TextTrainer
+
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(run_manager, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    cfg = load_text_config("configs/text_add.yaml", [*FAST, "trainer.iterations=100", "trainer.budget_minutes=0.2",
+                                                     "trainer.budget_probe=2", "trainer.lr_schedule=linear",
+                                                     "run.checkpoint_every=0"])
+    trainer = TextTrainer(cfg, run_dir=tmp_path / "run")
+    collect = trainer.collect
+
+    def one_second(iteration):
+        clock.now += 1.0
+        return collect(iteration)
+
+    trainer.collect = one_second
+    rows = trainer.train()
+    assert len(rows) == 2 + int(12 * 0.97 - 2)  # 11
+    assert rows[-1]["lr"] == pytest.approx(1e-4 * lr_factor("linear", 99, 100))
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["planned"] == 11 and plan["nominal"] == 100 and plan["budget_minutes"] == 0.2
+
+
 def test_moved_text_keys_name_their_new_place():
     from flowrl.text.config import load_text_config
 

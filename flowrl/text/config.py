@@ -89,6 +89,11 @@ class TextRewardConfig:
 class TextTrainerConfig:
     iterations: int = 100
     max_minutes: float = 0.0  # > 0: stop (with a checkpoint) after this much wall time
+    # > 0: time the first budget_probe iterations, then plan the count (at most trainer.iterations) that fits
+    # this many minutes from the trainer's start, planned again at every checkpoint, with the learning-rate
+    # schedule fitted onto it (the image trainer's budget, flowrl/train/budget.py)
+    budget_minutes: float = 0.0
+    budget_probe: int = 5
     lr: float = 1e-4
     lr_schedule: str = "constant"  # constant, or decayed to 0 over trainer.iterations (cosine or linear), as the image trainer's
     warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations (times lr_schedule)
@@ -164,9 +169,12 @@ def validate_text(cfg: TextConfig) -> None:
                             ("trainer.micro_batch", t.micro_batch, 1), ("trainer.inner_epochs", t.inner_epochs, 1),
                             ("trainer.iterations", t.iterations, 1), ("lora.rank", cfg.lora.rank, 1),
                             ("run.cpu_processes", cfg.run.cpu_processes, 1), ("trainer.max_skipped_steps", t.max_skipped_steps, 1),
-                            ("trainer.warmup_iterations", t.warmup_iterations, 0)):
+                            ("trainer.warmup_iterations", t.warmup_iterations, 0), ("trainer.budget_probe", t.budget_probe, 1)):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}; got {value}")
+    for key, value in (("trainer.budget_minutes", t.budget_minutes), ("trainer.max_minutes", t.max_minutes)):
+        if not value >= 0:
+            raise ConfigError(f"{key} must be >= 0 (0: none); got {value}")
     if g.temperature < 0:
         raise ConfigError(f"generation.temperature must be >= 0 (0: greedy); got {g.temperature}")
     if not 0 < g.top_p <= 1:

@@ -84,6 +84,7 @@ class TextTrainer(RunManager):
     progress_label = "flowrl train (text)"
 
     def __init__(self, cfg: TextConfig, run_dir: str | Path | None = None, resume: bool = False):
+        self.start_clock(cfg.trainer)  # a wall-clock budget counts from here
         self.cfg, t = cfg, cfg.trainer
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -239,7 +240,8 @@ class TextTrainer(RunManager):
         policy, acc, path = self.policy, self.accelerator, None
         if acc.is_main_process:
             path = save_checkpoint(self.run.checkpoints, self.iteration, self.params, self.optimizer.state_dict(), None,
-                                   {"policy_version": self.iteration, "task": "text", "num_processes": acc.num_processes},
+                                   {"policy_version": self.iteration, "task": "text", "num_processes": acc.num_processes,
+                                    **self.budget_state()},
                                    export=lambda tmp: policy.save(tmp / ("adapter" if policy.has_lora else "model")),
                                    allocator=self.allocator.state_dict())
         acc.wait_for_everyone()
