@@ -173,6 +173,20 @@ def test_text_rewards_read_the_columns_and_bad_outputs_get_one_sentence():
         TEXT_REWARDS.pop("_short"), TEXT_REWARDS.pop("_nan")
 
 
+def test_the_wide_pool_spans_one_to_seven_digits_around_the_defaults_held_out_problems():
+    from flowrl.text.arithmetic import held_out
+    from flowrl.text.data import load_prompts
+
+    test, train = load_prompts("builtin:add_wide", "test"), load_prompts("builtin:add_wide", "train")
+    assert sorted(set(test.columns["bucket"])) == sorted(set(train.columns["bucket"])) == [1, 2, 3, 4, 5, 6, 7]
+    assert test.prompts[:500] == [p.prompt for p in held_out()]  # the default's held-out problems come first
+    assert not set(train.prompts) & set(test.prompts)
+    longest = max(len(p) for p in train.prompts) + len(max(train.columns["answer"], key=len)) + 1  # prompt, sum, <eos>
+    assert longest <= 32  # the shipped model's positions
+    with pytest.raises(UserError, match="data.split of builtin:add_wide must be train or test"):
+        load_prompts("builtin:add_wide", "validation")
+
+
 def test_prompt_files_in_jsonl_and_parquet_carry_their_columns(tmp_path):
     import datasets
 
@@ -439,7 +453,7 @@ def test_text_settings_get_one_sentence(capsys):
 QWEN_PRESETS = ["qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu", "qwen25_05b_gsm8k_8gpu", "qwen25_15b_gsm8k_8gpu"]
 
 
-@pytest.mark.parametrize("name", ["text_add", *QWEN_PRESETS])
+@pytest.mark.parametrize("name", ["text_add", "text_add_wide", *QWEN_PRESETS])
 def test_text_presets_load_and_validate(name):
     from flowrl.text.config import is_text_config, load_text_config
 

@@ -41,11 +41,12 @@ class TextLoraConfig:
 
 @dataclass
 class TextDataConfig:
-    # builtin:add (the arithmetic world), a .jsonl or .parquet file, or a hub dataset id (datasets' load_dataset)
+    # builtin:add (the arithmetic world), builtin:add_wide (its harder pool, operands of 1-7 digits), a .jsonl or
+    # .parquet file, or a hub dataset id (datasets' load_dataset)
     source: str = "builtin:add"
     subset: str = ""  # a hub dataset's configuration name (openai/gsm8k: main)
     split: str = "train"
-    eval_split: str = "test"  # builtin:add: its fixed held-out problems
+    eval_split: str = "test"  # builtin:add and add_wide: their fixed held-out problems
     prompt_column: str = "prompt"
     prompt_template: str = "{prompt}"  # what the model is asked; {prompt} is the prompt column's text
     bucket_column: str = "bucket"  # eval reports exact match per value of this column when the data has it
