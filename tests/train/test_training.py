@@ -241,7 +241,7 @@ LEARNING_RECIPE: list[str] = []  # the default preset's own recipe
 def test_two_processes_end_with_identical_weights(tmp_path, tiny_sd3_dir):
     # on a machine without GPUs, accelerate's --multi_gpu launcher starts CPU processes joined by gloo
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    worker = Path(__file__).with_name("dist_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "dist_worker.py"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", str(worker), str(tmp_path), tiny_sd3_dir]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)

@@ -20,7 +20,7 @@ from run_checks import run_metrics
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
 
-WORKER = Path(__file__).with_name("dist_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "dist_worker.py"  # tests/dist_worker.py
 # on a machine without GPUs, accelerate's --multi_gpu launcher starts CPU processes joined by gloo
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no"]
