@@ -307,6 +307,8 @@ class ReinforceAdaAllocator(Allocator):
     exact_budget = False
 
     def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2, **kw):
+        if prompts_per_iteration * min_group > budget:  # the trained groups: group_size each
+            raise ValueError(f"a budget of {budget} rollouts cannot give {prompts_per_iteration} prompts {min_group} rollouts each")
         self.group = budget // prompts_per_iteration
         self.round_size = int(kw.get("ada_round_size", 8))
         self.max_rounds = int(kw.get("ada_max_rounds", 4))
