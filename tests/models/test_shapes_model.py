@@ -124,6 +124,7 @@ def test_shipped_model_loads_through_the_sd3_adapter_and_draws_its_world():
     assert partial.mean() > SHIPPED_MIN_PARTIAL
 
 
+@pytest.mark.slow
 def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_prompts(tmp_path):
     # The default recipe end to end on the shipped model (LoRA, ODE rollouts, DiffusionNFT, the
     # strict + partial + quality reward): 12 iterations on two fixed prompts raise the partial

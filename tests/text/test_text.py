@@ -344,6 +344,7 @@ def test_trained_share_pads_every_process_to_the_largest_share():
     assert same is gen and same_rows is rows  # nothing dropped: no collective, no copy
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_train_as_one_process_on_the_same_batch(tmp_path):
     """run.cpu_processes=2: each process samples and trains its slice (5 prompts x 3 = 15
     completions, so the second slice ends with a padding copy), the rewards are gathered and the
@@ -410,6 +411,7 @@ def test_a_tiny_qwen2_saved_with_save_pretrained_trains_a_lora_through_model_pat
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in loaded.named_parameters())
 
 
+@pytest.mark.slow
 def test_a_short_run_on_the_shipped_model_raises_held_out_exact_match(tmp_path):
     # 100 iterations of the default (about 80 s here). Greedy exact match barely moves that early
     # (+0.008 measured), so the held-out problems are judged as the policy samples them, at

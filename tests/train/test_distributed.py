@@ -61,6 +61,7 @@ def plain_diffusers_sample(model_dir: str, kind: str, checkpoint: Path, lora: bo
     return rollout(policy, ["a red circle", "a blue square"], [7, 8], spec, 2).final
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, mode", [("sd3", "lora"), ("flux", "full")])
 def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(tmp_path, request, kind, mode):
     # one optimizer step per iteration over all 4 micro-batches: each of 2 processes trains 2 of
@@ -104,6 +105,7 @@ def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(t
         assert not all(torch.equal(ema[k], two["full"][k]) for k in ema)  # the EMA, not the raw weights
 
 
+@pytest.mark.slow
 def test_fsdp2_resumes_from_its_shards_exactly(tmp_path, tiny_sd3_dir):
     # flowrl's own launch (run.cpu_processes) with gradient checkpointing; a stopped run resumed
     # from its sharded checkpoint repeats the uninterrupted one: metrics and exported weights

@@ -268,6 +268,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has ended; only its exit status waits to be read
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_killing_the_launcher_takes_its_processes_with_it(tmp_path, tiny_sd3_dir):
     run = tmp_path / "run"
@@ -299,6 +300,7 @@ def test_killing_the_launcher_takes_its_processes_with_it(tmp_path, tiny_sd3_dir
     assert (run / "metrics.jsonl").read_text() == rows  # nobody writes the run directory any more
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_path, tiny_sd3_dir):
     # two CPU processes, a checkpoint every 2 of 4 iterations; kill -9 of the launcher at seeded random moments

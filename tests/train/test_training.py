@@ -218,6 +218,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
     assert len(run_metrics(run)) == 1  # nothing already written is lost
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_reward(tmp_path, tiny_sd3_dir):
     """The default preset (60 iterations, fixed seed) on a tiny random SD3 raises JPEG
     incompressibility (DDPO's toy reward, the size of the JPEG) by more than the within-batch
@@ -237,6 +238,7 @@ def test_grpo_raises_the_reward(tmp_path, tiny_sd3_dir):
 LEARNING_RECIPE: list[str] = []  # the default preset's own recipe
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
 def test_two_processes_end_with_identical_weights(tmp_path, tiny_sd3_dir):
     # on a machine without GPUs, accelerate's --multi_gpu launcher starts CPU processes joined by gloo
@@ -342,6 +344,7 @@ def test_rewards_score_each_batch_as_it_finishes_and_invalid_ones_drop(tmp_path,
     assert row["time_reward"] > 0 and row["time_reward_wait"] >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
 def test_cpu_processes_relaunch_flowrl_train_once_as_that_many_processes(tmp_path, tiny_sd3_dir):
     run = tmp_path / "run"
