@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flowrl.core.advantages import ADVANTAGE_KINDS
-from flowrl.core.allocation import ALLOCATOR_KINDS
+from flowrl.core.allocation import KEEP_ALL_KINDS
 from flowrl.core.search import BACKUPS, POTENTIALS, RESAMPLINGS
 from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.selection import SELECTION_KINDS
@@ -130,16 +130,6 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "reward.batch_size": ">= 1",
     "advantage.eps": "> 0",
     "advantage.clip": "> 0",
-    "allocator.min_group": (">= 2", "a group of one has no baseline"),
-    "allocator.prior_a": "> 0",
-    "allocator.prior_b": "> 0",
-    "allocator.fast_decay": "(0, 1]",
-    "allocator.slow_decay": "(0, 1]",
-    "allocator.first_fraction": "(0, 1]",
-    "allocator.hard_accuracy": "(0, 1]",
-    "allocator.target_positives": ">= 1",
-    "allocator.round_size": ">= 1",
-    "allocator.cap": ">= 0",
     "trainer.iterations": ">= 1",
     "trainer.budget_minutes": ">= 0",
     "trainer.budget_probe": ">= 1",
@@ -288,10 +278,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
 
     check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
     check_choice("advantage.std", cfg.advantage.std, ("group", "global"))
-    al = cfg.allocator
-    check_choice("allocator.kind", al.kind, ALLOCATOR_KINDS)
-    if d.group_size < al.min_group:
-        raise ConfigError(f"data.group_size ({d.group_size}) must be >= allocator.min_group ({al.min_group})")
+    cfg.allocator.validate(d.group_size, KEEP_ALL_KINDS)  # the image rollouts train on every sample drawn
     check_choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
 
     check_choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)

@@ -85,6 +85,7 @@ class MultiReward:
         self.channels: dict[str, tuple[str, ...]] = {}
         self.channel_names: list[str] = []
         self.breakdowns: dict[str, Callable] = {}  # reward name -> its registered breakdown
+        self.bucket_fn: Callable[[str], str] | None = None  # the first reward's prompt -> kind, if one has it
         options = options or {}
         for name in self.weights:
             if rewards and name in rewards:  # a plain function passed in directly
@@ -95,6 +96,7 @@ class MultiReward:
                 self.fns[name], channels = plan.build()
                 if plan.spec.breakdown is not None:
                     self.breakdowns[name] = plan.spec.breakdown
+                self.bucket_fn = self.bucket_fn or plan.spec.bucket
                 self.batch_sizes[name] = plan.batch_size or batch_size
             self.channels[name] = channels
             self.channel_names += [name if len(channels) == 1 else f"{name}/{c}" for c in channels]
@@ -122,6 +124,11 @@ class MultiReward:
                 return self.breakdowns[name](list(prompts), scores[:, start : start + len(channels)])
             start += len(channels)
         return None
+
+    def buckets(self, prompts: Sequence[str]) -> list[str] | None:
+        """Each prompt's kind by the first reward that names one (the shapes reward: its GenEval
+        category); None when none does."""
+        return None if self.bucket_fn is None else [self.bucket_fn(p) for p in prompts]
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> torch.Tensor:
         """Scores [N, K]; any invalid output raises UserError, whatever `on_invalid` says

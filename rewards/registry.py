@@ -18,6 +18,7 @@ class RewardSpec:
     # (prompts, this reward's scores [N, K]) -> {prompt kind: {column: mean}} with an "overall" row: a
     # breakdown that metrics rows and `flowrl eval` show (the shapes reward: GenEval's categories)
     breakdown: Callable[..., dict] | None = None
+    bucket: Callable[[str], str] | None = None  # prompt -> its kind (the same kinds): where the rollouts went, per kind
 
     def options(self) -> dict[str, object]:
         """The factory's keyword options and their defaults (`REQUIRED` where it has none)."""
@@ -33,15 +34,16 @@ _REGISTRY: dict[str, RewardSpec] = {}
 
 
 def register(name: str, description: str, channels: tuple[str, ...] = (), factory: bool = False,
-             breakdown: Callable[..., dict] | None = None):
+             breakdown: Callable[..., dict] | None = None, bucket: Callable[[str], str] | None = None):
     """Decorator: register a reward under `name`. A plain function is the reward itself; a
     class, or a function registered with factory=True, builds the reward when first used; its
     keyword arguments are the reward's options (reward.options.NAME in the config). `breakdown`
-    (prompts, scores [N, K]) -> {prompt kind: {column: mean}} splits its scores by kind of prompt."""
+    (prompts, scores [N, K]) -> {prompt kind: {column: mean}} splits its scores by kind of prompt,
+    `bucket` (prompt) -> kind names one prompt's kind."""
 
     def wrap(obj):
         make = obj if factory or isinstance(obj, type) else (lambda: obj)
-        _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,), breakdown)
+        _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,), breakdown, bucket)
         return obj
 
     return wrap

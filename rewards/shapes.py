@@ -313,8 +313,16 @@ def category_breakdown(prompts: Sequence[str], scores) -> dict[str, dict[str, fl
     return category_table(prompts, scores[:, 0].tolist(), scores[:, 1].tolist())
 
 
+def prompt_category(prompt: str) -> str:
+    """A prompt's GenEval category, "other" outside the shapes grammar."""
+    try:
+        return parse_prompt(prompt).category
+    except ValueError:
+        return "other"
+
+
 @register("shapes", "verifiable compositional reward of the shapes world: strict (all checks, GenEval-style) and partial (fraction of checks)",
-          channels=("strict", "partial"), breakdown=category_breakdown)
+          channels=("strict", "partial"), breakdown=category_breakdown, bucket=prompt_category)
 def shapes(images, prompts, metadata=None):
     return score_batch(images, prompts)
 

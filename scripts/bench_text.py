@@ -42,7 +42,8 @@ def held_out_exact_match(policy: CausalLMPolicy) -> dict[str, float]:
 
 
 def rl(seed: int, minutes: float, out: Path, overrides: list[str], iterations: int | None = None) -> dict:
-    extra = [f"trainer.seed={seed}", "run.progress=false", "run.checkpoint_every=0"]
+    # the measured minutes end the run (trainer.max_minutes), not the preset's budget plan
+    extra = [f"trainer.seed={seed}", "run.progress=false", "run.checkpoint_every=0", "trainer.budget_minutes=0"]
     extra += [f"trainer.iterations={iterations}"] if iterations else ["trainer.iterations=100000", f"trainer.max_minutes={minutes}"]
     cfg = load_text_config(CONFIG, [*extra, *overrides])
     trainer = TextTrainer(cfg, run_dir=out)

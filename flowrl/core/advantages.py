@@ -175,11 +175,16 @@ def rank_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, cli
 
 
 def reinforce_ada_advantages(rewards, group_ids, weights=None, std=None, eps=1e-4, clip=None) -> AdvantageOutput:
-    """Reinforce-Ada's global-statistics baseline: the baseline is the mean over every rollout
-    of the prompt gathered during adaptive sampling (all rounds: flowrl keeps them all in the
-    group), and the scale is the std over the whole batch rather than the small group's
-    (`std` is ignored: the global scale is the method)."""
-    return grpo_advantages(rewards, group_ids, weights, std="global", eps=eps, clip=clip)
+    """Reinforce-Ada's global-statistics baseline (arXiv 2510.04996; the authors'
+    compute_grpo_outcome_advantage with global_stat_est on, norm_adv_by_std_in_grpo off):
+    A = r - the mean reward over every sample of the prompt drawn in the iteration's rounds (the
+    fraction of successes, for the pass/fail rewards it assumes), not divided by any std
+    (`std` is ignored). Pass every sample drawn, also those the allocator leaves out of the
+    loss (allocator.kind reinforce_ada)."""
+    r = combine_channels(rewards, weights)
+    g = groups_of(group_ids)
+    mean, _ = group_mean_std(r, g)
+    return _finish(r - mean[g.inverse], group_degenerate(r, g), g, clip)
 
 
 def multi_granularity_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, weights: torch.Tensor | None = None,

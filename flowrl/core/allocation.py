@@ -6,9 +6,11 @@ Protocol, one iteration:
     counts = alloc.first_stage(iteration)          # LongTensor [num_prompts], sum <= budget
     while (extra := alloc.next_stage(counts, successes, failures)).sum() > 0:
         ...sample extra, count outcomes...; counts += extra
+    keep = alloc.keep(prompt_ids, success)          # which samples the loss trains on (default: all)
     alloc.observe(prompt_ids, success)              # per sample, updates the posteriors
 
-The stages of one iteration always spend exactly `budget` rollouts, and every prompt that is
+The stages of one iteration spend exactly `budget` rollouts (`reinforce_ada`, which samples until
+a prompt has signal, spends at most its budget: `exact_budget` False), and every prompt that is
 sampled at all gets at least `min_group` rollouts (a group of one has no baseline).
 """
 
@@ -18,7 +20,9 @@ from typing import Callable
 
 import torch
 
-ALLOCATOR_KINDS = ("uniform", "vade", "xrpo", "dars", "successive_elimination", "sqrt")
+ALLOCATOR_KINDS = ("uniform", "vade", "xrpo", "dars", "successive_elimination", "reinforce_ada", "sqrt", "prompt_gdro")
+# the kinds that train on every sample they draw (the image rollouts need this)
+KEEP_ALL_KINDS = tuple(k for k in ALLOCATOR_KINDS if k != "reinforce_ada")
 
 
 class PromptStats:
@@ -110,6 +114,7 @@ class Allocator:
     prompts drawn from a pool of `num_prompts`."""
 
     kind = "uniform"
+    exact_budget = True  # the stages spend exactly `budget` (False: at most)
 
     def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2,
                  prior_a: float = 1.0, prior_b: float = 1.0, fast_decay: float = 0.5, slow_decay: float = 0.95, **params):
@@ -156,6 +161,11 @@ class Allocator:
     @property
     def remaining(self) -> int:
         return self.budget - self.spent
+
+    def keep(self, prompt_ids: torch.Tensor, success: torch.Tensor) -> torch.Tensor:
+        """Which of the iteration's samples (prompt ids [N] and successes [N], in stage order) the
+        loss trains on: all of them, unless the allocator forms its own groups."""
+        return torch.ones(len(prompt_ids), dtype=torch.bool)
 
     def observe(self, prompt_ids: torch.Tensor, success: torch.Tensor) -> None:
         self.stats.update(prompt_ids.long(), success.bool())
@@ -236,7 +246,8 @@ class DARSAllocator(Allocator):
 
 
 class SuccessiveEliminationAllocator(VADEAllocator):
-    """Reinforce-Ada's successive elimination: sample every active prompt in rounds of
+    """flowrl's fixed-budget variant of Reinforce-Ada's successive elimination (the authors' rule
+    is `reinforce_ada`): sample every active prompt in rounds of
     `round_size`; a prompt leaves once it has signal (at least one success and one failure) or
     reaches `cap` rollouts. When no prompt is active and budget remains, fresh prompts join.
     Which prompts start and join is VADE's Thompson choice (our combination: Reinforce-Ada
@@ -280,6 +291,68 @@ class SuccessiveEliminationAllocator(VADEAllocator):
         return self._take(extra)
 
 
+class ReinforceAdaAllocator(Allocator):
+    """Reinforce-Ada as its authors run it (Xiong et al., arXiv 2510.04996; their multi-round
+    adaptive downsampling): the iteration's prompts are drawn uniformly and sampled in rounds of
+    `ada_round_size` (M, reference 8). After each round a prompt leaves once it can fill a
+    balanced group of n = budget / prompts_per_iteration (data.group_size): at least n // 2
+    successes and n - n // 2 failures (`ada_exit` balanced), or one success (`ada_exit`
+    positive); the others go on for at most `ada_max_rounds` (R, reference 4) rounds. The
+    iteration spends at most prompts x M x R rollouts. Every prompt then trains on n of its
+    samples (`keep`): the first n // 2 successes and first failures up to n, a shortfall filled
+    from the other side. The baseline is meant to use every sample drawn (advantage.kind
+    reinforce_ada); the loss sees only the kept ones."""
+
+    kind = "reinforce_ada"
+    exact_budget = False
+
+    def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2, **kw):
+        if prompts_per_iteration * min_group > budget:  # the trained groups: group_size each
+            raise ValueError(f"a budget of {budget} rollouts cannot give {prompts_per_iteration} prompts {min_group} rollouts each")
+        self.group = budget // prompts_per_iteration
+        self.round_size = int(kw.get("ada_round_size", 8))
+        self.max_rounds = int(kw.get("ada_max_rounds", 4))
+        self.exit_rule = str(kw.get("ada_exit", "balanced"))
+        if self.exit_rule not in ("balanced", "positive"):
+            raise ValueError(f"ada_exit must be balanced or positive, got {self.exit_rule!r}")
+        if self.round_size * self.max_rounds < self.group:
+            raise ValueError(f"{self.max_rounds} rounds of {self.round_size} cannot fill groups of {self.group}")
+        super().__init__(num_prompts, prompts_per_iteration * self.round_size * self.max_rounds, prompts_per_iteration,
+                         seed, min(min_group, self.round_size), **kw)
+
+    def first_stage(self, iteration: int) -> torch.Tensor:
+        self.iteration = iteration
+        prompts = self.choose_prompts(iteration)
+        counts = self.counts_for(prompts, torch.full((len(prompts),), self.round_size))
+        self.spent = int(counts.sum())
+        return counts
+
+    def has_signal(self, successes: torch.Tensor, failures: torch.Tensor) -> torch.Tensor:
+        """The exit test after a round, on a prompt's samples so far."""
+        if self.exit_rule == "positive":
+            return successes >= 1
+        return (successes >= self.group // 2) & (failures >= self.group - self.group // 2)
+
+    def next_stage(self, counts, successes, failures):
+        rounds = counts // self.round_size
+        active = (counts > 0) & ~self.has_signal(successes, failures) & (rounds < self.max_rounds)
+        return self._take(active.long() * self.round_size)
+
+    def keep(self, prompt_ids: torch.Tensor, success: torch.Tensor) -> torch.Tensor:
+        """The reference's balanced downsampling of each prompt's samples, in the order drawn."""
+        n, half = self.group, self.group // 2
+        kept = torch.zeros(len(prompt_ids), dtype=torch.bool)
+        for prompt in torch.unique(prompt_ids).tolist():
+            rows = (prompt_ids == prompt).nonzero().squeeze(1)
+            pos, neg = rows[success[rows]], rows[~success[rows]]
+            take_pos = min(half, len(pos))
+            take_neg = min(n - take_pos, len(neg))
+            take_pos += min(n - take_pos - take_neg, len(pos) - take_pos)  # too few failures: more successes
+            kept[pos[:take_pos]] = True
+            kept[neg[:take_neg]] = True
+        return kept
+
+
 class SqrtAllocator(Allocator):
     """Budget-neutral square-root allocation (Rollout-GDRO): n_i proportional to the square root
     of a variance proxy, here the posterior Bernoulli variance p (1 - p), total conserved."""
@@ -296,13 +369,98 @@ class SqrtAllocator(Allocator):
         return counts
 
 
+class PromptGDROAllocator(Allocator):
+    """Prompt-GDRO, the data adversary of Multi-Adversary Group DRO (Panaganti et al., arXiv
+    2601.19280). There is no public code; the abstract fixes the game and the sampler, the rest
+    is flowrl's reading (its constants, the error as the loss, the unseen bin). A prompt's pass@k
+    (1 when any of a visit's rollouts succeeded), averaged over its last `gdro_window` visits,
+    puts it in one of `gdro_bins` equal-width difficulty bins, with a hysteresis margin so that a
+    prompt near an edge does not flap; prompts never sampled form one more bin. The adversary
+    keeps a distribution q over the bins: after each iteration a sampled bin's score is its
+    error this iteration (its rollouts' failure rate) minus the EMA of its past errors (the
+    debiasing that keeps a large easy bin from dominating), and q_b <- q_b exp(gdro_step s_b),
+    renormalised, mixed with the uniform distribution (`gdro_uniform_mix`). Prompts are drawn
+    without replacement with probability q_b / |D_b| (each bin's share is q_b); the budget is
+    split evenly."""
+
+    kind = "prompt_gdro"
+    margin = 0.05  # hysteresis: a prompt leaves its bin once its pass@k is this far past an edge
+
+    def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2, **kw):
+        super().__init__(num_prompts, budget, prompts_per_iteration, seed, min_group, **kw)
+        self.num_bins = int(kw.get("gdro_bins", 4))
+        self.step, self.ema_decay = float(kw.get("gdro_step", 1.0)), float(kw.get("gdro_ema", 0.9))
+        self.mix, self.window = float(kw.get("gdro_uniform_mix", 0.1)), int(kw.get("gdro_window", 4))
+        if self.num_bins < 1 or self.window < 1 or not 0 <= self.mix <= 1:
+            raise ValueError("gdro_bins and gdro_window must be >= 1 and gdro_uniform_mix in [0, 1]")
+        unseen = self.num_bins
+        self.passes = torch.zeros(num_prompts, self.window, dtype=torch.float64)  # the last visits' pass@k, a ring
+        self.visits = torch.zeros(num_prompts, dtype=torch.long)
+        self.bins = torch.full((num_prompts,), unseen, dtype=torch.long)
+        self.q = torch.full((self.num_bins + 1,), 1.0 / (self.num_bins + 1), dtype=torch.float64)
+        self.error_ema = torch.full((self.num_bins + 1,), float("nan"), dtype=torch.float64)  # nan: no history yet
+
+    def prompt_weights(self) -> torch.Tensor:
+        """Each prompt's probability of being drawn first: q of its bin over the bin's size."""
+        sizes = torch.bincount(self.bins, minlength=self.num_bins + 1).double()
+        w = self.q[self.bins] / sizes[self.bins]
+        return w / w.sum()
+
+    def choose_prompts(self, iteration: int) -> torch.Tensor:
+        k, replace = self.per_iteration, self.per_iteration > self.num_prompts
+        return torch.multinomial(self.prompt_weights(), k, replacement=replace, generator=self.generator(iteration, salt=2))
+
+    def observe(self, prompt_ids: torch.Tensor, success: torch.Tensor) -> None:
+        super().observe(prompt_ids, success)
+        ids, won = prompt_ids.long(), success.bool()
+        self.update_adversary(self.bins[ids], (~won).double())
+        self.update_bins(ids, won)
+
+    def update_adversary(self, sample_bins: torch.Tensor, errors: torch.Tensor) -> None:
+        b = self.num_bins + 1
+        count = torch.bincount(sample_bins, minlength=b)
+        seen = count > 0
+        error = torch.bincount(sample_bins, weights=errors, minlength=b) / count.clamp_min(1)
+        history = seen & ~self.error_ema.isnan()
+        score = torch.where(history, error - self.error_ema, torch.zeros_like(error))
+        self.error_ema = torch.where(history, self.ema_decay * self.error_ema + (1 - self.ema_decay) * error,
+                                     torch.where(seen, error, self.error_ema))
+        q = self.q * torch.exp(self.step * score)
+        self.q = (1 - self.mix) * q / q.sum() + self.mix / b
+
+    def update_bins(self, ids: torch.Tensor, won: torch.Tensor) -> None:
+        visited = torch.unique(ids)
+        passed = torch.bincount(ids, weights=won.double(), minlength=self.num_prompts)[visited] > 0
+        self.passes[visited, self.visits[visited] % self.window] = passed.double()
+        self.visits[visited] += 1
+        filled = self.visits[visited].clamp(max=self.window)
+        estimate = self.passes[visited].sum(1) / filled
+        target = (estimate * self.num_bins).long().clamp(max=self.num_bins - 1)
+        current = self.bins[visited]
+        width = 1.0 / self.num_bins
+        inside = (estimate >= current * width - self.margin) & (estimate < (current + 1) * width + self.margin)
+        self.bins[visited] = torch.where((current < self.num_bins) & inside, current, target)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {**super().state_dict(), "passes": self.passes, "visits": self.visits, "bins": self.bins, "q": self.q,
+                "error_ema": self.error_ema}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        own = ("passes", "visits", "bins", "q", "error_ema")
+        super().load_state_dict({k: v for k, v in state.items() if k not in own})
+        for k in own:
+            setattr(self, k, state[k].clone())
+
+
 ALLOCATORS = {
     "uniform": Allocator,
     "vade": VADEAllocator,
     "xrpo": XRPOAllocator,
     "dars": DARSAllocator,
     "successive_elimination": SuccessiveEliminationAllocator,
+    "reinforce_ada": ReinforceAdaAllocator,
     "sqrt": SqrtAllocator,
+    "prompt_gdro": PromptGDROAllocator,
 }
 
 
@@ -333,6 +491,22 @@ def allocate_in_stages(alloc: Allocator, iteration: int,
         successes = torch.bincount(torch.cat(stages), weights=won.double(), minlength=n).long()
         extra = alloc.next_stage(total, successes, total - successes)
     return total, stages
+
+
+def spending_by_bucket(prompt_ids: torch.Tensor, groups: torch.Tensor, degenerate: torch.Tensor,
+                       buckets: list) -> dict[str, float]:
+    """Where an iteration's rollouts went, per difficulty bucket of the pool (`buckets[i]`: prompt
+    i's bucket label): `rollouts/B`, the samples drawn of its prompts, and `zero_variance/B`, the
+    fraction of its prompts (`groups` [G], with their `degenerate` flags [G]) whose rewards were
+    all equal."""
+    drawn = [buckets[i] for i in prompt_ids.tolist()]
+    grouped = [buckets[i] for i in groups.tolist()]
+    row: dict[str, float] = {}
+    for b in sorted(set(grouped), key=str):
+        row[f"rollouts/{b}"] = sum(x == b for x in drawn)
+        dead = [d for d, x in zip(degenerate.tolist(), grouped) if x == b]
+        row[f"zero_variance/{b}"] = sum(dead) / len(dead)
+    return row
 
 
 def run_stages(alloc: Allocator, iteration: int, outcome) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -11,7 +11,7 @@ Precisions and how they run:
          activations (dynamic per-tensor scale), fp32 accumulation. Real kernels: torchao's
          NVFP4DynamicActivationNVFP4WeightConfig on sm100+ (Blackwell). Elsewhere: fake
          quantisation with `nvfp4_fake_quantize`, which reproduces torchao's NVFP4Tensor
-         quantise/dequantise bit for bit (tests/test_two_stage.py).
+         quantise/dequantise bit for bit (tests/train/test_two_stage.py).
   fp8    float8_e4m3fn with one dynamic FP32 scale per tensor, weights and activations. Real:
          torchao's Float8DynamicActivationFloat8WeightConfig on sm89+ (Ada, Hopper); elsewhere
          fake quantisation (scale, cast to float8_e4m3fn, cast back, unscale).

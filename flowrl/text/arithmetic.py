@@ -14,12 +14,15 @@ import random
 from dataclasses import dataclass
 
 BUCKETS = (1, 2, 3, 4, 5)
+# builtin:add_wide, the harder pool: operands of up to 7 digits, from trivial to far beyond what the
+# shipped model learned (its pretraining never saw more than 5 digits; sums of 7 reach 8 digits)
+WIDE_BUCKETS = (1, 2, 3, 4, 5, 6, 7)
 ANSWER_DIGITS = 6
 CHARS = "0123456789+="
 PAD, EOS = "<pad>", "<eos>"
 TRAIN_SEED, HELD_OUT_SEED = 1, 2
 # bucket 1 has only 100 problems (0-9 + 0-9): 40 are held out, 60 stay trainable; 115 of each other bucket
-HELD_OUT_PER_BUCKET = {1: 40, 2: 115, 3: 115, 4: 115, 5: 115}
+HELD_OUT_PER_BUCKET = {1: 40, 2: 115, 3: 115, 4: 115, 5: 115, 6: 115, 7: 115}
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Problem:
 
     @property
     def answer(self) -> str:
-        return f"{self.a + self.b:0{ANSWER_DIGITS}d}"
+        return f"{self.a + self.b:0{ANSWER_DIGITS}d}"  # zero-padded to 6 digits; longer sums keep all theirs
 
     @property
     def bucket(self) -> int:
@@ -54,10 +57,12 @@ def draw(rng: random.Random, bucket: int) -> Problem:
     return Problem(long_one, other) if rng.random() < 0.5 else Problem(other, long_one)
 
 
-def held_out() -> list[Problem]:
+def held_out(buckets: tuple[int, ...] = BUCKETS) -> list[Problem]:
+    """The fixed held-out problems of `buckets`, drawn in bucket order from their own seed (the
+    wide world's first five buckets are the default's held-out problems)."""
     rng = random.Random(HELD_OUT_SEED)
     out, seen = [], set()
-    for bucket in BUCKETS:
+    for bucket in buckets:
         count = 0
         while count < HELD_OUT_PER_BUCKET[bucket]:
             p = draw(rng, bucket)
@@ -68,19 +73,19 @@ def held_out() -> list[Problem]:
     return out
 
 
-def train_stream(seed: int = TRAIN_SEED):
+def train_stream(seed: int = TRAIN_SEED, buckets: tuple[int, ...] = BUCKETS):
     """An endless stream of training problems, buckets uniform, never a held-out one."""
-    excluded = set(held_out())
+    excluded = set(held_out(buckets))
     rng = random.Random(seed)
     while True:
-        p = draw(rng, rng.choice(BUCKETS))
+        p = draw(rng, rng.choice(buckets))
         if p not in excluded:
             yield p
 
 
-def train_pool(size: int = 2000, seed: int = TRAIN_SEED) -> list[Problem]:
+def train_pool(size: int = 2000, seed: int = TRAIN_SEED, buckets: tuple[int, ...] = BUCKETS) -> list[Problem]:
     """The fixed pool RL samples its prompts from."""
-    stream, out, seen = train_stream(seed), [], set()
+    stream, out, seen = train_stream(seed, buckets), [], set()
     while len(out) < size:
         p = next(stream)
         if p not in seen:

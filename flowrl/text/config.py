@@ -41,11 +41,12 @@ class TextLoraConfig:
 
 @dataclass
 class TextDataConfig:
-    # builtin:add (the arithmetic world), a .jsonl or .parquet file, or a hub dataset id (datasets' load_dataset)
+    # builtin:add (the arithmetic world), builtin:add_wide (its harder pool, operands of 1-7 digits), a .jsonl or
+    # .parquet file, or a hub dataset id (datasets' load_dataset)
     source: str = "builtin:add"
     subset: str = ""  # a hub dataset's configuration name (openai/gsm8k: main)
     split: str = "train"
-    eval_split: str = "test"  # builtin:add: its fixed held-out problems
+    eval_split: str = "test"  # builtin:add and add_wide: their fixed held-out problems
     prompt_column: str = "prompt"
     prompt_template: str = "{prompt}"  # what the model is asked; {prompt} is the prompt column's text
     bucket_column: str = "bucket"  # eval reports exact match per value of this column when the data has it
@@ -89,6 +90,11 @@ class TextRewardConfig:
 class TextTrainerConfig:
     iterations: int = 100
     max_minutes: float = 0.0  # > 0: stop (with a checkpoint) after this much wall time
+    # > 0: time the first budget_probe iterations, then plan the count (at most trainer.iterations) that fits
+    # this many minutes from the trainer's start, planned again at every checkpoint, with the learning-rate
+    # schedule fitted onto it (the image trainer's budget, flowrl/train/budget.py)
+    budget_minutes: float = 0.0
+    budget_probe: int = 5
     lr: float = 1e-4
     lr_schedule: str = "constant"  # constant, or decayed to 0 over trainer.iterations (cosine or linear), as the image trainer's
     warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations (times lr_schedule)
@@ -164,9 +170,12 @@ def validate_text(cfg: TextConfig) -> None:
                             ("trainer.micro_batch", t.micro_batch, 1), ("trainer.inner_epochs", t.inner_epochs, 1),
                             ("trainer.iterations", t.iterations, 1), ("lora.rank", cfg.lora.rank, 1),
                             ("run.cpu_processes", cfg.run.cpu_processes, 1), ("trainer.max_skipped_steps", t.max_skipped_steps, 1),
-                            ("trainer.warmup_iterations", t.warmup_iterations, 0)):
+                            ("trainer.warmup_iterations", t.warmup_iterations, 0), ("trainer.budget_probe", t.budget_probe, 1)):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}; got {value}")
+    for key, value in (("trainer.budget_minutes", t.budget_minutes), ("trainer.max_minutes", t.max_minutes)):
+        if not value >= 0:
+            raise ConfigError(f"{key} must be >= 0 (0: none); got {value}")
     if g.temperature < 0:
         raise ConfigError(f"generation.temperature must be >= 0 (0: greedy); got {g.temperature}")
     if not 0 < g.top_p <= 1:
@@ -182,7 +191,7 @@ def validate_text(cfg: TextConfig) -> None:
     if t.kl_beta < 0:
         raise ConfigError(f"trainer.kl_beta must be >= 0; got {t.kl_beta}")
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
-    check_choice("allocator.kind", cfg.allocator.kind, ALLOCATOR_KINDS)
+    cfg.allocator.validate(d.group_size, ALLOCATOR_KINDS)
     from rewards.text import available_text_rewards
 
     for name in cfg.reward.weights:

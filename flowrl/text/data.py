@@ -1,4 +1,4 @@
-"""Prompt datasets with columns: the built-in arithmetic world, JSONL or parquet files, or a hub
+"""Prompt datasets with columns: the built-in arithmetic worlds, JSONL or parquet files, or a hub
 id, read through the `datasets` library. Rewards receive every column but the prompt."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowrl.errors import UserError
+from flowrl.text.arithmetic import BUCKETS, WIDE_BUCKETS, held_out, train_pool
 
 
 @dataclass
@@ -21,6 +22,10 @@ class PromptSet:
         return [self.prompts[i] for i in ids], {k: [v[i] for i in ids] for k, v in self.columns.items()}
 
 
+# the built-in arithmetic worlds: data.source -> operand digit counts (flowrl/text/arithmetic.py)
+BUILTIN_DATA = {"builtin:add": BUCKETS, "builtin:add_wide": WIDE_BUCKETS}
+
+
 def load_prompt_set(cfg, split: str) -> PromptSet:
     """The text config's data (flowrl/text/config.py TextDataConfig) at `split`."""
     d = cfg.data
@@ -29,15 +34,14 @@ def load_prompt_set(cfg, split: str) -> PromptSet:
 
 def load_prompts(source: str, split: str, prompt_column: str = "prompt", max_prompts: int = 0, subset: str = "",
                  template: str = "{prompt}") -> PromptSet:
-    """data.source at data.split: builtin:add (train: its fixed pool; test: its held-out
-    problems), a .jsonl or .parquet file (split ignored), or a hub dataset id (with its
+    """data.source at data.split: builtin:add or builtin:add_wide (train: its fixed pool; test: its
+    held-out problems), a .jsonl or .parquet file (split ignored), or a hub dataset id (with its
     configuration `subset`). Each prompt is put into `template` at {prompt}."""
-    if source == "builtin:add":
-        from flowrl.text.arithmetic import held_out, train_pool
-
+    if source in BUILTIN_DATA:
         if split not in ("train", "test"):
-            raise UserError(f"data.split of builtin:add must be train or test; got '{split}'")
-        rows = [p.row() for p in (train_pool() if split == "train" else held_out())]
+            raise UserError(f"data.split of {source} must be train or test; got '{split}'")
+        buckets = BUILTIN_DATA[source]
+        rows = [p.row() for p in (train_pool(buckets=buckets) if split == "train" else held_out(buckets))]
         table = {k: [r[k] for r in rows] for k in rows[0]}
     else:
         table = _read_table(source, split, subset)
@@ -65,7 +69,8 @@ def _read_table(source: str, split: str, subset: str = "") -> dict[str, list]:
                 raise UserError(f"data.source '{source}' does not exist")
             ds = datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train")
         elif path.exists():
-            raise UserError(f"data.source '{source}' must be a .jsonl or .parquet file, a hub dataset id or builtin:add")
+            raise UserError(f"data.source '{source}' must be a .jsonl or .parquet file, a hub dataset id, builtin:add or "
+                            "builtin:add_wide")
         else:
             ds = datasets.load_dataset(source, subset or None, split=split)
     except UserError:

@@ -33,6 +33,12 @@ class Generation:
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(1)
 
+    def select(self, index: torch.Tensor) -> Generation:
+        """The completions at `index` (a row may repeat)."""
+        return Generation(self.prompt_ids[index], self.prompt_mask[index], self.completion_ids[index],
+                          self.completion_mask[index], self.log_probs[index], self.truncated[index],
+                          [self.texts[i] for i in index.tolist()])
+
 
 def tempered_log_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / T) in fp32 (T = 0, greedy, scores with T = 1)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flowrl.core.advantages import estimate_advantages
-from flowrl.core.allocation import allocate_in_stages
+from flowrl.core.allocation import allocate_in_stages, spending_by_bucket
 from flowrl.core.token_losses import aggregate, k3_kl, overlong_mask, token_policy_loss
 from flowrl.errors import UserError
 from flowrl.sampling.noise import Stream, sample_seed
@@ -45,16 +45,17 @@ class TextExperience:
     every process), and this process's share of the completions themselves."""
 
     iteration: int
-    prompt_ids: torch.Tensor  # [N] index into the prompt set
+    prompt_ids: torch.Tensor  # [N] index into the prompt set, every sample drawn
     rewards: torch.Tensor  # [N, K]
     valid: torch.Tensor  # [N]
     advantages: torch.Tensor  # [N]
     lengths: torch.Tensor  # [N] completion tokens
     truncated: torch.Tensor  # [N] bool
-    degenerate_groups: int
-    groups: int
-    gen: Generation  # [n] this process's completions
-    rows: torch.Tensor  # [n] each one's index among the N, -1 for a padding copy (the last process's slice is padded)
+    trained: torch.Tensor  # [N] bool: the samples the loss sees (the allocator's `keep`; all, but for reinforce_ada)
+    degenerate: torch.Tensor  # [G] bool per prompt drawn (sorted ids `groups`): every valid reward equal
+    groups: torch.Tensor  # [G]
+    gen: Generation  # [n] this process's completions that train
+    rows: torch.Tensor  # [n] each one's index among the N, -1 for a padding copy (the processes' shares are padded)
 
     @property
     def local_advantages(self) -> torch.Tensor:
@@ -83,6 +84,7 @@ class TextTrainer(RunManager):
     progress_label = "flowrl train (text)"
 
     def __init__(self, cfg: TextConfig, run_dir: str | Path | None = None, resume: bool = False):
+        self.start_clock(cfg.trainer)  # a wall-clock budget counts from here
         self.cfg, t = cfg, cfg.trainer
         if t.threads:
             torch.set_num_threads(t.threads)
@@ -130,13 +132,18 @@ class TextTrainer(RunManager):
         gen = concat(gens, self.policy.tokenizer.pad_token_id)
         if not bool(valid.any()):
             raise UserError(f"every reward of iteration {iteration} was invalid (NaN or inf); see reward.on_invalid")
+        # the advantages' group statistics use every sample drawn, also those the loss leaves out
         out = estimate_advantages(cfg.advantage.kind, rewards[valid], prompt_ids[valid], self.reward.weights,
                                   std=cfg.advantage.std)
         advantages = torch.zeros(len(prompt_ids))
         advantages[valid] = out.advantages * out.mask
-        self.allocator.observe(prompt_ids[valid], successes(cfg, self.reward.total(rewards[valid])))
+        won = successes(cfg, self.reward.total(rewards[valid]))
+        trained = torch.zeros(len(prompt_ids), dtype=torch.bool)
+        trained[valid] = self.allocator.keep(prompt_ids[valid], won)
+        self.allocator.observe(prompt_ids[valid], won)
+        gen, rows = trained_share(gen, torch.cat(local_rows), trained, acc)
         return TextExperience(iteration, prompt_ids, rewards, valid, advantages, torch.cat(lengths), torch.cat(truncated),
-                              int(out.degenerate.sum()), len(out.group_ids), gen, torch.cat(local_rows))
+                              trained, out.degenerate, out.group_ids, gen, rows)
 
     def update(self, exp: TextExperience) -> dict:
         """One optimizer step per inner epoch over every completion; micro-batches weighted so the
@@ -148,7 +155,7 @@ class TextTrainer(RunManager):
             mask = overlong_mask(mask, gen.truncated)
         advantages, n = exp.local_advantages, len(exp.rows)
         total_tokens = int(acc.reduce(mask.sum().to(acc.device), "sum"))
-        total_seqs = len(exp.prompt_ids)
+        total_seqs = int(exp.trained.sum())
         # DDP averages the processes' gradients; each process's loss is its share of the global sum
         scale = acc.num_processes
         order_gen = torch.Generator().manual_seed(sample_seed(t.seed, exp.iteration, Stream.UPDATE_ORDER))
@@ -219,8 +226,9 @@ class TextTrainer(RunManager):
         row = {"reward_mean": float(total.mean()), "samples": len(exp.prompt_ids),
                "completion_length": float(lengths.mean()), "completion_length_max": float(lengths.max()),
                "truncated_fraction": float(exp.truncated.float().mean()),
-               "zero_variance_fraction": exp.degenerate_groups / max(exp.groups, 1), "invalid": int((~exp.valid).sum())}
+               "zero_variance_fraction": int(exp.degenerate.sum()) / max(len(exp.groups), 1), "invalid": int((~exp.valid).sum())}
         row.update({f"reward/{name}": float(exp.rewards[exp.valid, k].mean()) for k, name in enumerate(self.reward.names)})
+        row.update(allocation_diagnostics(exp, self.data.columns.get(self.cfg.data.bucket_column)))
         return row
 
     # ---- what the run manager asks of the text trainer (flowrl/train/run_manager.py) -------
@@ -232,15 +240,45 @@ class TextTrainer(RunManager):
         policy, acc, path = self.policy, self.accelerator, None
         if acc.is_main_process:
             path = save_checkpoint(self.run.checkpoints, self.iteration, self.params, self.optimizer.state_dict(), None,
-                                   {"policy_version": self.iteration, "task": "text", "num_processes": acc.num_processes},
+                                   {"policy_version": self.iteration, "task": "text", "num_processes": acc.num_processes,
+                                    **self.budget_state()},
                                    export=lambda tmp: policy.save(tmp / ("adapter" if policy.has_lora else "model")),
                                    allocator=self.allocator.state_dict())
         acc.wait_for_everyone()
         return path
 
+    def finish(self) -> None:
+        if self.accelerator.is_main_process:  # the run's curves, and where its rollouts went
+            self.run.plot_reward_curve(self.run.read_metrics())
+
     def restore(self, ckpt: Path, data: dict) -> None:
         restore_weights(self.params, data["params"], ckpt)
         self.optimizer.load_state_dict(data["optimizer"])
+
+
+def trained_share(gen: Generation, rows: torch.Tensor, trained: torch.Tensor, acc) -> tuple[Generation, torch.Tensor]:
+    """This process's completions that the loss trains on, and their rows among the N; padded
+    with copies marked -1 to the largest share of any process (the processes' micro-batches must
+    pair up for DDP)."""
+    if bool(trained.all()):  # the same on every process: all skip the collective below, or none does
+        return gen, rows
+    mine = ((rows >= 0) & trained[rows.clamp(min=0)]).nonzero().squeeze(1)
+    most = int(acc.reduce(torch.tensor(len(mine), device=acc.device), "max"))
+    pad = max(most, 1) - len(mine)
+    index = torch.cat([mine, torch.zeros(pad, dtype=torch.long)])
+    return gen.select(index), torch.cat([rows[mine], torch.full((pad,), -1, dtype=torch.long)])
+
+
+def allocation_diagnostics(exp: TextExperience, buckets: list | None) -> dict:
+    """Where the iteration's rollouts went: the samples and distinct prompts the loss trains on,
+    those with a nonzero advantage, and, with the data's difficulty buckets, rollouts and
+    zero-variance groups per bucket."""
+    trained = exp.trained
+    row = {"samples_trained": int(trained.sum()), "prompts_trained": int(torch.unique(exp.prompt_ids[trained]).numel()),
+           "nonzero_advantage_samples": int((trained & (exp.advantages != 0)).sum())}
+    if buckets is not None:
+        row.update(spending_by_bucket(exp.prompt_ids, exp.groups, exp.degenerate, buckets))
+    return row
 
 
 @torch.no_grad()

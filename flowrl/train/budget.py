@@ -218,27 +218,28 @@ def write_plan(run_path: Path, plan: SchedulePlan) -> None:
     os.replace(tmp, run_path / PLAN_FILE)
 
 
-def replan(cfg, plan: SchedulePlan, measured: Measured, iteration: int, elapsed: float, run_path: Path | None) -> None:
-    """Plan the iteration count that fits trainer.budget_minutes from the speed measured so far
-    (rank 0's clock decides for every process), record the plan in the run directory (`run_path`:
-    rank 0's, None elsewhere), and say so when the count is new. The first plan follows the probe;
-    later ones, the checkpoints."""
-    t, r = cfg.trainer, cfg.run
-    planned = plan_count(t.budget_minutes * 60, elapsed, iteration, plan.nominal, measured, r.sample_every, r.checkpoint_every)
+def replan(plan: SchedulePlan, measured: Measured, iteration: int, elapsed: float, run_path: Path | None,
+           sample_every: int, checkpoint_every: int) -> None:
+    """Plan the iteration count that fits the plan's budget (trainer.budget_minutes) from the speed
+    measured so far (rank 0's clock decides for every process), with a sample grid every
+    `sample_every` and a checkpoint every `checkpoint_every` iterations; record the plan in the run
+    directory (`run_path`: rank 0's, None elsewhere), and say so when the count is new. The first
+    plan follows the probe; later ones, the checkpoints."""
+    minutes = plan.budget_minutes
+    planned = plan_count(minutes * 60, elapsed, iteration, plan.nominal, measured, sample_every, checkpoint_every)
     planned, speed, elapsed = rank0((planned, measured.seconds_per_iteration(), elapsed))
     first, before = not plan.fixed, plan.planned
     plan.replan(iteration, planned, speed, elapsed)
-    plan.budget_minutes = t.budget_minutes
     plan.machine = machine_name()
     if run_path is None:
         return
     write_plan(run_path, plan)
     if first:
         tqdm.write(f"budget: {speed:.2f} s per iteration over the first {measured.iterations}; {planned} iterations "
-                   f"of trainer.iterations {plan.nominal} fit trainer.budget_minutes {t.budget_minutes:g}")
+                   f"of trainer.iterations {plan.nominal} fit trainer.budget_minutes {minutes:g}")
     elif planned != before:
         tqdm.write(f"budget: at iteration {iteration}, {speed:.2f} s per iteration so far; {before} -> {planned} "
-                   f"iterations fit trainer.budget_minutes {t.budget_minutes:g}")
+                   f"iterations fit trainer.budget_minutes {minutes:g}")
 
 
 def pending_marks(marks: list[float], history: list[dict]) -> list[float]:

@@ -23,7 +23,7 @@ from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.schema import Config
-from flowrl.train.budget import Measured, SchedulePlan, cross_marks, pending_marks, replan
+from flowrl.train.budget import cross_marks, pending_marks
 from flowrl.train.ema import EMA
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
@@ -57,13 +57,9 @@ def flat_config(cfg: Config) -> dict:
 
 class Trainer(RunManager):
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
-        self.started = self.now()  # a wall-clock budget counts from here (a resume: from the checkpoint's count)
+        self.start_clock(cfg.trainer)  # a wall-clock budget counts from here
         self.cfg, t = cfg, cfg.trainer
-        # fixed at the start without a budget; with one, after the probe iterations (or from the checkpoint), then
-        # planned again at every checkpoint from what `measured` holds (flowrl/train/budget.py)
-        self.plan = SchedulePlan(nominal=t.iterations, planned=t.iterations, fixed=not t.budget_minutes,
-                                 budget_minutes=t.budget_minutes)
-        self.measured = Measured()
+        self.grid_every = cfg.run.sample_every
         self.accelerator, self.run, self.mixed_precision, self.layout = launch_image_run(cfg, run_dir or default_run_dir(cfg))
         acc = self.accelerator
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
@@ -128,12 +124,6 @@ class Trainer(RunManager):
         if self.ema is not None:
             self.ema.update(self.params)
 
-    def planned_iterations(self) -> int:
-        return self.plan.planned
-
-    def schedule_position(self) -> tuple[float, int]:
-        return self.plan.progress(self.iteration), self.plan.nominal  # a budget's plan maps iterations onto the nominal count
-
     def before_loop(self) -> None:
         if self.iteration == 0 and self.cfg.run.sample_every:
             t0 = self.now()
@@ -147,16 +137,6 @@ class Trainer(RunManager):
     def log(self, row: dict) -> None:
         self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
 
-    def after_iteration(self, seconds: float, out_of_time: bool) -> None:
-        t, r = self.cfg.trainer, self.cfg.run
-        self.measured.add_iteration(seconds)
-        if t.budget_minutes and not out_of_time and self.iteration < self.plan.planned and (
-                self.measured.iterations >= t.budget_probe if not self.plan.fixed
-                else r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
-            self.replan()  # before the checkpoint, which records it
-            self.bar.total = self.plan.planned
-            self.bar.refresh()
-
     def before_checkpoint(self, done: bool) -> None:
         every = self.cfg.run.sample_every
         if every and (self.iteration % every == 0 or done):
@@ -164,20 +144,10 @@ class Trainer(RunManager):
             self.save_samples(f"iter_{self.iteration:06d}")
             self.measured.add_grid(self.now() - t0)
 
-    def checkpoint(self) -> None:
-        t0 = self.now()
-        self.save()
-        self.measured.add_checkpoint(self.now() - t0)
-
     def finish(self) -> None:
         self.rollout.close()
         self.reward_runner.close()
         self.accelerator.end_training()
-
-    def replan(self) -> None:
-        """Plan the iteration count that fits trainer.budget_minutes again (flowrl/train/budget.py, `replan`)."""
-        replan(self.cfg, self.plan, self.measured, self.iteration, self.now() - self.started,
-               self.run.path if self.accelerator.is_main_process else None)
 
     # ---- outputs ------------------------------------------------------------------------
     def eval_spec(self) -> SamplerSpec:
@@ -206,5 +176,5 @@ class Trainer(RunManager):
         return save_trainer(self)
 
     def restore(self, ckpt: Path, data: dict) -> None:
-        """Weights, optimizer, EMA, objective state and the budget's plans (flowrl/train/trainer_state.py)."""
+        """Weights, optimizer, EMA and objective state (flowrl/train/trainer_state.py)."""
         restore_trainer(self, ckpt, data)

@@ -76,8 +76,10 @@ class RunDir:
         return rows
 
     def plot_reward_curve(self, rows: list[dict], out: Path | None = None) -> Path | None:
-        """reward_curve.png (or `out`): the mean reward per iteration, every channel, and with the
-        shapes reward the training strict accuracy per category. None for a run without online rewards."""
+        """reward_curve.png (or `out`): the mean reward per iteration, every channel, with the
+        shapes reward the training strict accuracy per category, and where the rollouts went per
+        kind of prompt (share of the rollouts and zero-variance groups) when the rows say. None
+        for a run without online rewards."""
         if not rows or "reward_mean" not in rows[0]:
             return None
         import matplotlib
@@ -87,7 +89,10 @@ class RunDir:
 
         its = [r["iteration"] for r in rows]
         categories = sorted({k for r in rows for k in r if k.startswith("strict/")})
-        fig, axes = plt.subplots(1 + bool(categories), 1, figsize=(6, 3.5 * (1 + bool(categories))), dpi=100, squeeze=False)
+        buckets = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("rollouts/")})
+        panels = 1 + bool(categories) + bool(buckets)
+        fig, axes = plt.subplots(panels, 1, figsize=(6, 3.5 * panels), dpi=100, squeeze=False)
+        window = max(1, min(20, len(rows) // 5))  # a few prompts per kind per iteration: smooth over a trailing window
         ax = axes[0, 0]
         ax.plot(its, [r["reward_mean"] for r in rows], label="reward (weighted sum)")
         for key in sorted(k for k in rows[-1] if k.startswith("reward/")):
@@ -96,15 +101,26 @@ class RunDir:
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        if categories:  # a few prompts per category per iteration: smooth over a trailing window
+        if categories:
             ax = axes[1, 0]
-            window = max(1, min(20, len(rows) // 5))
             for key in categories:
                 ax.plot(its, trailing_mean([r.get(key) for r in rows], window), label=key)
             ax.set_xlabel("iteration")
             ax.set_ylabel(f"training strict, mean of {window} iterations")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
+        if buckets:  # the allocator's spending: solid, share of the rollouts; dashed, groups with no signal
+            ax = axes[-1, 0]
+            for i, b in enumerate(buckets):
+                share = [r[f"rollouts/{b}"] / r["samples"] if f"rollouts/{b}" in r and r.get("samples") else None for r in rows]
+                ax.plot(its, trailing_mean(share, window), color=f"C{i}", label=f"{b}: share of rollouts")
+                ax.plot(its, trailing_mean([r.get(f"zero_variance/{b}") for r in rows], window), color=f"C{i}", ls="--",
+                        label=f"{b}: zero-variance groups")
+            ax.set_xlabel("iteration")
+            ax.set_ylabel(f"fraction, mean of {window} iterations")
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         out = out or self.path / "reward_curve.png"
         fig.savefig(out)

@@ -6,9 +6,15 @@ run.checkpoint_every iterations and at the end), the learning rate set from the 
 and the non-finite step policy (a step whose gradient norm is NaN or inf is skipped;
 trainer.max_skipped_steps of them in a row stop the run).
 
-A trainer sets `cfg`, `accelerator`, `run`, `params`, `optimizer` and `allocator`, then calls
-`start_run`; it writes `train_iteration` (one row of metrics), `save` and `restore` (its own part of
-a checkpoint), and may fill the loop's hooks (the image trainer's budget, marks and sample grids).
+And the wall-clock budget (flowrl/train/budget.py): with trainer.budget_minutes the loop times
+its first trainer.budget_probe iterations, plans the iteration count that fits, plans again at
+every checkpoint, and maps the iterations onto the schedules' nominal clock; the plans, the
+budget's clock and what it measured go into every checkpoint.
+
+A trainer calls `start_clock` first (the budget counts from there), sets `cfg`, `accelerator`,
+`run`, `params`, `optimizer` and `allocator`, then calls `start_run`; it writes `train_iteration`
+(one row of metrics), `save` and `restore` (its own part of a checkpoint, with `budget_state` in
+the checkpoint's state), and may fill the loop's hooks (the image trainer's marks and sample grids).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from tqdm.auto import tqdm
 
 from flowrl.core.lr_schedule import lr_factor, warmup_factor
 from flowrl.errors import UserError
+from flowrl.train.budget import Measured, SchedulePlan, replan, write_plan
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng
 from flowrl.train.processes import rank0
 
@@ -29,6 +36,17 @@ from flowrl.train.processes import rank0
 class RunManager:
     progress_label = "flowrl train"
     progress_columns = ("reward_mean", "kl")  # the metrics the progress bar shows, where a row has them
+    grid_every = 0  # iterations between sample grids, which the budget plans for (the image trainer's run.sample_every)
+
+    def start_clock(self, trainer_cfg) -> None:
+        """The budget's clock starts here (a resume: from the checkpoint's count). The plan is fixed
+        at the start without a budget; with one, after the probe iterations (or from the
+        checkpoint), then planned again at every checkpoint from what `measured` holds."""
+        t = trainer_cfg
+        self.started = self.now()
+        self.plan = SchedulePlan(nominal=t.iterations, planned=t.iterations, fixed=not t.budget_minutes,
+                                 budget_minutes=t.budget_minutes)
+        self.measured = Measured()
 
     def start_run(self, resume: bool) -> None:
         """Iteration 0, or the latest checkpoint's state under `resume`; then the run directory
@@ -51,7 +69,7 @@ class RunManager:
         return time.perf_counter()
 
     def planned_iterations(self) -> int:
-        return self.cfg.trainer.iterations
+        return self.plan.planned
 
     def train(self) -> list[dict]:
         acc, r, t = self.accelerator, self.cfg.run, self.cfg.trainer
@@ -93,21 +111,38 @@ class RunManager:
         pass
 
     def after_iteration(self, seconds: float, out_of_time: bool) -> None:
-        pass
+        """Time the iteration; with a budget, plan after the probe and again at every checkpoint."""
+        t, every = self.cfg.trainer, self.cfg.run.checkpoint_every
+        self.measured.add_iteration(seconds)
+        if t.budget_minutes and not out_of_time and self.iteration < self.plan.planned and (
+                self.measured.iterations >= t.budget_probe if not self.plan.fixed
+                else every and self.iteration % every == 0):
+            self.replan()  # before the checkpoint, which records it
+            self.bar.total = self.plan.planned
+            self.bar.refresh()
+
+    def replan(self) -> None:
+        """Plan the iteration count that fits trainer.budget_minutes again (flowrl/train/budget.py, `replan`)."""
+        self.plan.budget_minutes = self.cfg.trainer.budget_minutes  # a resume may change it
+        replan(self.plan, self.measured, self.iteration, self.now() - self.started,
+               self.run.path if self.accelerator.is_main_process else None, self.grid_every, self.cfg.run.checkpoint_every)
 
     def before_checkpoint(self, done: bool) -> None:
         pass
 
     def checkpoint(self) -> None:
+        t0 = self.now()
         self.save()
+        self.measured.add_checkpoint(self.now() - t0)
 
     def finish(self) -> None:
         pass
 
     # ---- learning rate and optimizer steps ---------------------------------------------
     def schedule_position(self) -> tuple[float, int]:
-        """(iteration, total) on the learning-rate schedule's clock."""
-        return self.iteration, self.cfg.trainer.iterations
+        """(iteration, total) on the learning-rate schedule's clock: a budget's plan maps the
+        iterations onto the nominal count (the identity without a budget)."""
+        return self.plan.progress(self.iteration), self.plan.nominal
 
     def set_lr(self) -> None:
         """From the iteration alone, so a resumed run sets the same (core/lr_schedule.py)."""
@@ -151,6 +186,25 @@ class RunManager:
     def save(self) -> Path | None:
         raise NotImplementedError
 
+    def budget_state(self) -> dict:
+        """The budget's part of a checkpoint's state: its plans once made, its clock and measurements."""
+        out = {"plan": self.plan.to_state() if self.plan.fixed and self.plan.budget_minutes else None}
+        if self.cfg.trainer.budget_minutes:
+            out["budget"] = {"elapsed_s": self.now() - self.started, "measured": self.measured.to_state()}
+        return out
+
+    def restore_budget(self, state: dict) -> None:
+        """The budget's plans, clock and measurements as a checkpoint recorded them."""
+        if not self.cfg.trainer.budget_minutes:
+            return
+        if state.get("plan"):
+            vars(self.plan).update(vars(SchedulePlan.from_state(state["plan"])))  # in place: the parts hold it
+            if self.accelerator.is_main_process:  # plans made after the checkpoint are undone
+                write_plan(self.run.path, self.plan)
+        if state.get("budget"):
+            self.started = self.now() - state["budget"]["elapsed_s"]
+            self.measured = Measured.from_state(state["budget"]["measured"])
+
     def restore(self, ckpt: Path, data: dict) -> None:
         """The trainer's own part of checkpoint `ckpt` (`data`, as load_checkpoint reads it)."""
         raise NotImplementedError
@@ -163,6 +217,7 @@ class RunManager:
             return
         data = load_checkpoint(ckpt)
         self.restore(ckpt, data)
+        self.restore_budget(data["state"])
         if data["allocator"] is not None:
             self.allocator.load_state_dict(data["allocator"])
         restore_rng(data["rng"], data["state"]["python_random"])

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from flowrl.errors import UserError
-from flowrl.train.budget import Measured, SchedulePlan, write_plan
 from flowrl.train.checkpoint import SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, restore_weights, save_checkpoint
 
 
@@ -52,13 +51,10 @@ def save_trainer(tr) -> Path | None:
                 else:
                     tr.policy.save_transformer(tmp / name, state)
 
-        budget = tr.cfg.trainer.budget_minutes
         path = save_checkpoint(root, tr.iteration, None if sharded else tr.params,
                                None if sharded else tr.optimizer.state_dict(), None if sharded else ema,
                                {"policy_version": tr.iteration, "num_processes": acc.num_processes, "distributed": lay.name,
-                                "plan": tr.plan.to_state() if tr.plan.fixed and tr.plan.budget_minutes else None,
-                                **({"budget": {"elapsed_s": tr.now() - tr.started,
-                                               "measured": tr.measured.to_state()}} if budget else {})},
+                                **tr.budget_state()},
                                export=export, sharded=sharded, allocator=tr.allocator.state_dict(), **objective_state)
         tr.run.plot_reward_curve(tr.run.read_metrics())
     acc.wait_for_everyone()
@@ -84,22 +80,13 @@ def trainer_exports(tr) -> dict[str, dict[str, torch.Tensor]]:
 
 def restore_trainer(tr, ckpt: Path, data: dict) -> None:
     """The image trainer's part of checkpoint `ckpt` (the run manager restores the allocator, the
-    random generators, the iteration and the metrics): weights, optimizer and EMA, whole or
-    sharded; the objective's state; the budget's plans, clock and measurements as recorded."""
+    random generators, the iteration, the metrics and the budget): weights, optimizer and EMA, whole
+    or sharded; the objective's state."""
     if data["state"]["sharded"]:
         load_shards(tr, ckpt, data)
     else:
         load_whole(tr, ckpt, data)
     tr.objective.load_state_dict(data, str(ckpt))
-    if tr.cfg.trainer.budget_minutes:
-        state = data["state"]
-        if state.get("plan"):
-            vars(tr.plan).update(vars(SchedulePlan.from_state(state["plan"])))  # in place: the parts hold it
-            if tr.accelerator.is_main_process:  # plans made after the checkpoint are undone
-                write_plan(tr.run.path, tr.plan)
-        if state.get("budget"):
-            tr.started = tr.now() - state["budget"]["elapsed_s"]
-            tr.measured = Measured.from_state(state["budget"]["measured"])
 
 
 def load_whole(tr, ckpt: Path, data: dict) -> None:

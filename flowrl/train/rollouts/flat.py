@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from flowrl.core.allocation import allocate_in_stages
+from flowrl.core.allocation import allocate_in_stages, spending_by_bucket
 from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience, ProcessShard
@@ -25,6 +25,8 @@ class FlatRollout(Rollout):
     def __init__(self, ctx):
         super().__init__(ctx)
         self.scoring = Scoring(ctx.policy, ctx.reward_runner, ctx.accelerator)
+        # each pool prompt's kind by the reward (the shapes categories), for where the rollouts went
+        self.buckets = ctx.reward_fn.buckets(ctx.prompts) if ctx.reward_fn is not None else None
         if ctx.objective_needs == TRANSITIONS:  # the loaded pipeline's grid (the config checked shifted_linear ones)
             check_trained_sigmas(ctx.cfg, training_spec(ctx.cfg, 0, ctx.policy).sigmas)
 
@@ -76,13 +78,15 @@ class FlatRollout(Rollout):
         rewards = torch.cat([st.rewards for st in stages])
         prompt_ids = torch.cat([st.prompt_ids for st in stages])
         valid = torch.cat([st.valid for st in stages])
-        advantages, _, adv_metrics = group_advantages(ctx.cfg, rewards, prompt_ids, valid, weights, iteration)
+        advantages, adv, adv_metrics = group_advantages(ctx.cfg, rewards, prompt_ids, valid, weights, iteration)
         ctx.allocator.observe(prompt_ids[valid], successes(ctx.cfg, rewards[valid] @ weights))
         sizes = torch.bincount(prompt_ids, minlength=len(ctx.prompts))
         sizes = sizes[sizes > 0]
         metrics = {
             **adv_metrics,
             "allocation_stages": len(stages),
+            "prompts_trained": len(adv.group_ids),
+            **(spending_by_bucket(prompt_ids, adv.group_ids, adv.degenerate, self.buckets) if self.buckets else {}),
             "group_size_min": int(sizes.min()),
             "group_size_max": int(sizes.max()),
             "group_size_histogram": {str(int(k)): int(v) for k, v in zip(*torch.unique(sizes, return_counts=True))},

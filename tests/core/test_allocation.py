@@ -81,10 +81,13 @@ def test_budget_exact_groups_at_least_min_and_deterministic(kind, pool, seed):
     a, b = make_allocator(kind, **kw), make_allocator(kind, **kw)
     ha, hb = run_iterations(a, p, 3, seed), run_iterations(b, p, 3, seed)
     for (counts, stages), (counts_b, stages_b) in zip(ha, hb):
-        assert int(counts.sum()) == budget  # exactly, every iteration
+        if a.exact_budget:
+            assert int(counts.sum()) == budget  # exactly, every iteration
+        else:  # reinforce_ada samples until it has signal, at most its rounds' worth
+            assert 0 < int(counts.sum()) <= a.budget
         assert (counts >= 0).all()
         assert (counts[counts > 0] >= 2).all()  # min_group
-        assert int(sum(s.numel() for s in stages)) == budget
+        assert int(sum(s.numel() for s in stages)) == int(counts.sum())
         assert counts.shape == (num_prompts,) and counts.dtype == torch.long
         assert torch.equal(counts, counts_b) and all(torch.equal(x, y) for x, y in zip(stages, stages_b))
 
@@ -416,3 +419,166 @@ def test_successive_elimination_state_round_trip():
     # and a fresh allocator without the state allocates differently
     c = make_allocator("successive_elimination", **kw)
     assert not torch.equal(c.stats.alpha, a.stats.alpha)
+
+
+# --------------------------------------------------------------------------------------
+# Reinforce-Ada as its authors run it
+# --------------------------------------------------------------------------------------
+
+
+def reference_rounds(outcomes: list[bool], group: int, round_size: int, max_rounds: int, exit_rule: str) -> int:
+    """The authors' sampling of one prompt, written out: rounds of `round_size` until the exit test
+    holds after a round, or `max_rounds`; returns how many samples it drew."""
+    pos = neg = 0
+    for r in range(max_rounds):
+        for won in outcomes[r * round_size : (r + 1) * round_size]:
+            pos, neg = pos + won, neg + (not won)
+        done = pos >= 1 if exit_rule == "positive" else pos >= group // 2 and neg >= group - group // 2
+        if done:
+            break
+    return (r + 1) * round_size
+
+
+def reference_downsample(successes: list[bool], group: int) -> list[int]:
+    """The authors' `downsample_cache`: scan the samples in order into positive and negative
+    caches; the first min(n/2, #pos) positives, then negatives up to n, a shortfall filled from
+    the other cache. Returns the kept samples' positions."""
+    pos = [i for i, won in enumerate(successes) if won]
+    neg = [i for i, won in enumerate(successes) if not won]
+    take = pos[: min(group // 2, len(pos))]
+    take += neg[: min(group - len(take), len(neg))]
+    for cache in (pos, neg):  # the shortfall, from whichever cache has samples left
+        take += [i for i in cache if i not in take][: group - len(take)]
+    return sorted(take)
+
+
+@pytest.mark.parametrize("exit_rule", ["balanced", "positive"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reinforce_ada_samples_and_downsamples_as_the_reference(exit_rule, seed):
+    n, group, per_iteration, round_size, max_rounds = 40, 6, 10, 4, 3
+    p = torch.tensor([0.0, 0.02, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0] * 5, dtype=torch.float64)
+    alloc = make_allocator("reinforce_ada", num_prompts=n, budget=per_iteration * group, prompts_per_iteration=per_iteration,
+                           seed=seed, ada_round_size=round_size, ada_max_rounds=max_rounds, ada_exit=exit_rule)
+    assert alloc.budget == per_iteration * round_size * max_rounds and not alloc.exact_budget
+    outcome, log = bernoulli_outcome(p, seed)
+    for it in range(3):
+        log.clear()
+        counts, stages = run_stages(alloc, it, outcome)
+        ids, won = torch.cat([i for i, _ in log]), torch.cat([x for _, x in log])
+        assert int((counts > 0).sum()) == per_iteration
+        kept = alloc.keep(ids, won)
+        for prompt in (counts > 0).nonzero().squeeze(1).tolist():
+            mine = (ids == prompt).nonzero().squeeze(1)
+            history = won[mine].tolist()
+            assert int(counts[prompt]) == reference_rounds(history, group, round_size, max_rounds, exit_rule)
+            assert kept[mine].nonzero().squeeze(1).tolist() == reference_downsample(history, group)
+            assert int(kept[mine].sum()) == group
+        alloc.observe(ids, won)
+
+
+def test_reinforce_ada_trains_on_far_fewer_degenerate_groups_than_uniform():
+    # p = 0.15 everywhere: a uniform group of 8 is all failures 27% of the time; Reinforce-Ada
+    # samples up to 32 and keeps a balanced 8 whenever it found successes (all fail: 0.55%)
+    n, per_iteration, group = 100, 16, 8
+    p = torch.full((n,), 0.15, dtype=torch.float64)
+    dead = {}
+    for kind in ("uniform", "reinforce_ada"):
+        alloc = make_allocator(kind, num_prompts=n, budget=per_iteration * group, prompts_per_iteration=per_iteration, seed=0)
+        outcome, log = bernoulli_outcome(p, 0)
+        groups = degenerate = 0
+        for it in range(20):
+            log.clear()
+            run_stages(alloc, it, outcome)
+            ids, won = torch.cat([i for i, _ in log]), torch.cat([x for _, x in log])
+            kept = alloc.keep(ids, won)
+            for prompt in torch.unique(ids[kept]).tolist():
+                trained = won[kept & (ids == prompt)]
+                groups += 1
+                degenerate += int(trained.all() or not trained.any())
+            alloc.observe(ids, won)
+        dead[kind] = degenerate / groups
+    assert dead["uniform"] > 0.15 and dead["reinforce_ada"] < 0.03, dead
+
+
+def test_reinforce_ada_refuses_rounds_that_cannot_fill_a_group():
+    with pytest.raises(ValueError, match="cannot fill groups of 16"):
+        make_allocator("reinforce_ada", num_prompts=10, budget=64, prompts_per_iteration=4, ada_round_size=2, ada_max_rounds=4)
+    with pytest.raises(ValueError, match="ada_exit"):
+        make_allocator("reinforce_ada", num_prompts=10, budget=16, prompts_per_iteration=4, ada_exit="both")
+
+
+# --------------------------------------------------------------------------------------
+# Prompt-GDRO: the data adversary over difficulty bins
+# --------------------------------------------------------------------------------------
+
+
+def test_prompt_gdro_draws_each_bin_by_its_weight_not_its_size():
+    # 90 prompts in an easy bin, 10 in a hard one, equal q: each bin gets half the draws (sampling
+    # in proportion to size would give the easy bin 90%)
+    alloc = make_allocator("prompt_gdro", num_prompts=100, budget=8, prompts_per_iteration=4, seed=0, gdro_bins=4)
+    alloc.bins = torch.tensor([3] * 90 + [0] * 10)
+    alloc.q = torch.tensor([0.25, 0.0, 0.0, 0.25, 0.0], dtype=torch.float64)  # nothing else weighted
+    w = alloc.prompt_weights()
+    assert w[:90].sum().item() == pytest.approx(0.5) and w[90:].sum().item() == pytest.approx(0.5)
+    hard = sum(int((alloc.choose_prompts(it) >= 90).sum()) for it in range(200))
+    assert 0.4 < hard / 800 < 0.6
+
+
+def test_prompt_gdro_adversary_update_by_hand():
+    alloc = make_allocator("prompt_gdro", num_prompts=6, budget=4, prompts_per_iteration=2, seed=0, gdro_bins=2,
+                           gdro_step=2.0, gdro_ema=0.5, gdro_uniform_mix=0.3)
+    b = 3  # two bins and the unseen one
+    # first visit of bins 0 and 1: no history, so no score; q stays uniform and the EMA starts
+    alloc.update_adversary(torch.tensor([0, 0, 1, 1]), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(alloc.q, torch.full((b,), 1 / b, dtype=torch.float64))
+    assert alloc.error_ema[:2].tolist() == [0.5, 0.0] and alloc.error_ema[2].isnan()
+    # bin 0's error rises to 1 (score 0.5), bin 1's stays 0 (score 0), bin 2 unsampled (score 0)
+    alloc.update_adversary(torch.tensor([0, 1]), torch.tensor([1.0, 0.0]))
+    q = torch.tensor([math.exp(2.0 * 0.5), 1.0, 1.0], dtype=torch.float64) / b
+    torch.testing.assert_close(alloc.q, 0.7 * q / q.sum() + 0.3 / b)
+    assert alloc.error_ema[:2].tolist() == [0.75, 0.0]
+
+
+def test_prompt_gdro_bins_follow_pass_at_k_with_hysteresis():
+    alloc = make_allocator("prompt_gdro", num_prompts=3, budget=4, prompts_per_iteration=2, seed=0, gdro_bins=4, gdro_window=4)
+    assert alloc.bins.tolist() == [4, 4, 4]  # unseen
+    visit = lambda prompt, won: alloc.update_bins(torch.tensor([prompt, prompt]), torch.tensor([won, False]))  # noqa: E731
+    visit(0, True)  # pass@k 1: the top bin
+    visit(1, False)  # pass@k 0: the bottom bin
+    assert alloc.bins.tolist() == [3, 0, 4]
+    visit(0, True), visit(0, True), visit(0, False)  # 3/4 = 0.75: on bin 3's lower edge, still inside
+    assert alloc.bins[0] == 3
+    visit(0, False)  # the window keeps the last four: 1, 1, 0, 0 -> 0.5, past bin 3's edge by more than the margin
+    assert alloc.bins[0] == 2
+    visit(0, True), visit(0, True), visit(0, True)  # 0, 1, 1, 1 -> 0.75: bin 3's edge, within bin 2's margin
+    assert alloc.bins[0] == 2
+    visit(0, True)  # 1, 1, 1, 1
+    assert alloc.bins[0] == 3
+
+
+def test_prompt_gdro_shifts_weight_toward_a_bin_whose_error_rises():
+    # an easy and a hard class of prompts settle in different bins; then the policy forgets the
+    # easy ones (success 0.9 -> 0.3): the adversary moves weight to their bin
+    n = 40
+    p = torch.tensor([0.9] * 20 + [0.05] * 20, dtype=torch.float64)
+    alloc = make_allocator("prompt_gdro", num_prompts=n, budget=32, prompts_per_iteration=8, seed=0, gdro_bins=2)
+    run_iterations(alloc, p, 30, seed=0)
+    easy_bin, hard_bin = int(torch.mode(alloc.bins[:20]).values), int(torch.mode(alloc.bins[20:]).values)
+    assert (easy_bin, hard_bin) == (1, 0)
+    before = alloc.q[easy_bin].item()
+    p[:20] = 0.3
+    run_iterations(alloc, p, 3, seed=1)
+    assert alloc.q[easy_bin].item() > before + 0.1, (before, alloc.q)
+
+
+def test_prompt_gdro_state_round_trip():
+    p = torch.linspace(0.0, 1.0, 30, dtype=torch.float64)
+    kw = dict(num_prompts=30, budget=24, prompts_per_iteration=6, seed=3)
+    a = make_allocator("prompt_gdro", **kw)
+    run_iterations(a, p, 5, seed=0)
+    b = make_allocator("prompt_gdro", **kw)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    for x, y in ((a.q, b.q), (a.bins, b.bins), (a.passes, b.passes), (a.visits, b.visits)):
+        assert torch.equal(x, y)
+    assert torch.equal(a.error_ema.nan_to_num(-1), b.error_ema.nan_to_num(-1))
+    assert all(torch.equal(a.choose_prompts(it), b.choose_prompts(it)) for it in range(5, 9))

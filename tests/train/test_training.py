@@ -218,6 +218,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
     assert len(run_metrics(run)) == 1  # nothing already written is lost
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_reward(tmp_path, tiny_sd3_dir):
     """The default preset (60 iterations, fixed seed) on a tiny random SD3 raises JPEG
     incompressibility (DDPO's toy reward, the size of the JPEG) by more than the within-batch
@@ -237,11 +238,12 @@ def test_grpo_raises_the_reward(tmp_path, tiny_sd3_dir):
 LEARNING_RECIPE: list[str] = []  # the default preset's own recipe
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
 def test_two_processes_end_with_identical_weights(tmp_path, tiny_sd3_dir):
     # on a machine without GPUs, accelerate's --multi_gpu launcher starts CPU processes joined by gloo
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    worker = Path(__file__).with_name("dist_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "dist_worker.py"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", str(worker), str(tmp_path), tiny_sd3_dir]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
@@ -342,6 +344,7 @@ def test_rewards_score_each_batch_as_it_finishes_and_invalid_ones_drop(tmp_path,
     assert row["time_reward"] > 0 and row["time_reward_wait"] >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
 def test_cpu_processes_relaunch_flowrl_train_once_as_that_many_processes(tmp_path, tiny_sd3_dir):
     run = tmp_path / "run"

@@ -11,7 +11,7 @@ from pathlib import Path
 import grimp
 from importlinter.cli import lint_imports
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_import_linter_contracts_hold(monkeypatch):

@@ -98,6 +98,7 @@ def test_padding_to_the_batch_size_changes_no_row(one_block_sd3):
     torch.testing.assert_close(padded_rows, plain_rows, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["blocks", "full"])
 def test_compiled_velocity_equals_eager(one_block_sd3, mode):
     # the policy's velocity and the adapter-disabled reference, a short batch (3 of ROWS rows):
@@ -125,6 +126,7 @@ def test_compiled_velocity_equals_eager(one_block_sd3, mode):
     assert again.shape == eager.shape
 
 
+@pytest.mark.slow
 def test_training_compiles_only_in_its_first_iteration(tmp_path, one_block_sd3, capsys):
     # nft with a KL: rollouts (no grad, eval), v_old (no grad, train mode), the trained velocity (grad)
     # and the reference (adapter disabled), all with guidance; 6 samples in batches of 4, so the last is padded

@@ -361,6 +361,7 @@ def test_bad_tree_config_is_one_sentence_naming_the_key(overrides, key):
     assert key in message and "\n" not in message
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
 def test_two_processes_share_the_trees_and_end_with_identical_weights(tmp_path, tiny_sd3_dir):
     # 3 trees on 2 processes: the second process samples one real tree and one padding copy

@@ -362,7 +362,7 @@ def test_window_unknown_strategy():
      "between 0 and 1 so the window of 3 steps fits"),
 ])
 def test_progressive_window_settings_are_checked(overrides, fragment):
-    """MixGRPO's window (tests/test_reference_fidelity.py checks it against the reference) on 4 steps."""
+    """MixGRPO's window (tests/train/test_reference_fidelity.py checks it against the reference) on 4 steps."""
     from flowrl.config import ConfigError, load_config
 
     with pytest.raises(ConfigError) as err:

@@ -77,7 +77,7 @@ def is_flat(rewards: torch.Tensor, sel: torch.Tensor) -> bool:
 @pytest.mark.parametrize("kind", ["grpo", "reinforce_ada"])
 @given(data=st.data())
 def test_zero_mean_per_live_group(kind, data):
-    # both centre on the group mean (reinforce_ada only scales by the batch std)
+    # both centre on the group mean (reinforce_ada does not scale)
     r, g = data.draw(batches())
     out = estimate_advantages(kind, r, g)
     scale = max(1.0, out.advantages.abs().max().item())
@@ -144,7 +144,7 @@ def test_gdpo_matches_float64_reference(data, std):
 
 
 @FAST
-@pytest.mark.parametrize("kind", ["grpo", "mc_grpo", "gdpo", "rank", "reinforce_ada"])
+@pytest.mark.parametrize("kind", ["grpo", "mc_grpo", "gdpo", "rank"])  # reinforce_ada: A is in reward units
 @given(data=st.data(), scale=st.floats(0.01, 100.0), std=st.sampled_from(["group", "global"]))
 def test_positive_scale_invariant(kind, data, scale, std):
     r, g = data.draw(batches(channels=kind_channels(kind)))
@@ -367,3 +367,20 @@ def test_rank_reference_values():
     out = estimate_advantages("rank", r, torch.zeros(5, dtype=torch.long))
     # 0-based average ranks [3, 0, 1.5, 1.5, 4], centred on 2 and scaled by 2
     torch.testing.assert_close(out.advantages, torch.tensor([0.5, -1.0, -0.25, -0.25, 1.0]))
+
+
+def test_reinforce_ada_is_the_authors_global_statistics_baseline():
+    # the reference: p = positives / (positives + negatives) over every sample of the prompt, from
+    # all rounds; A_i = r_i - p, not divided by a std (norm_adv_by_std_in_grpo off)
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
+    prompts = torch.tensor([7, 7, 7, 7, 7, 3, 3, 3, 9, 9, 9])
+    expected = []
+    for r, p in zip(rewards.tolist(), prompts.tolist()):
+        mine = rewards[prompts == p]
+        positives, negatives = int((mine > 0.5).sum()), int((mine <= 0.5).sum())
+        expected.append(r - positives / (positives + negatives))
+    out = estimate_advantages("reinforce_ada", rewards, prompts, std="group")
+    torch.testing.assert_close(out.advantages, torch.tensor(expected), atol=1e-6, rtol=0)
+    assert out.mask.all()
+    flat = estimate_advantages("reinforce_ada", torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    assert flat.advantages[:2].eq(0).all() and not flat.mask[:2].any() and flat.mask[2:].all()

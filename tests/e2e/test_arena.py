@@ -143,3 +143,27 @@ def test_smoke_run_records_one_line_resumes_and_reports(tmp_path, capsys):
     assert text.startswith("# The arena\n\nprose\n") and text.endswith("more prose\n") and "\nold\n" not in text
     assert "| nft | 1 (0) |" in text and "| dgpo | 0 | pending |" in text and "](images/arena.png)" in text
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- the text arena (scripts/arena_text.py) ---------------------------------------------------
+def test_text_arena_smoke_run_records_resumes_and_reports(tmp_path, capsys):
+    arena_text = load_script("arena_text")
+    out, runs, doc = tmp_path / "arena.jsonl", tmp_path / "runs", tmp_path / "arena.md"
+    argv = ["--smoke", "--pools", "wide", "--losses", "dapo", "--allocators", "reinforce_ada", "--seeds", "0",
+            "--runs", str(runs), "--out", str(out)]
+    assert arena_text.main(argv) == 0
+    (r,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert (r["task"], r["cell"], r["pool"], r["loss"], r["allocator"], r["seed"]) == (
+        "text", "wide/dapo/reinforce_ada", "wide", "dapo", "reinforce_ada", 0)
+    assert r["iterations"] >= 1 and r["samples"] >= r["samples_trained"] == 16 * r["iterations"]  # 4 prompts x 4 kept
+    assert r["gain_end"] == pytest.approx(r["end"]["all"] - r["base"]["all"])
+    assert set(r["gain_by_bucket"]) <= {str(b) for b in range(1, 8)} and (runs / "text_base_eval.json").is_file()
+    capsys.readouterr()
+    assert arena_text.main(argv) == 0  # recorded for this code and config: skipped
+    assert "skipped" in capsys.readouterr().out and len(out.read_text().splitlines()) == 1
+    doc.write_text("# The arena\n\nprose\n")
+    assert arena_text.main(["--report", "--smoke", "--out", str(out), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# The arena\n\nprose\n") and "| wide/dapo/reinforce_ada | 1 (0) |" in text
+    assert arena_text.main(["--report", "--smoke", "--out", str(out), "--doc", str(doc)]) == 0  # the block is replaced
+    assert doc.read_text() == text

@@ -124,6 +124,7 @@ def test_shipped_model_loads_through_the_sd3_adapter_and_draws_its_world():
     assert partial.mean() > SHIPPED_MIN_PARTIAL
 
 
+@pytest.mark.slow
 def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_prompts(tmp_path):
     # The default recipe end to end on the shipped model (LoRA, ODE rollouts, DiffusionNFT, the
     # strict + partial + quality reward): 12 iterations on two fixed prompts raise the partial
@@ -149,9 +150,12 @@ def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_pr
         return score_batch(images, held)[:, 1].mean().item()
 
     before = partial()
-    trainer.train()
+    history = trainer.train()
     after = partial()
     assert after > before + 0.05, (before, after)
+    # where the rollouts went, by the shapes reward's categories: 8 of each prompt every iteration
+    assert all(r["rollouts/counting"] == 8 and r["rollouts/position"] == 8 and r["prompts_trained"] == 2 for r in history)
+    assert all(0 <= r["zero_variance/counting"] <= 1 for r in history)
 
 
 def test_pretraining_fine_tunes_from_an_exported_pipeline(tmp_path, tiny_shapes_dir):

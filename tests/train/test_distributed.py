@@ -20,7 +20,7 @@ from run_checks import run_metrics
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
 
-WORKER = Path(__file__).with_name("dist_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "dist_worker.py"  # tests/dist_worker.py
 # on a machine without GPUs, accelerate's --multi_gpu launcher starts CPU processes joined by gloo
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no"]
@@ -61,6 +61,7 @@ def plain_diffusers_sample(model_dir: str, kind: str, checkpoint: Path, lora: bo
     return rollout(policy, ["a red circle", "a blue square"], [7, 8], spec, 2).final
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, mode", [("sd3", "lora"), ("flux", "full")])
 def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(tmp_path, request, kind, mode):
     # one optimizer step per iteration over all 4 micro-batches: each of 2 processes trains 2 of
@@ -104,6 +105,7 @@ def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(t
         assert not all(torch.equal(ema[k], two["full"][k]) for k in ema)  # the EMA, not the raw weights
 
 
+@pytest.mark.slow
 def test_fsdp2_resumes_from_its_shards_exactly(tmp_path, tiny_sd3_dir):
     # flowrl's own launch (run.cpu_processes) with gradient checkpointing; a stopped run resumed
     # from its sharded checkpoint repeats the uninterrupted one: metrics and exported weights

@@ -173,6 +173,20 @@ def test_text_rewards_read_the_columns_and_bad_outputs_get_one_sentence():
         TEXT_REWARDS.pop("_short"), TEXT_REWARDS.pop("_nan")
 
 
+def test_the_wide_pool_spans_one_to_seven_digits_around_the_defaults_held_out_problems():
+    from flowrl.text.arithmetic import held_out
+    from flowrl.text.data import load_prompts
+
+    test, train = load_prompts("builtin:add_wide", "test"), load_prompts("builtin:add_wide", "train")
+    assert sorted(set(test.columns["bucket"])) == sorted(set(train.columns["bucket"])) == [1, 2, 3, 4, 5, 6, 7]
+    assert test.prompts[:500] == [p.prompt for p in held_out()]  # the default's held-out problems come first
+    assert not set(train.prompts) & set(test.prompts)
+    longest = max(len(p) for p in train.prompts) + len(max(train.columns["answer"], key=len)) + 1  # prompt, sum, <eos>
+    assert longest <= 32  # the shipped model's positions
+    with pytest.raises(UserError, match="data.split of builtin:add_wide must be train or test"):
+        load_prompts("builtin:add_wide", "validation")
+
+
 def test_prompt_files_in_jsonl_and_parquet_carry_their_columns(tmp_path):
     import datasets
 
@@ -251,6 +265,37 @@ def test_the_text_trainer_shares_the_image_loops_run_manager(tmp_path, capsys, m
     assert "1 optimizer steps in a row had a non-finite gradient norm" in err and "Traceback" not in err
 
 
+def test_a_wall_clock_budget_plans_the_text_run_and_fits_its_schedule(tmp_path, monkeypatch):
+    """trainer.budget_minutes as the image trainer has it: 2 probe iterations of 1 s each (a fake
+    clock), then the count that fits 12 s of budget less its 3 % margin; the linear learning rate
+    written for 100 iterations ends at its last step with the last planned iteration."""
+    from types import SimpleNamespace
+
+    import flowrl.train.run_manager as run_manager
+    from flowrl.core.lr_schedule import lr_factor
+    from flowrl.text.config import load_text_config
+    from flowrl.text.train import TextTrainer
+
+    clock = SimpleNamespace(now=1000.0)
+    monkeypatch.setattr(run_manager, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    cfg = load_text_config("configs/text_add.yaml", [*FAST, "trainer.iterations=100", "trainer.budget_minutes=0.2",
+                                                     "trainer.budget_probe=2", "trainer.lr_schedule=linear",
+                                                     "run.checkpoint_every=0"])
+    trainer = TextTrainer(cfg, run_dir=tmp_path / "run")
+    collect = trainer.collect
+
+    def one_second(iteration):
+        clock.now += 1.0
+        return collect(iteration)
+
+    trainer.collect = one_second
+    rows = trainer.train()
+    assert len(rows) == 2 + int(12 * 0.97 - 2)  # 11
+    assert rows[-1]["lr"] == pytest.approx(1e-4 * lr_factor("linear", 99, 100))
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["planned"] == 11 and plan["nominal"] == 100 and plan["budget_minutes"] == 0.2
+
+
 def test_moved_text_keys_name_their_new_place():
     from flowrl.text.config import load_text_config
 
@@ -262,6 +307,44 @@ def test_moved_text_keys_name_their_new_place():
     assert (cfg.trainer.kl_beta, cfg.advantage.std, cfg.advantage.kind) == (0.1, "none", "rank")
 
 
+def test_reinforce_ada_trains_a_balanced_group_per_prompt_of_the_samples_it_drew(tmp_path):
+    # rounds of 2 until a prompt has 2 successes and 2 failures (at most 3 rounds); each trains on 4
+    run = tmp_path / "run"
+    assert main(["train", "configs/text_add.yaml", *FAST, "allocator.kind=reinforce_ada", "allocator.ada_round_size=2",
+                 "allocator.ada_max_rounds=3", "advantage.kind=reinforce_ada", "trainer.iterations=2",
+                 "run.checkpoint_every=0", "--run-dir", str(run)]) == 0
+    for row in run_metrics(run):
+        assert row["samples_trained"] == 16 and row["prompts_trained"] == 4
+        assert 8 <= row["samples"] <= 24 and row["samples"] % 2 == 0
+        assert sum(v for k, v in row.items() if k.startswith("rollouts/")) == row["samples"]
+        assert 0 <= row["nonzero_advantage_samples"] <= 16 and any(k.startswith("zero_variance/") for k in row)
+    assert (run / "reward_curve.png").is_file()  # with a panel of where the rollouts went
+
+
+def test_trained_share_pads_every_process_to_the_largest_share():
+    from flowrl.text.generate import Generation
+    from flowrl.text.train import trained_share
+
+    class Acc:  # the other process keeps 3 of its samples
+        device = torch.device("cpu")
+
+        def reduce(self, x, op):
+            return torch.maximum(x, torch.tensor(3))
+
+    n = 4
+    gen = Generation(torch.arange(n)[:, None], torch.ones(n, 1, dtype=torch.bool), torch.arange(n)[:, None] + 10,
+                     torch.ones(n, 1, dtype=torch.bool), torch.zeros(n, 1), torch.zeros(n, dtype=torch.bool), list("abcd"))
+    rows = torch.tensor([4, 5, 6, -1])  # this process holds samples 4-6 of 7 and a padding copy
+    trained = torch.tensor([True, True, True, True, False, True, False])
+    share, share_rows = trained_share(gen, rows, trained, Acc())
+    assert share_rows.tolist() == [5, -1, -1] and share.texts == ["b", "a", "a"]
+    assert share.completion_ids[:, 0].tolist() == [11, 10, 10]
+    everything = torch.ones(7, dtype=torch.bool)
+    same, same_rows = trained_share(gen, rows, everything, Acc())
+    assert same is gen and same_rows is rows  # nothing dropped: no collective, no copy
+
+
+@pytest.mark.slow
 def test_two_cpu_processes_train_as_one_process_on_the_same_batch(tmp_path):
     """run.cpu_processes=2: each process samples and trains its slice (5 prompts x 3 = 15
     completions, so the second slice ends with a padding copy), the rewards are gathered and the
@@ -328,6 +411,7 @@ def test_a_tiny_qwen2_saved_with_save_pretrained_trains_a_lora_through_model_pat
     assert any("lora_B" in n and p.abs().sum() > 0 for n, p in loaded.named_parameters())
 
 
+@pytest.mark.slow
 def test_a_short_run_on_the_shipped_model_raises_held_out_exact_match(tmp_path):
     # 100 iterations of the default (about 80 s here). Greedy exact match barely moves that early
     # (+0.008 measured), so the held-out problems are judged as the policy samples them, at
@@ -358,9 +442,11 @@ def test_text_settings_get_one_sentence(capsys):
                           ("data.group_size=1", "data.group_size"), ("reward.weights={nope: 1.0}", "reward.weights"),
                           ("generation.top_p=0", "generation.top_p"), ("data.prompt_template=Q", "data.prompt_template"),
                           ("model.path=builtin:sub", "model.path"), ("advantage.std=max", "advantage.std"),
-                          ("trainer.lrr=1", "trainer.lrr")):
+                          ("trainer.lrr=1", "trainer.lrr"), ("allocator.ada_exit=both", "allocator.ada_exit"),
+                          ("allocator.ada_max_rounds=1", "allocator.ada_max_rounds")):
+        extra = ["allocator.kind=reinforce_ada", "allocator.ada_round_size=2"] if key.startswith("allocator") else []
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-            load_text_config("configs/text_add.yaml", [override])
+            load_text_config("configs/text_add.yaml", [*extra, override])
     assert main(["train", "configs/text_add.yaml", "loss.aggregation=mean"]) == 2
     err = capsys.readouterr().err
     assert "loss.aggregation must be one of" in err and "Traceback" not in err
@@ -369,7 +455,7 @@ def test_text_settings_get_one_sentence(capsys):
 QWEN_PRESETS = ["qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu", "qwen25_05b_gsm8k_8gpu", "qwen25_15b_gsm8k_8gpu"]
 
 
-@pytest.mark.parametrize("name", ["text_add", *QWEN_PRESETS])
+@pytest.mark.parametrize("name", ["text_add", "text_add_wide", *QWEN_PRESETS])
 def test_text_presets_load_and_validate(name):
     from flowrl.text.config import is_text_config, load_text_config
 
