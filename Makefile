@@ -23,4 +23,4 @@ demo: install
 	$(BIN)/flowrl train
 
 test: install
-	$(BIN)/python -m pytest tests -n auto --dist worksteal  # one worker per core (pytest-xdist); an idle worker takes queued tests from a busy one
+	$(BIN)/python -m pytest tests -n auto  # one worker per core (pytest-xdist)

@@ -35,8 +35,3 @@ def _isolated_cache(tmp_path_factory):
     # built-in models materialise into a private cache, never the user's home
     os.environ["FLOWRL_CACHE"] = str(tmp_path_factory.mktemp("flowrl-cache"))
 
-
-def pytest_collection_modifyitems(config, items):
-    """The slowest tests (marked slow) first: pytest-xdist hands the tests out in this order, so
-    the long ones start at once on every worker instead of ending the run on one of them."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -472,7 +472,7 @@ def test_reinforce_ada_samples_and_downsamples_as_the_reference(exit_rule, seed)
             history = won[mine].tolist()
             assert int(counts[prompt]) == reference_rounds(history, group, round_size, max_rounds, exit_rule)
             assert kept[mine].nonzero().squeeze(1).tolist() == reference_downsample(history, group)
-            assert int(kept[mine].sum()) == group
+            assert int(kept[mine].sum()) == min(group, len(mine))  # a prompt that stopped early trains on fewer
         alloc.observe(ids, won)
 
 
