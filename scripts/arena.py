@@ -366,18 +366,26 @@ def run_arena(args) -> int:
             return 0
         base = judge.base(args.eval_seeds)
         log(start, "base held-out strict: " + ", ".join(f"eval seeds {s} {v:.3f}" for s, v in base.items()))
-        failed = []
-        for i, (cell, seed) in enumerate(todo):
-            log(start, f"run {i + 1} of {len(todo)}")
-            try:
-                run_cell(cell, seed, args, judge, base, start, ident)
-            except (Exception, SystemExit) as exc:  # one cell's failure does not stop the others (a rerun retries it)
-                failed.append(f"{cell} seed {seed}")
-                log(start, f"{cell} seed {seed}: FAILED ({type(exc).__name__}: {exc}); going on with the next run")
+        runs = [(f"{cell} seed {seed}", lambda cell=cell, seed=seed: run_cell(cell, seed, args, judge, base, start, ident))
+                for cell, seed in todo]
+        return run_each(runs, args.out, start, log)
+
+
+def run_each(runs: list, out: str, start: float, say) -> int:
+    """Run each (name, run) in turn, one at a time; one run's failure does not stop the others (a
+    rerun of the same command retries it). 1 when any failed. Both arenas' loop."""
+    failed = []
+    for i, (name, run) in enumerate(runs):
+        say(start, f"run {i + 1} of {len(runs)}")
+        try:
+            run()
+        except (Exception, SystemExit) as exc:
+            failed.append(name)
+            say(start, f"{name}: FAILED ({type(exc).__name__}: {exc}); going on with the next run")
     if failed:
-        log(start, f"done, {len(failed)} run(s) failed ({', '.join(failed)}); run the same command again to retry them")
+        say(start, f"done, {len(failed)} run(s) failed ({', '.join(failed)}); run the same command again to retry them")
         return 1
-    log(start, f"done; results in {args.out} (summarise with --report)")
+    say(start, f"done; results in {out} (summarise with --report)")
     return 0
 
 

@@ -35,13 +35,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the image arena's helpers
-from arena import ROOT, arena_lock, config_hash, fmt, git_commit, mean_se, pm, recorded  # noqa: E402
+from arena import ROOT, arena_lock, config_hash, fmt, git_commit, pm, recorded, run_each  # noqa: E402
 
 OUT = ROOT / "docs" / "experiments" / "arena.jsonl"
 DOC = ROOT / "docs" / "arena.md"
 TABLE_START, TABLE_END = "<!-- arena:text -->", "<!-- /arena:text -->"
 POOLS = {"add": "configs/text_add.yaml", "wide": "configs/text_add_wide.yaml"}
-# each loss variant as the text path writes it (docs/text.md, ../ALGORITHMS.md section 9)
+# each loss variant as the text path writes it (docs/text.md, docs/algorithms.md)
 LOSSES = {
     "grpo": ["loss.aggregation=seq_mean_token_mean", "advantage.std=group"],  # each sequence's token mean, then their mean
     "dapo": ["loss.aggregation=token_mean", "loss.clip_high=0.28", "loss.overlong_mask=true", "advantage.std=group"],
@@ -164,19 +164,10 @@ def run_arena(args) -> int:
                     todo.append((pool, loss, allocator, seed))
         log(start, f"{len(todo)} of {len(cells) * len(args.seeds)} runs to do, {args.budget_minutes:g} min each, on "
                    f"{machine_name()}, commit {commit[:10]}{' (with uncommitted changes)' if dirty else ''}")
-        failed = []
-        for i, (pool, loss, allocator, seed) in enumerate(todo):
-            log(start, f"run {i + 1} of {len(todo)}")
-            try:
-                run_cell(pool, loss, allocator, seed, args, start, ident)
-            except (Exception, SystemExit) as exc:  # one cell's failure does not stop the others (a rerun retries it)
-                failed.append(f"{cell_name(pool, loss, allocator)} seed {seed}")
-                log(start, f"{failed[-1]}: FAILED ({type(exc).__name__}: {exc}); going on with the next run")
-    if failed:
-        log(start, f"done, {len(failed)} run(s) failed ({', '.join(failed)}); run the same command again to retry them")
-        return 1
-    log(start, f"done; results in {args.out} (summarise with --report)")
-    return 0
+        runs = [(f"{cell_name(pool, loss, allocator)} seed {seed}",
+                 lambda pool=pool, loss=loss, allocator=allocator, seed=seed: run_cell(pool, loss, allocator, seed, args, start, ident))
+                for pool, loss, allocator, seed in todo]
+        return run_each(runs, args.out, start, log)
 
 
 # ---- --report ------------------------------------------------------------------------------------------

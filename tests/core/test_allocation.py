@@ -24,15 +24,6 @@ from flowrl.core.allocation import (
 FAST = settings(max_examples=50, deadline=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: intra-op threads only add pool overhead (large on a busy 2-core machine)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def bernoulli_outcome(p: torch.Tensor, seed: int):
     """outcome(prompt_ids) -> success, seeded; also records what it returned."""
     g = torch.Generator().manual_seed(seed)

@@ -16,15 +16,6 @@ FAST = settings(max_examples=50, deadline=None)
 TINY_EPS = 1e-9  # the estimators' eps, where a test checks exact math rather than the eps guard
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # tiny tensors: intra-op threads only add pool overhead (large on a busy 2-core machine)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --------------------------------------------------------------------------------------
 # Strategies
 # --------------------------------------------------------------------------------------

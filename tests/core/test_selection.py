@@ -14,14 +14,6 @@ from flowrl.core.selection import SELECTION_KINDS, best_worst, max_variance, mea
 FAST = settings(max_examples=50, deadline=None)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @st.composite
 def pool_and_k(draw, max_m=10, integers=False):
     m = draw(st.integers(1, max_m))

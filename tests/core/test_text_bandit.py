@@ -19,14 +19,6 @@ BOS = V  # the previous-token id at position 0
 TARGETS = torch.tensor([[0, 1, 2], [3, 2, 1], [1, 1, 0], [2, 0, 3], [0, 3, 3], [2, 2, 1], [3, 0, 0], [1, 3, 2]])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class TinyLM(torch.nn.Module):
     """Autoregressive policy over V tokens: logits(prompt, t, prev) = theta[prompt, t] + W[prev],
     a per-prompt positional table plus a bigram table shared by every prompt."""
