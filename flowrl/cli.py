@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"flowrl {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="run RL training, GRPO or DiffusionNFT (no CONFIG: the default preset)",
+    t = sub.add_parser("train", help="run RL training: GRPO, DiffusionNFT, DGPO or GDRO (no CONFIG: the default preset, DGPO on the shapes model)",
                        epilog=f"presets (CONFIG): {', '.join(preset_names())}. Overrides may come anywhere on the line.")
     t.add_argument("config", nargs="?", help="a YAML file or a preset name from configs/")
     t.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. trainer.lr=1e-5")

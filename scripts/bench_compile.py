@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark model.compile on the default preset: eager against torch.compile per block and whole.
 
-The default preset (configs/default.yaml: the embedded shapes model, DiffusionNFT, its processes)
+The default preset (configs/default.yaml: the embedded shapes model, its objective and processes)
 trains --iterations iterations three times, each in its own process tree with the same seed:
 model.compile none (eager), blocks (each transformer block compiled) and full (the whole
 transformer compiled). The wall-clock budget, sample grids and checkpoints are off, so every run

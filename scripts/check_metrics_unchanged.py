@@ -33,7 +33,7 @@ QUIET = ["run.tracker=none", "run.progress=false", "run.sample_every=0", "run.ch
 SMALL = ["sampling.num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4", "sampling.batch_size=4",
          "lora.rank=4", "lora.alpha=8"]
 RUNS = {
-    # the default preset: DiffusionNFT on the shapes model, two CPU processes
+    # the default preset: DGPO on the shapes model, two CPU processes
     "default": [None, "trainer.iterations=3"],
     "tiny_jpeg": ["tiny_jpeg", "trainer.iterations=3", "trainer.kl_beta=0.04"],
     "tree": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "sampling.batch_size=3", "rollout.kind=tree",

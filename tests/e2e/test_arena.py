@@ -53,7 +53,12 @@ def test_arena_preset_validates_on_the_default_world(cell):
 
 def test_the_cells_are_the_algorithms_they_name():
     cfg = {cell: load_config(ARENA_DIR / f"{cell}.yaml", validate_paths=False) for cell in CELLS}
-    assert cfg["nft"].objective == load_config(None).objective and cfg["nft"].rollout.kind == "flat"
+    # the default preset is the arena's leader, DGPO, with the cell's settings (README, docs/arena.md)
+    default = load_config(None)
+    assert cfg["dgpo"].objective == default.objective and cfg["dgpo"].rollout == default.rollout
+    assert (cfg["dgpo"].trainer.kl_beta, cfg["dgpo"].trainer.lr, cfg["dgpo"].trainer.lr_schedule) == (
+        default.trainer.kl_beta, default.trainer.lr, default.trainer.lr_schedule)
+    assert cfg["nft"].rollout.kind == "flat"
     assert {c: cfg[c].objective.kind for c in CELLS} == {
         "flow_grpo": "grpo", "mixgrpo": "grpo", "branchgrpo": "grpo", "g2rpo": "grpo", "sol_rl": "nft", "nft": "nft",
         "dgpo": "dgpo", "gdro_offline": "gdro"}

@@ -126,7 +126,7 @@ def test_shipped_model_loads_through_the_sd3_adapter_and_draws_its_world():
 
 @pytest.mark.slow
 def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_prompts(tmp_path):
-    # The default recipe end to end on the shipped model (LoRA, ODE rollouts, DiffusionNFT, the
+    # The default recipe end to end on the shipped model (LoRA, ODE rollouts, DGPO, the
     # strict + partial + quality reward): 12 iterations on two fixed prompts raise the partial
     # reward of fresh ODE samples of those prompts, on seeds the training never draws
     # (prompts the shipped model often gets wrong: base partial 0.47 and 0.55 on 16 seeds).
