@@ -209,11 +209,7 @@ def _train_images(cfg, run_dir: Path, resume: bool) -> int:
             print(f"trainer.mixed_precision auto: {trainer.mixed_precision} on this device", file=sys.stderr)
     history = trainer.train()
     if history and trainer.accelerator.is_main_process:
-        if "reward_mean" in history[0]:
-            print(f"reward {history[0]['reward_mean']:.4g} -> {history[-1]['reward_mean']:.4g} over {len(history)} iterations; "
-                  f"run: {trainer.run.path}")
-        else:
-            print(f"{len(history)} iterations; run: {trainer.run.path}")
+        print(trainer.closing_line())
     return 0
 
 

@@ -33,9 +33,33 @@ def train(cfg: TextConfig, run_dir: Path, resume: bool) -> int:
         print(f"run directory: {trainer.run.path}", file=sys.stderr)
     history = trainer.train()
     if history and main:
-        print(f"reward {history[0]['reward_mean']:.4g} -> {history[-1]['reward_mean']:.4g} over {len(history)} iterations; "
-              f"run: {trainer.run.path}")
+        print(trainer.closing_line())
+        if cfg.data.eval_split:
+            print(held_out_line(trainer.policy, cfg))
     return 0
+
+
+def eval_parts(cfg: TextConfig):
+    """The held-out prompts (data.eval_split) and the reward that scores them."""
+    from flowrl.text.data import load_prompt_set
+    from rewards.text import TextReward
+
+    return (load_prompt_set(cfg, cfg.data.eval_split),
+            TextReward(dict(cfg.reward.weights), dict(cfg.reward.options), cfg.reward.on_invalid))
+
+
+def held_out_line(policy, cfg: TextConfig) -> str:
+    """The trained weights' greedy score on the held-out split, each reward channel's mean; a
+    split that cannot be loaded is named, not fatal (the run itself is finished and saved)."""
+    from flowrl.text.train import evaluate_text
+
+    try:
+        data, reward = eval_parts(cfg)
+    except UserError as e:
+        return f"held-out: not scored ({e})"
+    result = evaluate_text(policy, data, cfg, reward)
+    scores = ", ".join(f"{name} {result['all'][name]:.4f}" for name in reward.names)
+    return f"held-out {cfg.data.eval_split} ({len(data)} prompts, greedy): {scores}"
 
 
 def policy_for(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None = None):
@@ -65,13 +89,10 @@ def format_eval(result: dict, what: str, names: list[str]) -> str:
 
 
 def evaluate(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None) -> int:
-    from flowrl.text.data import load_prompt_set
     from flowrl.text.train import evaluate_text
-    from rewards.text import TextReward
 
     cfg, policy, what = policy_for(run, config, overrides, checkpoint)
-    data = load_prompt_set(cfg, cfg.data.eval_split)
-    reward = TextReward(dict(cfg.reward.weights), dict(cfg.reward.options), cfg.reward.on_invalid)
+    data, reward = eval_parts(cfg)
     print(format_eval(evaluate_text(policy, data, cfg, reward), f"{what} on {cfg.data.source} ({cfg.data.eval_split})", reward.names))
     return 0
 

@@ -138,6 +138,19 @@ class RunManager:
     def finish(self) -> None:
         pass
 
+    def closing_line(self) -> str:
+        """What `flowrl train` ends with (rank 0, which holds the metrics file): the mean training
+        reward of the run's first and last tenth of iterations, resumed parts included. Single
+        iterations draw different prompts, so first-against-last single rows read as noise."""
+        rows = [r for r in self.run.read_metrics() if "reward_mean" in r]
+        if not rows:
+            return f"{self.iteration} iterations; run: {self.run.path}"
+        tenth = max(1, len(rows) // 10)
+        first, last = (sum(r["reward_mean"] for r in part) / tenth for part in (rows[:tenth], rows[-tenth:]))
+        what = "iteration" if tenth == 1 else f"{tenth} iterations"
+        return (f"mean training reward {first:.4g} over the first {what}, {last:.4g} over the last {what} "
+                f"({len(rows)} iterations); run: {self.run.path}")
+
     # ---- learning rate and optimizer steps ---------------------------------------------
     def schedule_position(self) -> tuple[float, int]:
         """(iteration, total) on the learning-rate schedule's clock: a budget's plan maps the

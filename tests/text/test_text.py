@@ -224,15 +224,22 @@ def test_text_default_trains_resumes_exactly_and_evaluates_per_bucket(tmp_path, 
                 "clip_low", "clip_high"):
         assert key in rows[0]
     assert main(["train", *args, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
+    capsys.readouterr()
     assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
     assert run_metrics(stopped) == rows
     assert (stopped / "checkpoints" / "iter_000004" / "model" / "model.safetensors").is_file()
-    capsys.readouterr()
+    # the closing lines: the whole run's first and last tenth (the resumed part included), then the held-out score
+    closing, held_out = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert closing == (f"mean training reward {rows[0]['reward_mean']:.4g} over the first iteration, "
+                       f"{rows[-1]['reward_mean']:.4g} over the last iteration (4 iterations); run: {stopped}")
+    assert held_out.startswith("held-out test (500 prompts, greedy): exact_match ")
     assert main(["train", "configs/text_add.yaml", "--resume", str(stopped)]) == 2  # never a second config silently ignored
     assert "--resume takes its config from the run directory" in capsys.readouterr().err
     assert main(["eval", "--run", str(stopped)]) == 0
     out = capsys.readouterr().out
     assert "exact_match" in out and out.count("\n") >= 7  # header lines, all, and the 5 buckets
+    overall = next(line for line in out.splitlines() if line.startswith("all ")).split()[2:]
+    assert held_out.endswith(", ".join(f"exact_match {v}" for v in overall))  # the saved weights score as the trained ones
     assert main(["sample", "--run", str(stopped), "--prompt", "12+34=", "-n", "2"]) == 0
     assert out.count("'12+34=' ->") == 0 and capsys.readouterr().out.count("'12+34=' ->") == 2
 

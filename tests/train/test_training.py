@@ -208,6 +208,20 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
     assert "it has 1, 2" in capsys.readouterr().err
 
 
+def test_the_closing_line_averages_the_first_and_last_tenth_of_the_run(tmp_path):
+    # single iterations draw different prompts: their first-against-last difference reads as noise
+    from flowrl.train.run_dir import RunDir
+    from flowrl.train.run_manager import RunManager
+
+    manager = RunManager.__new__(RunManager)
+    manager.run, manager.iteration = RunDir(tmp_path), 0
+    assert manager.closing_line() == f"0 iterations; run: {tmp_path}"
+    for i in range(25):
+        manager.run.append_metrics({"iteration": i, "reward_mean": float(i)})
+    assert manager.closing_line() == ("mean training reward 0.5 over the first 2 iterations, 23.5 over the last 2 iterations "
+                                      f"(25 iterations); run: {tmp_path}")
+
+
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
     run = tmp_path / "run"
     args = FAST + [f"model.path={tiny_sd3_dir}", "trainer.iterations=1", "run.sample_every=0"]
