@@ -56,9 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     src = s.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", metavar="DIR", help="a run directory (its latest checkpoint)")
     src.add_argument("--config", help="a config or preset: sample its base model")
-    s.add_argument("--prompt", required=True, action="append", help="repeat for several prompts")
+    which = s.add_mutually_exclusive_group(required=True)
+    which.add_argument("--prompt", action="append", help="repeat for several prompts")
+    which.add_argument("--prompts", metavar="FILE", help="one prompt per line (# comments skipped)")
     s.add_argument("-n", type=_int(1), default=4, help="images per prompt")
-    s.add_argument("--out", help="output PNG (default: RUN/samples/sample.png)")
+    s.add_argument("--out", help="output PNG grid (default: RUN/samples/sample.png)")
+    s.add_argument("--out-dir", metavar="DIR", help="instead of a grid: one PNG per image and samples.jsonl (prompt, seed, "
+                   "steps, source, and rewards with --reward); the same command again samples only what is missing")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=_int(1), help="ODE steps (default: sampling.eval_num_steps)")
     s.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="the checkpoint of this iteration (default: the latest)")
@@ -117,14 +121,17 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
                    "steering, tree sampling or greedy tree search, on search.num_steps SDE steps (docs/search.md)")
     p.add_argument("--budget", type=_int(1), metavar="NFE", help="with --search: network evaluations per image, one per sample per "
                    "step (search.budget; default four samples' worth)")
-    p.add_argument("--reward", metavar="NAME", help="with --search: the searched reward (search.reward; default: reward.weights)")
+    p.add_argument("--reward", metavar="NAME", help="with --search: the searched reward (search.reward; default: reward.weights); "
+                   "with --out-dir: each image's scores in samples.jsonl")
 
 
 def _search_overrides(args) -> list[str]:
     """--search, --budget and --reward as config overrides (they win over the positional ones)."""
     if args.search is None:
-        if args.budget is not None or args.reward is not None:
-            raise UserError("--budget and --reward set up a search; add --search bon|smc|dts|dts_star")
+        scores_samples = args.reward is not None and getattr(args, "out_dir", None)  # `sample --out-dir --reward`
+        if args.budget is not None or (args.reward is not None and not scores_samples):
+            raise UserError("--budget and --reward set up a search; add --search bon|smc|dts|dts_star"
+                            + (" (or --out-dir DIR, where --reward scores each image)" if hasattr(args, "out_dir") else ""))
         return []
     out = [f"search.method={args.search}"]
     if args.budget is not None:
@@ -288,17 +295,23 @@ def _policy_for(args, overrides):
 def cmd_sample(args) -> int:
     from flowrl.text.cli import is_text_config, is_text_run
     from flowrl.train.images import save_grid
+    from flowrl.train.prompts import read_prompt_file
 
+    prompts_in = args.prompt or read_prompt_file(args.prompts, field="--prompts")
     if is_text_run(args.run) or is_text_config(args.config):  # prints completions
         from flowrl.text import cli as text
 
-        return text.sample(args.run, args.config, list(args.overrides), args.prompt, args.n, args.seed, args.checkpoint)
+        if args.out_dir:
+            raise UserError("--out-dir writes images; a text run's completions are printed")
+        return text.sample(args.run, args.config, list(args.overrides), prompts_in, args.n, args.seed, args.checkpoint)
 
     search = _search_overrides(args)
+    if args.out_dir:
+        return _sample_to_dir(args, prompts_in, search)
     default_out = (Path(args.run) / "samples" if args.run else Path("samples")) / (f"search-{args.search}.png" if search else "sample.png")
     out = _writable_file(Path(args.out) if args.out else default_out, "--out")
     cfg, policy, what, source = _policy_for(args, list(args.overrides) + search)
-    prompts = [p for p in args.prompt for _ in range(args.n)]
+    prompts = [p for p in prompts_in for _ in range(args.n)]
     seeds = [args.seed + j % args.n for j in range(len(prompts))]
     if not search:
         images = _ode_images(cfg, policy, prompts, seeds, args.steps)
@@ -318,6 +331,39 @@ def cmd_sample(args) -> int:
     print(f"wrote {out} and {out.with_suffix('.json').name}: {len(prompts)} images from {source} by {cfg.search.method}, "
           f"mean searched reward {report['mean_reward']:.4f}; spent {t['nfe']} network evaluations, {t['decodes']} decodes, "
           f"{t['reward_calls']} reward calls in {result.seconds[-1]:.1f} s")
+    return 0
+
+
+def _sample_to_dir(args, prompts: list[str], search: list[str]) -> int:
+    """`sample --out-dir`: the ODE samples of every prompt, batch by batch with a progress bar,
+    each written as its own PNG with a manifest row (flowrl/train/sample_dir.py)."""
+    from tqdm.auto import tqdm
+
+    from flowrl.train.sample_dir import MANIFEST, SampleDir
+    from rewards import MultiReward
+
+    if search:
+        raise UserError("--out-dir writes plain ODE samples; a search writes its grid and report (--out)")
+    if args.out:
+        raise UserError("--out writes a grid and --out-dir one file per image; give one of them")
+    cfg, policy, what, source = _policy_for(args, list(args.overrides))
+    steps = args.steps or cfg.sampling.eval_num_steps
+    jobs = [{"prompt": p, "seed": args.seed + j, "steps": steps, "source": what} for p in prompts for j in range(args.n)]
+    _no_file_on_the_way(Path(args.out_dir), "--out-dir")
+    out = SampleDir(args.out_dir, jobs)
+    reward = MultiReward.single(args.reward, cfg.reward) if args.reward else None
+    todo, batch = out.todo(), cfg.sampling.batch_size
+    for start in tqdm(range(0, len(todo), batch), desc="flowrl sample", unit="batch", disable=not todo):
+        indices = todo[start : start + batch]
+        chunk = [jobs[i]["prompt"] for i in indices]
+        images = _ode_images(cfg, policy, chunk, [jobs[i]["seed"] for i in indices], steps)
+        scores = None
+        if reward is not None:
+            values = reward(images, chunk)
+            scores = {name: values[:, k] for k, name in enumerate(reward.channel_names)}
+        out.write(indices, images, scores)
+    kept = len(jobs) - len(todo)
+    print(f"wrote {len(todo)} images to {out.path} ({MANIFEST}), {kept} already there; {len(jobs)} from {source}")
     return 0
 
 
