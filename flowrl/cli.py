@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=_int(1), metavar="N", help="N prompts drawn from the prompt set (default: all of it)")
     b.add_argument("--shard-groups", type=_int(1), default=32, metavar="G", help="groups per shard file (default 32)")
 
+    x = sub.add_parser("export", help="a run's checkpoint for plain diffusers: its LoRA (load_lora_weights), or with --merge "
+                       "a standalone pipeline directory with the weights fused into the transformer")
+    x.add_argument("--run", required=True, metavar="DIR", help="a run directory (its latest checkpoint; EMA weights when present)")
+    x.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="the checkpoint of this iteration (default: the latest)")
+    x.add_argument("--merge", action="store_true", help="write the whole pipeline, the LoRA fused in (`<Pipeline>.from_pretrained(DIR)`)")
+    x.add_argument("-o", "--out", required=True, metavar="DIR", help="a new or empty directory")
+
     c = sub.add_parser("config", help="print a resolved config")
     csub = c.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="the resolved config as YAML, each key with its description",
@@ -367,6 +374,40 @@ def _sample_to_dir(args, prompts: list[str], search: list[str]) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """`flowrl export`: what plain diffusers loads. Without --merge the adapter alone, in the
+    layout `pipe.load_lora_weights(DIR)` reads; with it the run's pipeline (its text encoders,
+    VAE and scheduler as the base model has them) with the adapter fused into the transformer's
+    weights and removed, so `<Pipeline>.from_pretrained(DIR)` samples what `flowrl sample` does."""
+    from flowrl.text.cli import is_text_run
+
+    if is_text_run(args.run):
+        raise UserError("flowrl export writes diffusers pipelines; a text run's checkpoint is already a transformers model "
+                        "(RUN/checkpoints/iter_N/model)")
+    out = Path(args.out)
+    _no_file_on_the_way(out, "--out")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserError(f"--out '{out}' is not empty; give a new or empty directory")
+    cfg, policy, ckpt = _load_run_policy(Path(args.run), (), args.checkpoint)
+    weights = "EMA " if (ckpt / "ema_lora").is_dir() or (ckpt / "ema_transformer").is_dir() else ""
+    if not args.merge:
+        if not policy.has_lora:
+            raise UserError(f"--run '{args.run}' trained the whole transformer (lora.enabled false); export it with --merge")
+        policy.save_lora(out)
+        print(f"wrote {out}: the {weights}LoRA of {ckpt.name} (pipe.load_lora_weights('{out}'))")
+        return 0
+    if policy.lora_sigma_range is not None:
+        raise UserError(f"--merge: the run's adapter acts only at sigmas in lora.sigma_range {list(policy.lora_sigma_range)}, "
+                        "which a fused transformer cannot; export the LoRA alone (without --merge)")
+    if policy.has_lora:
+        policy.transformer.fuse_lora()
+        policy.transformer.unload_lora()
+    policy.pipe.save_pretrained(str(out), safe_serialization=True)
+    print(f"wrote {out}: {policy.pipeline_class.__name__} with the {weights}weights of {ckpt.name} fused in "
+          f"({policy.pipeline_class.__name__}.from_pretrained('{out}'))")
+    return 0
+
+
 def cmd_eval(args) -> int:
     from flowrl.text.cli import is_text_config, is_text_run
 
@@ -513,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flowrl: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "offline": cmd_offline, "rewards": cmd_rewards,
+    handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "export": cmd_export, "offline": cmd_offline, "rewards": cmd_rewards,
                "serve-reward": cmd_serve_reward, "config": cmd_config}[args.command]
     try:
         return handler(args)

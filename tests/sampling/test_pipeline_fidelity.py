@@ -1,7 +1,8 @@
 """flowrl samples what the diffusers pipeline samples (sampling.schedule pipeline): ODE rollouts of
 tiny SD3 and FLUX pipelines equal the pipelines' own __call__ (FLUX at two resolutions, so that
 dynamic shifting's mu differs), a LoRA trained by flowrl reproduces `flowrl sample` in plain
-diffusers, the presets' grids are their references' grids, and the SDE steps keep their precision."""
+diffusers (the checkpoint's adapter, `flowrl export`'s adapter or its merged pipeline), the
+presets' grids are their references' grids, and the SDE steps keep their precision."""
 
 from __future__ import annotations
 
@@ -82,6 +83,20 @@ def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp
                                                         num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32,
                                                         output_type="pt").images
     assert (base - ours).abs().max() > 1e-4  # the adapter changed the samples, so the match above means something
+
+    # flowrl export: the LoRA alone for load_lora_weights, and a standalone pipeline with it fused in
+    def pipeline_sample(p):
+        return p(prompt=PROMPTS, latents=latents, height=64, width=64, num_inference_steps=4, guidance_scale=3.5,
+                 max_sequence_length=32, output_type="pt").images
+
+    merged, lora = tmp_path / "merged", tmp_path / "lora"
+    assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
+    assert (pipeline_sample(FluxPipeline.from_pretrained(str(merged))) - ours).abs().max() <= 1e-5
+    assert main(["export", "--run", str(run), "-o", str(lora)]) == 0
+    pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
+    pipe.load_lora_weights(str(lora))
+    assert (pipeline_sample(pipe) - ours).abs().max() <= 1e-5
+    assert main(["export", "--run", str(run), "-o", str(lora)]) == 2  # never written over
 
 
 # ---- the presets' grids against their references, written out ------------------------------
