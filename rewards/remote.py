@@ -18,16 +18,14 @@ sentence naming the URL. 4xx replies (a bad request) stop at once.
 
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
 
 from flowrl.errors import UserError
 from rewards import wire
+from rewards.http import check_retry_options, request_with_retries
 from rewards.registry import register
-
-MAX_BACKOFF_S = 30.0
 
 
 class RemoteReward:
@@ -37,8 +35,7 @@ class RemoteReward:
     def __init__(self, url: str, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5):
         if not url.startswith(("http://", "https://")):
             raise UserError(f"remote reward url '{url}' must start with http:// or https://")
-        if timeout <= 0 or retries < 0 or backoff < 0:
-            raise UserError(f"remote reward needs timeout > 0, retries >= 0 and backoff >= 0; got {timeout}, {retries}, {backoff}")
+        check_retry_options("remote reward", timeout, retries, backoff)
         self.url, self.timeout, self.retries, self.backoff = url.rstrip("/"), float(timeout), int(retries), float(backoff)
         info = self._request("GET", "/info").json()
         if info.get("protocol") != wire.PROTOCOL:
@@ -54,36 +51,10 @@ class RemoteReward:
             raise UserError(f"reward server {self.url} sent a reply that is not a safetensors 'scores' tensor") from None
 
     def _request(self, method: str, path: str, data: bytes | None = None):
-        import requests
-
-        attempts = 1 + self.retries
-        problem = ""
-        for attempt in range(attempts):
-            if attempt:
-                time.sleep(min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
-            try:
-                reply = requests.request(method, self.url + path, data=data, timeout=self.timeout,
-                                         headers={"Content-Type": "application/octet-stream"} if data is not None else None)
-            except requests.Timeout:
-                problem = f"no answer within the timeout of {self.timeout:g} s"
-                continue
-            except requests.ConnectionError:
-                problem = "could not connect"
-                continue
-            if reply.status_code < 400:
-                return reply
-            message = _error_message(reply)
-            if reply.status_code < 500:  # our request is wrong: retrying cannot help
-                raise UserError(f"reward server {self.url} rejected the request ({reply.status_code}: {message})")
-            problem = f"server error {reply.status_code}: {message}"
-        raise UserError(f"reward server {self.url} failed {attempts} attempt{'s' if attempts > 1 else ''} ({problem}); start it with `flowrl serve-reward NAME` or fix its url")
-
-
-def _error_message(reply) -> str:
-    try:
-        return str(reply.json()["error"])
-    except Exception:
-        return reply.text.strip().splitlines()[0][:200] if reply.text.strip() else reply.reason or "no message"
+        return request_with_retries(method, self.url + path, f"reward server {self.url}",
+                                    "start it with `flowrl serve-reward NAME` or fix its url", self.timeout, self.retries,
+                                    self.backoff, data=data,
+                                    headers={"Content-Type": "application/octet-stream"} if data is not None else None)
 
 
 @register("remote", "a reward served by `flowrl serve-reward` elsewhere (options: url, timeout, retries, backoff)", factory=True)
