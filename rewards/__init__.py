@@ -23,6 +23,7 @@ from rewards import hps as _hps  # noqa: F401,E402  (hpsv2; open-clip-torch, ext
 from rewards import textsim as _textsim  # noqa: F401,E402  (text_similarity; extra textsim)
 from rewards import remote as _remote  # noqa: F401,E402  (remote: a reward server's client)
 from rewards import vlm_judge as _vlm_judge  # noqa: F401,E402  (vlm_judge: a VLM behind an OpenAI-compatible endpoint)
+from rewards import ocr as _ocr  # noqa: F401,E402  (ocr: Flow-GRPO's OCR reward; extra ocr)
 from rewards import shapes as _shapes  # noqa: F401,E402  (shapes: the verifiable reward of the embedded default)
 
 __all__ = [

@@ -9,18 +9,22 @@ from flowrl.schema import DataConfig
 
 
 
-BUILTIN_PROMPT_SETS = ("builtin:shapes-train", "builtin:shapes-heldout")
+BUILTIN_PROMPT_SETS = ("builtin:shapes-train", "builtin:shapes-heldout", "builtin:ocr")
+SHIPPED_PROMPTS = Path(__file__).resolve().parent.parent / "assets" / "prompts"
 
 
 def builtin_prompts(name: str, field: str, per_category: int | None = None) -> list[str]:
     """The shapes world's fixed prompt splits, category-balanced: each category's prompts
     cycled to `per_category` entries (default: the largest category's size, so every prompt
     appears). Balance matters because the grammar has 18 single-object prompts and over a
-    thousand position prompts, while the evaluation weighs the four categories equally."""
+    thousand position prompts, while the evaluation weighs the four categories equally.
+    builtin:ocr: 120 text-rendering prompts for the ocr reward, shipped as a text file."""
     from rewards.shapes_world import CATEGORIES, eval_set, prompt_split
 
     if name not in BUILTIN_PROMPT_SETS:
         raise UserError(f"{field} '{name}' names no built-in prompt set; built-ins: {', '.join(BUILTIN_PROMPT_SETS)}")
+    if name == "builtin:ocr":
+        return read_prompt_file(SHIPPED_PROMPTS / "ocr.txt", field)
     split = name.removeprefix("builtin:shapes-")
     per_category = per_category or max(len(prompt_split(split, c)) for c in CATEGORIES)
     return eval_set(per_category, split=split)
