@@ -281,8 +281,13 @@ class SelectionConfig:
 class GRPOConfig:
     """objective.kind grpo: the PPO-clipped surrogate over the SDE steps' log-probs (Flow-GRPO)."""
 
-    clip_range: float = 1e-4  # PPO ratio clip (Flow-GRPO: 1e-4)
+    clip_range: float = 1e-4  # PPO ratio clip (Flow-GRPO: 1e-4; GRPO-Guard's settings: 2e-6, 4e-6 for PickScore)
     clip_range_high: Optional[float] = None  # defaults to clip_range
+    # GRPO-Guard (arXiv 2510.22319), off in Flow-GRPO: ratio_norm takes the log-ratio as s (logp - logp_old) +
+    # mean(d^2) / (2 s), d = mu - mu_old, s the step's std (centred, one scale at every step); step_reweight
+    # divides each step's loss by its dt. Flow-GRPO's SDE (sampling.sampler flow_grpo) on flat rollouts only
+    ratio_norm: bool = False
+    step_reweight: bool = False
 
 
 @dataclass

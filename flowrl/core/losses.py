@@ -30,6 +30,18 @@ def clipped_policy_loss(
     return PolicyLoss(loss, ratio.detach(), (clipped > unclipped).detach())
 
 
+def ratio_norm_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
+                         std: torch.Tensor) -> torch.Tensor:
+    """GRPO-Guard's RatioNorm (Wang et al., arXiv 2510.22319; its code's `rationorm` branch): for a
+    Gaussian step x' = mu_old + s eps with dimension-averaged log-probs, the plain log-ratio is
+    mean(eps d) / s - mean(d^2) / (2 s^2), d = mu - mu_old: biased below 0 and scaled by 1 / s,
+    which differs from step to step. RatioNorm uses s (logp - logp_old) + mean(d^2) / (2 s) =
+    mean(eps d) instead: centred, and on one scale at every step. The d^2 term keeps its gradient.
+    Per row [B]; `std` is the step's s (a scalar or broadcastable)."""
+    d2 = (mean - old_mean).square().flatten(1).mean(1)
+    return std * (log_prob - old_log_prob) + d2 / (2 * std)
+
+
 def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Exact KL( N(mean, std^2 I) || N(ref_mean, std^2 I) ) = ||mean - ref_mean||^2 / (2 std^2),
     per sample [B]; 'sum' over dimensions is exact, 'mean' matches a mean-reduced log-prob."""

@@ -33,13 +33,16 @@ class TransitionBatch(NamedTuple):
     current weights (with grad; under the policy's `reference()` it gives the reference) and
     returns anything with a per-transition `log_prob`; `kl(current, reference, keep)` is the
     per-transition KL between two such evaluations over the kept transitions. `keep` masks the
-    transitions that carry gradient (None: all)."""
+    transitions that carry gradient (None: all). Flat rollouts also give the step's `dt` (sigma -
+    sigma_next) and `behaviour_mean()`, the sampling step's mean (GRPO-Guard needs both)."""
 
     evaluate: Callable[[], Any]
     old_log_prob: torch.Tensor
     advantages: torch.Tensor
     kl: Callable[[Any, Any, Any], torch.Tensor]
     keep: torch.Tensor | None = None
+    behaviour_mean: Callable[[], torch.Tensor] | None = None
+    dt: float | None = None
 
     def kept(self) -> int:
         return len(self.advantages) if self.keep is None else int(self.keep.sum())

@@ -221,3 +221,60 @@ def test_a_velocity_of_per_row_sigmas_equals_one_call_per_sigma(policy):
         rows = policy.velocity(x, sig, cond)
         one = torch.cat([policy.velocity(x[i : i + 1], float(sig[i]), policy.encode(["a red circle"])) for i in range(3)])
     torch.testing.assert_close(rows, one, rtol=1e-4, atol=1e-5)  # batch 3 against batch 1: kernel rounding only
+
+
+# ---- GRPO-Guard -----------------------------------------------------------------------------
+
+
+def _guard_reference_loss(mean, mean_old, x_next, std, dt, adv, clip):
+    """zhtmike/flow_grpo scripts/train_sd3_GRPO_Guard.py, its `rationorm` branch: dimension-averaged
+    Gaussian log-probs of the stored next latent, the ratio exp((logp - logp_old) s + mean(d^2) / (2 s))
+    with d = mu - mu_old (not detached), PPO's clip, and the step's loss divided by dt."""
+    def logp(m):
+        return (-((x_next - m) ** 2) / (2 * std**2) - torch.log(std) - torch.log(torch.sqrt(torch.tensor(2 * torch.pi)))).mean(
+            dim=(1, 2, 3))
+
+    d2 = ((mean - mean_old) ** 2).mean(dim=(1, 2, 3))
+    ratio = torch.exp((logp(mean) - logp(mean_old)) * std + d2 / (2 * std))
+    unclipped, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1.0 - clip, 1.0 + clip)
+    return torch.mean(torch.maximum(unclipped, clipped)) / dt
+
+
+def test_grpo_guard_loss_and_gradient_are_the_reference_codes(tiny_sd3_dir, policy):
+    from flowrl.sampling.steps import flow_grpo_step
+    from flowrl.train.experience import TransitionBatch
+    from flowrl.train.objectives.grpo import GRPO
+
+    obj = _objective(GRPO, tiny_sd3_dir, policy, ["objective.kind=grpo", "sampling.sampler=flow_grpo", "objective.grpo.ratio_norm=true",
+                                                  "objective.grpo.step_reweight=true", "objective.grpo.clip_range=2e-6",
+                                                  "trainer.kl_beta=0"])
+    obj.ctx.accelerator = SimpleNamespace(device=torch.device("cpu"))
+    x0, eps, _, prompts = _batch(policy, seed=4)
+    sigma, sigma_next = 0.7, 0.6
+    x_t = (1 - sigma) * x0 + sigma * eps
+    cond = policy.encode(prompts)
+    with torch.no_grad():  # the sampling step: an older model's velocity, then x' = mu_old + s eps'
+        v_old = policy.velocity(x_t, sigma, cond) + 0.05 * torch.randn(x_t.shape, generator=torch.Generator().manual_seed(6))
+        noise = torch.randn(x_t.shape, generator=torch.Generator().manual_seed(7))
+        behaviour = flow_grpo_step(x_t, v_old, sigma, sigma_next, noise=noise, sigma_max=0.9)
+    adv = torch.tensor([1.2, -0.3, -0.9, 0.5, 0.7, -1.2])
+
+    def evaluate():
+        return flow_grpo_step(x_t, policy.velocity(x_t, sigma, cond), sigma, sigma_next, x_next=behaviour.next_x, sigma_max=0.9)
+
+    mb = TransitionBatch(evaluate, behaviour.log_prob, adv, lambda *a: torch.zeros(()), None,
+                         behaviour_mean=lambda: behaviour.mean, dt=sigma - sigma_next)
+    ours, terms, _ = obj.micro_batch_loss(mb)
+    out = evaluate()
+    ref = _guard_reference_loss(out.mean, behaviour.mean, behaviour.next_x, out.std, sigma - sigma_next, adv, 2e-6)
+    _close(ours.detach(), ref.detach())
+    _close(_grads(ours, policy), _grads(ref, policy))
+    plain = torch.exp(out.log_prob - behaviour.log_prob).detach()  # Flow-GRPO's ratio: biased below 1
+    assert (terms.ratio - 1).abs().mean() < (plain - 1).abs().mean()
+
+
+def test_grpo_guard_needs_flow_grpos_sde_on_flat_rollouts(tiny_sd3_dir):
+    from flowrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="GRPO-Guard"):
+        load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "sampling.sampler=dance_grpo", "objective.grpo.ratio_norm=true"])

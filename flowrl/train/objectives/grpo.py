@@ -20,8 +20,8 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.core import clipped_policy_loss
-from flowrl.core.losses import PolicyLoss
-from flowrl.errors import check_positive
+from flowrl.core.losses import PolicyLoss, ratio_norm_log_ratio
+from flowrl.errors import ConfigError, check_positive
 from flowrl.sampling.noise import Stream, sample_seed
 from flowrl.sampling.precision import check_training_precision
 from flowrl.sampling.rollout import policy_precision
@@ -43,6 +43,12 @@ class GRPO(Objective):
         check_positive("objective.grpo.clip_range", g.clip_range)
         if g.clip_range_high is not None:
             check_positive("objective.grpo.clip_range_high", g.clip_range_high)
+        if g.ratio_norm or g.step_reweight:
+            guard = "objective.grpo.ratio_norm" if g.ratio_norm else "objective.grpo.step_reweight"
+            if cfg.sampling.sampler != "flow_grpo" or cfg.rollout.kind != "flat" or cfg.sampling.logprob_reduction != "mean":
+                raise ConfigError(f"{guard} (GRPO-Guard) is defined for Flow-GRPO's SDE with dimension-averaged log-probs "
+                                  "on flat rollouts: sampling.sampler flow_grpo, sampling.logprob_reduction mean, rollout.kind "
+                                  f"flat; got {cfg.sampling.sampler}, {cfg.sampling.logprob_reduction}, {cfg.rollout.kind}")
 
     def update(self, experience: Experience) -> dict:
         """Refuses an experience not sampled in the training precision (Sol-RL's guard: a
@@ -114,8 +120,12 @@ class GRPO(Objective):
             return out.log_prob.sum() * 0.0, None, torch.zeros((), device=device)
         keep = mb.keep.to(device) if mb.keep is not None else slice(None)
         old, adv = mb.old_log_prob.to(device)[keep], mb.advantages.to(device)[keep]
-        pl = clipped_policy_loss(out.log_prob[keep], old, adv, g.clip_range, clip_hi)
-        loss = pl.loss
+        log_prob = out.log_prob[keep]
+        if g.ratio_norm:  # GRPO-Guard: the ratio exp(log_prob - old) becomes exp(RatioNorm's log-ratio)
+            log_prob = ratio_norm_log_ratio(log_prob, old, out.mean[keep], mb.behaviour_mean()[keep], out.std)
+            old = torch.zeros_like(old)
+        pl = clipped_policy_loss(log_prob, old, adv, g.clip_range, clip_hi)
+        loss = pl.loss / mb.dt if g.step_reweight else pl.loss  # GRPO-Guard's reweighting: the step's loss over its dt
         kl = torch.zeros((), device=device)
         if t.kl_beta > 0:
             with torch.no_grad(), ctx.policy.reference():

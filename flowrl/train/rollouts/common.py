@@ -14,7 +14,7 @@ import torch
 from flowrl.core.advantages import AdvantageOutput, estimate_advantages
 from flowrl.core.losses import gaussian_kl
 from flowrl.errors import ConfigError, UserError
-from flowrl.sampling.noise import sample_seed
+from flowrl.sampling.noise import sample_seed, seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, transition
 from flowrl.sampling.schedules import shifted_sigmas, window_mask
 from flowrl.sampling.steps import transition_std
@@ -69,6 +69,14 @@ def recompute_transition(policy, traj: Trajectory, spec: SamplerSpec, rows: slic
     """The `step` transition of `rows` of a flat trajectory under the policy's current weights
     (with grad): a TransitionBatch's `evaluate`."""
     return transition(policy, traj, spec, rows, step, policy.encode(traj.prompts[rows]))
+
+
+def behaviour_mean(policy, traj: Trajectory, spec: SamplerSpec, rows: slice, step: int) -> torch.Tensor:
+    """The mean of the sampling step `step` of `rows`: x_next - s eps, its noise eps drawn again
+    from the samples' (seed, step) generators, as the rollout drew it."""
+    x_next = traj.latents[rows, step + 1].to(policy.device)
+    eps = seeded_noise(traj.seeds[rows].tolist(), step, tuple(x_next.shape[1:]), policy.device)
+    return x_next - spec.std(step) * eps
 
 
 def successes(cfg, total_rewards: torch.Tensor) -> torch.Tensor:
@@ -134,7 +142,8 @@ def stage_experience(ctx, iteration: int, stages: list[Stage], spec: SamplerSpec
             local_adv = advantages_at(advantages, index[c])
             transitions.append([
                 TransitionBatch(partial(recompute_transition, policy, traj, spec, c, step), traj.log_probs[c, step], local_adv,
-                                step_kl(spec.reduction))
+                                step_kl(spec.reduction), behaviour_mean=partial(behaviour_mean, policy, traj, spec, c, step),
+                                dt=float(spec.sigmas[step] - spec.sigmas[step + 1]))
                 for step in trained_steps
             ])
             samples.append(SampleBatch(traj.final[c], traj.prompts[c], traj.seeds[c], index[c]))
