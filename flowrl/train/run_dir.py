@@ -53,18 +53,10 @@ class RunDir:
     def read_metrics(self) -> list[dict]:
         """The rows of metrics.jsonl. A last row cut short by a crash is left out (a resume
         writes it again); a bad row before the last is an error naming its line."""
-        if not self.metrics_file.is_file():
-            return []
-        lines = [line for line in self.metrics_file.read_text().splitlines() if line.strip()]
-        rows = []
-        for number, line in enumerate(lines, 1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if number < len(lines):
-                    raise UserError(f"{self.metrics_file} line {number} is not a JSON row; fix or remove that line") from None
-                print(f"flowrl: the last row of {self.metrics_file} was cut short (a crash while writing it); left out",
-                      file=sys.stderr)
+        rows, cut = read_json_lines(self.metrics_file)
+        if cut:
+            print(f"flowrl: the last row of {self.metrics_file} was cut short (a crash while writing it); left out",
+                  file=sys.stderr)
         return rows
 
     def truncate_metrics(self, before_iteration: int) -> list[dict]:
@@ -136,3 +128,21 @@ def trailing_mean(values: list[float | None], window: int) -> list[float]:
         seen = [v for v in values[max(0, i + 1 - window) : i + 1] if v is not None]
         out.append(sum(seen) / len(seen) if seen else float("nan"))
     return out
+
+
+def read_json_lines(path: Path) -> tuple[list[dict], bool]:
+    """The rows of a JSON-lines file (none when it does not exist) and whether its last row was
+    cut short, as an interruption while writing it leaves it; a bad row before the last is an
+    error naming its line."""
+    if not path.is_file():
+        return [], False
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):
+                raise UserError(f"{path} line {number} is not a JSON row; fix or remove that line") from None
+            return rows, True
+    return rows, False

@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from flowrl.errors import UserError
+from flowrl.train.run_dir import read_json_lines
 from rewards.simple import to_uint8
 
 MANIFEST = "samples.jsonl"
@@ -35,19 +36,11 @@ class SampleDir:
 
     def _read(self) -> list[dict]:
         """The manifest's rows; a last row cut short by an interruption is dropped from the file."""
-        if not self.manifest.is_file():
-            return []
-        lines = [line for line in self.manifest.read_text(encoding="utf-8").splitlines() if line.strip()]
-        rows = []
-        for number, line in enumerate(lines, 1):
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if number < len(lines):
-                    raise UserError(f"{self.manifest} line {number} is not a JSON row; fix or remove that line") from None
-                tmp = self.manifest.with_suffix(".tmp")  # the cut row would otherwise run into the next one
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-                os.replace(tmp, self.manifest)
+        rows, cut = read_json_lines(self.manifest)
+        if cut:  # the cut row would otherwise run into the next one written
+            tmp = self.manifest.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+            os.replace(tmp, self.manifest)
         return rows
 
     def _check(self, rows: list[dict]) -> set[int]:
