@@ -54,7 +54,7 @@ def test_a_prompt_without_quoted_text_is_one_sentence():
 def rendered(word: str) -> torch.Tensor:
     image = Image.new("RGB", (320, 112), "white")
     ImageDraw.Draw(image).text((20, 20), word, fill="black", font=ImageFont.load_default(size=56))
-    return torch.from_numpy(np.asarray(image)).permute(2, 0, 1).float().div(255)
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).float().div(255)
 
 
 def test_the_engine_reads_rendered_text_back():

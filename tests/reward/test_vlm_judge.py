@@ -94,7 +94,7 @@ def test_a_score_is_parsed_from_each_answer_and_the_request_is_the_references(se
                                                                     "image_size": 64, "concurrency": 2}})
     with caplog.at_level(logging.DEBUG):
         got = reward(images(2), ["a red circle", "two blue squares"])
-    assert got[:, 0].tolist() == [4 / 5, 2.5 / 5]
+    assert got[:, 0].tolist() == pytest.approx([4 / 5, 2.5 / 5])
     body = server.bodies[0]
     image, text = body["messages"][0]["content"]  # the image first, then the text (UnifiedReward's order)
     assert image["type"] == "image_url" and text["type"] == "text" and body["temperature"] == 0.0 and body["model"] == "judge"
