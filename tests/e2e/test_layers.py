@@ -5,6 +5,7 @@ type-only imports counted, and flowrl.core's one third-party import."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -16,7 +17,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_import_linter_contracts_hold(monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+    # import-linter's CLI configures logging with dictConfig, which disables every logger that exists
+    # already: in a test worker, flowrl's own loggers would then be silent for the tests that follow
+    loggers = [lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)]
+    disabled = [lg.disabled for lg in loggers]
+    try:
+        assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+    finally:
+        for lg, was in zip(loggers, disabled):
+            lg.disabled = was
 
 
 def test_core_imports_only_torch_and_the_standard_library():

@@ -201,6 +201,8 @@ def test_group_batches_pack_whole_groups_and_refuse_a_split_group():
     assert all(p.weight == 1.0 for p in packs)
     tied = _experience([0, 0, 1, 1], torch.tensor([0, 1, 2, 3]), advantages=[0.0, 0.0, 1.0, -1.0])
     assert [p.groups.tolist() for p in group_batches(tied, _Acc(), batch_size=4)] == [[1, 1]]  # no preference, not trained
+    all_tied = _experience([0, 0, 1, 1], torch.tensor([0, 1, 2, 3]), advantages=[0.0] * 4)
+    assert group_batches(all_tied, _Acc(), batch_size=4) == []  # an iteration with no preference anywhere trains nothing
     split = _experience([0, 0, 1, 1], torch.tensor([0, 1, 2]))  # the other process holds sample 3 of group 1
     with pytest.raises(UserError, match="group 1 is split across 2 processes"):
         group_batches(split, _Acc(2), batch_size=4)

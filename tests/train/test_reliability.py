@@ -229,7 +229,7 @@ def test_overrides_anywhere_version_presets_and_config_show(tmp_path, tiny_sd3_d
     assert main(["config", "show", "trainer.lr=0.002"]) == 0
     shown = capsys.readouterr().out
     assert "  lr: 0.002" in shown and "  budget_minutes: 28.0  # > 0: time the first budget_probe iterations" in shown
-    assert "  kind: nft" in shown and "  weights: {\"shapes\": 1.0, \"shapes_quality\": 1.0}" in shown
+    assert "  kind: dgpo" in shown and "  weights: {\"shapes\": 1.0, \"shapes_quality\": 1.0}" in shown
     from omegaconf import OmegaConf
 
     assert OmegaConf.to_container(OmegaConf.create(shown))["trainer"]["lr"] == 0.002  # what it prints is YAML

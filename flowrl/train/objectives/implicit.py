@@ -85,7 +85,9 @@ def group_batches(experience: Experience, accelerator, batch_size: int) -> list[
     if current:
         packs.append(_pack(x0, prompts, groups, index, current))
     rounds = int(accelerator.gather(torch.tensor([len(packs)], device=accelerator.device)).max())
-    if not packs and rounds:  # no local group to train: train nothing, but keep DDP in step
+    if not rounds:  # no group prefers anything on any process (all rewards tied): nothing to train
+        return []
+    if not packs:  # no local group to train: train nothing, but keep DDP in step
         b = experience.samples[0]
         packs = [GroupBatch(b.x0[:1].float(), b.prompts[:1], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0.0)]
     return packs + [packs[-1]._replace(weight=0.0)] * (rounds - len(packs))
