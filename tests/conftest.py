@@ -35,3 +35,9 @@ def _isolated_cache(tmp_path_factory):
     # built-in models materialise into a private cache, never the user's home
     os.environ["FLOWRL_CACHE"] = str(tmp_path_factory.mktemp("flowrl-cache"))
 
+
+
+def pytest_collection_modifyitems(config, items):
+    # the longest tests first: pytest-xdist hands out the first tests alternately to its workers,
+    # so the long ones run side by side from the start instead of one of them ending the suite alone
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

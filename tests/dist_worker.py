@@ -2,7 +2,8 @@
 trains briefly and writes this rank's weights and metrics so the test can compare the
 processes. Usage: dist_worker.py OUT MODEL_DIR [OVERRIDE ...]. Rank 0 also writes the whole
 trained weights (full.safetensors, gathered from the shards under fsdp2) and an ODE sample of
-them (sample.safetensors)."""
+them (sample.safetensors). The tests run the one-process case in their own process, through
+`train_and_write`: a fresh interpreter would only add its start-up (about 20 s on a 2-core box)."""
 
 import json
 import sys
@@ -15,22 +16,28 @@ from flowrl.sampling.rollout import rollout
 from flowrl.train.loop import Trainer
 from flowrl.train.sharding import local
 
-out, model_dir, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-cfg = load_config("tiny_jpeg", [
-    f"model.path={model_dir}", "trainer.iterations=2", "data.prompts_per_iteration=2", "data.group_size=4",
-    "sampling.batch_size=2", "sampling.num_steps=3", "sampling.eval_num_steps=2", "run.tracker=none",
-    "run.progress=false", "run.sample_every=0", "run.checkpoint_every=0", "trainer.kl_beta=0.01", *extra,
-])
-trainer = Trainer(cfg, run_dir=out / "run")
-end_training, trainer.accelerator.end_training = trainer.accelerator.end_training, lambda: None  # collectives follow
-history = trainer.train()
-rank = trainer.accelerator.process_index
-save_file({n: local(p).detach().contiguous() for n, p in trainer.params.items()}, str(out / f"rank{rank}.safetensors"))
-(out / f"rank{rank}.json").write_text(json.dumps({"world": trainer.accelerator.num_processes, "history": history}))
-full = trainer.layout.full(trainer.params)  # every process takes part; rank 0 gets the weights
-with trainer.layout.gathered():
-    if rank == 0:
-        save_file({n: t.contiguous() for n, t in full.items()}, str(out / "full.safetensors"))
-        traj = rollout(trainer.policy, ["a red circle", "a blue square"], [7, 8], trainer.eval_spec(), 2)
-        save_file({"final": traj.final.contiguous()}, str(out / "sample.safetensors"))
-end_training()
+
+def train_and_write(out: Path, model_dir: str, extra: list[str]) -> None:
+    """Train briefly and write this process's weights and metrics under `out` (see the module's text)."""
+    cfg = load_config("tiny_jpeg", [
+        f"model.path={model_dir}", "trainer.iterations=2", "data.prompts_per_iteration=2", "data.group_size=4",
+        "sampling.batch_size=2", "sampling.num_steps=3", "sampling.eval_num_steps=2", "run.tracker=none",
+        "run.progress=false", "run.sample_every=0", "run.checkpoint_every=0", "trainer.kl_beta=0.01", *extra,
+    ])
+    trainer = Trainer(cfg, run_dir=out / "run")
+    end_training, trainer.accelerator.end_training = trainer.accelerator.end_training, lambda: None  # collectives follow
+    history = trainer.train()
+    rank = trainer.accelerator.process_index
+    save_file({n: local(p).detach().contiguous() for n, p in trainer.params.items()}, str(out / f"rank{rank}.safetensors"))
+    (out / f"rank{rank}.json").write_text(json.dumps({"world": trainer.accelerator.num_processes, "history": history}))
+    full = trainer.layout.full(trainer.params)  # every process takes part; rank 0 gets the weights
+    with trainer.layout.gathered():
+        if rank == 0:
+            save_file({n: t.contiguous() for n, t in full.items()}, str(out / "full.safetensors"))
+            traj = rollout(trainer.policy, ["a red circle", "a blue square"], [7, 8], trainer.eval_spec(), 2)
+            save_file({"final": traj.final.contiguous()}, str(out / "sample.safetensors"))
+    end_training()
+
+
+if __name__ == "__main__":
+    train_and_write(Path(sys.argv[1]), sys.argv[2], sys.argv[3:])
