@@ -20,7 +20,8 @@ LORA = ["lora.rank=4", "lora.alpha=8", "lora.target_modules=[to_q,to_k,to_v,to_o
 def one_block_sd3(tmp_path_factory):
     """The tiny SD3 with a single transformer block: the fewest graphs to compile (Inductor's C++
     builds dominate these tests). The tests share its graphs (guidance 3, ROWS rows), so Inductor's
-    on-disk cache spares the later ones most of the building."""
+    on-disk cache spares the later ones most of the building. They are not marked slow: the suite
+    runs its slow tests first, side by side, where these would each build the same graphs at once."""
     from flowrl.models.tiny import build_tiny_sd3
 
     return str(build_tiny_sd3(tmp_path_factory.mktemp("one-block-sd3") / "pipe", num_layers=1))
@@ -98,7 +99,6 @@ def test_padding_to_the_batch_size_changes_no_row(one_block_sd3):
     torch.testing.assert_close(padded_rows, plain_rows, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["blocks", "full"])
 def test_compiled_velocity_equals_eager(one_block_sd3, mode):
     # the policy's velocity and the adapter-disabled reference, a short batch (3 of ROWS rows):
@@ -126,7 +126,6 @@ def test_compiled_velocity_equals_eager(one_block_sd3, mode):
     assert again.shape == eager.shape
 
 
-@pytest.mark.slow
 def test_training_compiles_only_in_its_first_iteration(tmp_path, one_block_sd3, capsys):
     # nft with a KL: rollouts (no grad, eval), v_old (no grad, train mode), the trained velocity (grad)
     # and the reference (adapter disabled), all with guidance; 6 samples in batches of 4, so the last is padded
