@@ -50,6 +50,8 @@ def ocr_score(recognised: str, target: str) -> float:
     return 1.0 - distance / len(target)
 
 
+@register("ocr", "Flow-GRPO's OCR reward: 1 - normalised edit distance between the prompt's quoted text and "
+          "RapidOCR's reading (PP-OCRv4, extra ocr; option min_confidence)")
 class OCRReward:
     def __init__(self, min_confidence: float = 0.0):
         try:
@@ -77,8 +79,3 @@ class OCRReward:
             scores.append(ocr_score(recognised, target))
         return torch.tensor(scores, dtype=torch.float32)
 
-
-@register("ocr", "Flow-GRPO's OCR reward: 1 - normalised edit distance between the prompt's quoted text and "
-          "RapidOCR's reading (PP-OCRv4, extra ocr; option min_confidence)", factory=True)
-def ocr(min_confidence: float = 0.0):
-    return OCRReward(min_confidence)

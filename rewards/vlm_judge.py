@@ -60,6 +60,8 @@ YES_TEMPLATE = 'Does this figure show "{prompt}"? Please answer yes or no.'
 SCORE_PATTERN = r"Final Score:\s*([1-5](?:\.\d+)?)"
 
 
+@register("vlm_judge", "a vision-language judge behind an OpenAI-compatible endpoint (vLLM, SGLang): a parsed 1-5 score "
+          "or P(Yes) (options: url, model, mode, template, api_key_env, concurrency, timeout, retries)")
 class VLMJudge:
     def __init__(self, url: str, model: str, mode: str = "score", template: str | None = None,
                  score_pattern: str = SCORE_PATTERN, score_max: float = 5.0, yes_match: str = "exact",
@@ -158,12 +160,3 @@ class VLMJudge:
         log.warning("vlm_judge: no score in the answer %r (score_pattern %s); the image is invalid", snippet, self.pattern.pattern)
         return math.nan
 
-
-@register("vlm_judge", "a vision-language judge behind an OpenAI-compatible endpoint (vLLM, SGLang): a parsed 1-5 score "
-          "or P(Yes) (options: url, model, mode, template, api_key_env, concurrency, timeout, retries)", factory=True)
-def vlm_judge(url: str, model: str, mode: str = "score", template: str | None = None, score_pattern: str = SCORE_PATTERN,
-              score_max: float = 5.0, yes_match: str = "exact", top_logprobs: int = 20, max_tokens: int = 512,
-              image_size: int = 512, concurrency: int = 8, timeout: float = 120.0, retries: int = 3, backoff: float = 0.5,
-              api_key_env: str = "", unparseable: str = "invalid"):
-    return VLMJudge(url, model, mode, template, score_pattern, score_max, yes_match, top_logprobs, max_tokens, image_size,
-                    concurrency, timeout, retries, backoff, api_key_env, unparseable)

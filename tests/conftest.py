@@ -36,7 +36,6 @@ def _isolated_cache(tmp_path_factory):
     os.environ["FLOWRL_CACHE"] = str(tmp_path_factory.mktemp("flowrl-cache"))
 
 
-
 def pytest_collection_modifyitems(config, items):
     # the longest tests first: pytest-xdist hands out the first tests alternately to its workers,
     # so the long ones run side by side from the start instead of one of them ending the suite alone

@@ -62,9 +62,7 @@ class RunDir:
     def truncate_metrics(self, before_iteration: int) -> list[dict]:
         """Drop rows logged after the checkpoint we resume from (they will be logged again)."""
         rows = [r for r in self.read_metrics() if r["iteration"] < before_iteration]
-        tmp = self.metrics_file.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        os.replace(tmp, self.metrics_file)
+        write_json_lines(self.metrics_file, rows)
         return rows
 
     def plot_reward_curve(self, rows: list[dict], out: Path | None = None) -> Path | None:
@@ -146,3 +144,10 @@ def read_json_lines(path: Path) -> tuple[list[dict], bool]:
                 raise UserError(f"{path} line {number} is not a JSON row; fix or remove that line") from None
             return rows, True
     return rows, False
+
+
+def write_json_lines(path: Path, rows: list[dict]) -> None:
+    """Replace `path` with `rows`, one JSON row per line, whole or not at all (a temporary file renamed)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from flowrl.errors import UserError
-from flowrl.train.run_dir import read_json_lines
+from flowrl.train.run_dir import read_json_lines, write_json_lines
 from rewards.simple import to_uint8
 
 MANIFEST = "samples.jsonl"
@@ -38,9 +38,7 @@ class SampleDir:
         """The manifest's rows; a last row cut short by an interruption is dropped from the file."""
         rows, cut = read_json_lines(self.manifest)
         if cut:  # the cut row would otherwise run into the next one written
-            tmp = self.manifest.with_suffix(".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-            os.replace(tmp, self.manifest)
+            write_json_lines(self.manifest, rows)
         return rows
 
     def _check(self, rows: list[dict]) -> set[int]:

@@ -33,7 +33,6 @@ FULL_FINETUNE = ["lora.enabled=false", "trainer.lr=1e-3"]
 
 def train_worker(out: Path, model_dir: str, overrides: list[str], processes: int) -> dict:
     if processes == 1:  # in this process: a fresh interpreter would only add its start-up
-        out.mkdir(parents=True)
         train_and_write(out, model_dir, overrides)
     else:
         cmd = [*LAUNCH, str(WORKER), str(out), model_dir, *overrides]
