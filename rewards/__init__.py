@@ -24,6 +24,7 @@ from rewards import textsim as _textsim  # noqa: F401,E402  (text_similarity; ex
 from rewards import remote as _remote  # noqa: F401,E402  (remote: a reward server's client)
 from rewards import vlm_judge as _vlm_judge  # noqa: F401,E402  (vlm_judge: a VLM behind an OpenAI-compatible endpoint)
 from rewards import ocr as _ocr  # noqa: F401,E402  (ocr: Flow-GRPO's OCR reward; extra ocr)
+from rewards import imagereward as _imagereward  # noqa: F401,E402  (imagereward: BLIP + MLP, weights converted once)
 from rewards import shapes as _shapes  # noqa: F401,E402  (shapes: the verifiable reward of the embedded default)
 
 __all__ = [

@@ -89,7 +89,7 @@ def exact_match(policy, cfg, data) -> dict[str, float]:
 
 
 def base_scores(runs: Path, pool: str, cfg, smoke: bool) -> dict[str, float]:
-    from flowrl.text.train import load_text_policy
+    from flowrl.text.policy import load_text_policy
 
     cache_file = runs / "text_base_eval.json"
     cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}

@@ -64,7 +64,7 @@ def held_out_line(policy, cfg: TextConfig) -> str:
 
 def policy_for(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None = None):
     """The trained policy of a run's checkpoint (latest by default), or a config's base model."""
-    from flowrl.text.train import load_text_policy
+    from flowrl.text.policy import load_text_policy
     from flowrl.train.checkpoint import checkpoint_name, latest_checkpoint
 
     if run is None:

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.lr_schedule import LR_SCHEDULES
+from flowrl.core.off_policy import WEIGHT_LEVELS, WEIGHT_MODES
 from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
 from flowrl.errors import ConfigError, check_choice
 from flowrl.schema import AllocatorConfig
@@ -20,7 +21,8 @@ from flowrl.yaml_config import merge_config, preset_path, read_yaml
 TASK = "text"
 # keys that moved to the image config's names for the same concept: the old name is refused with a sentence naming the new one
 TEXT_MOVED_KEYS = {"loss.kl_beta": "trainer.kl_beta", "loss.advantage": "advantage.kind", "loss.scale_rewards": "advantage.std"}
-BUILTIN_TEXT_MODELS = ("add",)  # model.path builtin:NAME, shipped in the package
+BUILTIN_TEXT_MODELS = ("add",)
+OFF_POLICY_LOSSES = ("decoupled", "m2po")  # model.path builtin:NAME, shipped in the package
 
 
 @dataclass
@@ -71,6 +73,13 @@ class TextLossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low: DAPO's clip-higher (0.28)
     overlong_mask: bool = False  # DAPO: completions cut at max_new_tokens carry no loss
+    # with run.async_rollouts (docs/text.md, "Asynchronous rollouts"): decoupled (AReaL's PPO: the clip against the
+    # weights at the update's start, times the behaviour weight) | m2po (M2PO's second-moment mask, no clip)
+    off_policy: str = "decoupled"
+    behaviour_weight: str = "none"  # decoupled's weight exp(proximal - behaviour): none (as it is) | truncate (TIS) | mask (rejection)
+    behaviour_cap: float = 2.0  # truncate and mask: the cap on the behaviour weight (TIS: 2)
+    behaviour_level: str = "token"  # token | sequence (the geometric mean of the sequence's token weights)
+    m2po_tau: float = 0.04  # m2po: the bound on the mean squared log-ratio of the kept tokens
 
 
 @dataclass
@@ -116,6 +125,9 @@ class TextRunConfig:
     checkpoint_every: int = 10
     progress: bool = True
     cpu_processes: int = 1  # > 1 on a CPU: `flowrl train` starts this many processes joined by gloo (docs/text.md)
+    # a producer process collects batches ahead of the trainer with the newest weights it has received (docs/text.md)
+    async_rollouts: bool = False
+    max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
 
 
 @dataclass
@@ -160,6 +172,22 @@ def load_text_config(path: str | Path, overrides: list[str] | None = None) -> Te
     return cfg
 
 
+def validate_off_policy(cfg: TextConfig) -> None:
+    l, r = cfg.loss, cfg.run
+    check_choice("loss.off_policy", l.off_policy, OFF_POLICY_LOSSES)
+    check_choice("loss.behaviour_weight", l.behaviour_weight, WEIGHT_MODES)
+    check_choice("loss.behaviour_level", l.behaviour_level, WEIGHT_LEVELS)
+    for key, value in (("loss.behaviour_cap", l.behaviour_cap), ("loss.m2po_tau", l.m2po_tau)):
+        if not value > 0:
+            raise ConfigError(f"{key} must be > 0; got {value}")
+    if r.max_staleness < 0:
+        raise ConfigError(f"run.max_staleness must be >= 0 (0: every batch sampled with the newest weights); got {r.max_staleness}")
+    if r.async_rollouts and r.cpu_processes > 1:
+        raise ConfigError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1")
+    if r.async_rollouts and l.ratio_level != "token":
+        raise ConfigError("run.async_rollouts trains with a token-level off-policy loss (loss.off_policy); set loss.ratio_level: token")
+
+
 def validate_text(cfg: TextConfig) -> None:
     d, g, l, t = cfg.data, cfg.generation, cfg.loss, cfg.trainer
     check_choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
@@ -184,6 +212,7 @@ def validate_text(cfg: TextConfig) -> None:
     check_choice("loss.aggregation", l.aggregation, AGGREGATIONS)
     check_choice("loss.ratio_level", l.ratio_level, RATIO_LEVELS)
     check_choice("advantage.std", cfg.advantage.std, ("group", "global", "none"))
+    validate_off_policy(cfg)
     check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
     for key, value in (("loss.clip_low", l.clip_low), ("loss.clip_high", l.clip_high), ("trainer.lr", t.lr)):
         if not value > 0:

@@ -12,7 +12,7 @@ import torch
 
 from flowrl.errors import UserError
 from flowrl.devices import DTYPES, pick_device
-from flowrl.text.config import TextGenerationConfig, TextLoraConfig, TextModelConfig
+from flowrl.text.config import TextConfig, TextGenerationConfig, TextLoraConfig, TextModelConfig
 from flowrl.text.generate import Generation, generate, sequence_log_probs
 
 
@@ -131,3 +131,15 @@ class CausalLMPolicy:
             from transformers import AutoModelForCausalLM
 
             self.model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=DTYPES[self.cfg.dtype]).to(self.device).eval()
+
+
+def load_text_policy(cfg: TextConfig, trainable: bool = True, device: torch.device | None = None, reference: bool = True) -> CausalLMPolicy:
+    """The policy as the text trainer builds it: its LoRA (seeded by trainer.seed) or full fine-tuning,
+    with the frozen reference copy the KL needs unless `reference` is False."""
+    policy = CausalLMPolicy.from_config(cfg.model, device=device)
+    if trainable:
+        if cfg.lora.enabled:
+            policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
+        else:
+            policy.enable_full_finetune(keep_reference=reference and cfg.trainer.kl_beta > 0)
+    return policy

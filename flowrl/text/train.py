@@ -3,6 +3,8 @@ prompts and group sizes, the policy samples completions with its KV cache, the t
 score them against the dataset's columns, a shared advantage estimator turns them into one
 advantage per completion, and the token-level clipped surrogate (flowrl/core/token_losses.py)
 updates the policy. Runs, metrics, checkpoints and exact resume use the image loop's pieces.
+With run.async_rollouts a producer process collects ahead of the trainer
+(flowrl/train/async_rollouts.py) and the loss is an off-policy one (loss.off_policy).
 
 Every draw is keyed by (seed, iteration, sample), so a resumed run repeats an uninterrupted one,
 and several processes (accelerate's launcher or run.cpu_processes) train as one: each process
@@ -14,70 +16,33 @@ gradients are summed across processes before the one optimizer step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from flowrl.core.advantages import estimate_advantages
-from flowrl.core.allocation import allocate_in_stages, spending_by_bucket
+from flowrl.core.allocation import spending_by_bucket
+from flowrl.core.off_policy import behaviour_weights, decoupled_policy_loss, m2po_mask, m2po_policy_loss
 from flowrl.core.token_losses import aggregate, k3_kl, overlong_mask, token_policy_loss
 from flowrl.errors import UserError
 from flowrl.sampling.noise import Stream, sample_seed
+from flowrl.text.collect import TextExperience, build_text_collector, producer_collector
 from flowrl.text.config import TextConfig
-from flowrl.text.data import PromptSet, load_prompt_set
-from flowrl.text.generate import Generation, concat
+from flowrl.text.data import PromptSet
+from flowrl.text.generate import Generation
 from flowrl.text.policy import CausalLMPolicy
+from flowrl.train.async_rollouts import RolloutProducer
 from flowrl.train.checkpoint import restore_weights, save_checkpoint
-from flowrl.train.experience import ProcessShard, gather_real
 from flowrl.train.processes import plain_accelerator, start_processes
-from flowrl.train.rollouts.common import successes
 from flowrl.train.run_dir import RunDir
 from flowrl.train.run_manager import RunManager
 from rewards.text import TextReward
 
 
-@dataclass
-class TextExperience:
-    """One iteration's completions: the whole batch's prompts, rewards and advantages (the same on
-    every process), and this process's share of the completions themselves."""
-
-    iteration: int
-    prompt_ids: torch.Tensor  # [N] index into the prompt set, every sample drawn
-    rewards: torch.Tensor  # [N, K]
-    valid: torch.Tensor  # [N]
-    advantages: torch.Tensor  # [N]
-    lengths: torch.Tensor  # [N] completion tokens
-    truncated: torch.Tensor  # [N] bool
-    trained: torch.Tensor  # [N] bool: the samples the loss sees (the allocator's `keep`; all, but for reinforce_ada)
-    degenerate: torch.Tensor  # [G] bool per prompt drawn (sorted ids `groups`): every valid reward equal
-    groups: torch.Tensor  # [G]
-    gen: Generation  # [n] this process's completions that train
-    rows: torch.Tensor  # [n] each one's index among the N, -1 for a padding copy (the processes' shares are padded)
-
-    @property
-    def local_advantages(self) -> torch.Tensor:
-        return torch.where(self.rows >= 0, self.advantages[self.rows.clamp(min=0)], torch.zeros(()))
-
-    @property
-    def local_valid(self) -> torch.Tensor:
-        return (self.rows >= 0) & self.valid[self.rows.clamp(min=0)]
-
-
 def default_text_run_dir(cfg: TextConfig) -> Path:
     return Path(cfg.run.output_dir) / (cfg.run.name or time.strftime("text-%Y%m%d-%H%M%S"))
-
-
-def load_text_policy(cfg: TextConfig, trainable: bool = True, device: torch.device | None = None) -> CausalLMPolicy:
-    policy = CausalLMPolicy.from_config(cfg.model, device=device)
-    if trainable:
-        if cfg.lora.enabled:
-            policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
-        else:
-            policy.enable_full_finetune(keep_reference=cfg.trainer.kl_beta > 0)
-    return policy
 
 
 class TextTrainer(RunManager):
@@ -91,63 +56,55 @@ class TextTrainer(RunManager):
         cpu, run_dir = start_processes(cfg.model.device, run_dir or default_text_run_dir(cfg))
         self.run = RunDir(run_dir)
         self.accelerator = acc = plain_accelerator(cpu, "the text trainer replicates the model on every process", mixed_precision="no")
-        self.data = load_prompt_set(cfg, cfg.data.split)
-        self.policy = load_text_policy(cfg, device=acc.device)
+        self.collector = c = build_text_collector(cfg, acc)
+        self.data, self.policy, self.reward, self.allocator = c.data, c.policy, c.reward, c.allocator
         self.params = self.policy.trainable_parameters()
         self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, weight_decay=t.weight_decay)
         # the training forwards go through DDP when there are several processes (it sums the
         # gradients at the last micro-batch); generation and the reference use the bare model
         self.train_model = acc.prepare_model(self.policy.model) if acc.num_processes > 1 else self.policy.model
-        self.reward = TextReward(dict(cfg.reward.weights), dict(cfg.reward.options), cfg.reward.on_invalid)
-        d = cfg.data
-        self.allocator = cfg.allocator.build(len(self.data), d.prompts_per_iteration, d.group_size, t.seed)
+        self.producer: RolloutProducer | None = None  # run.async_rollouts: started with the loop
+        if cfg.run.async_rollouts and acc.num_processes > 1:
+            raise UserError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1 "
+                            "and launch without accelerate's multi-process launcher")
         self.start_run(resume)
 
-    # ---- one iteration ------------------------------------------------------------------
-    def collect(self, iteration: int) -> TextExperience:
-        """The allocator's stages: sample, score, let it see the outcomes, repeat. Each process
-        samples and scores its slice of a stage; the scores are gathered, so every process sees
-        every outcome."""
-        cfg, acc = self.cfg, self.accelerator
-        ids_all, gens, local_rows, rewards, valid, lengths, truncated = [], [], [], [], [], [], []
+    def train(self) -> list[dict]:
+        """The run manager's loop; with run.async_rollouts, beside a producer that collects ahead."""
+        if self.cfg.run.async_rollouts:
+            build = functools.partial(producer_collector, self.cfg, self.allocator.state_dict())
+            self.producer = RolloutProducer(build, self.params, self.cfg.run.max_staleness, self.iteration, self.cfg.trainer.threads)
+        try:
+            return super().train()
+        finally:
+            if self.producer is not None:
+                self.producer.close()
+                self.producer = None
 
-        def sample_stage(ids: torch.Tensor, offset: int) -> torch.Tensor:
-            m = len(ids)
-            seeds = [sample_seed(cfg.trainer.seed, iteration, offset + j) for j in range(m)]
-            shard = ProcessShard(m, acc.num_processes, acc.process_index)
-            prompts, columns = self.data.take(shard.take(ids.tolist()))
-            gen = self.policy.generate(prompts, shard.take(seeds), cfg.generation)
-            r, ok = self.reward(prompts, gen.texts, columns)
-            ids_all.append(ids), gens.append(gen)
-            local_rows.append(torch.where(shard.positions < m, offset + shard.positions, -1))
-            # every process's scores, validity, lengths and truncation, in one gather
-            outcome = gather_real(acc, torch.cat([r, torch.stack([ok, gen.lengths, gen.truncated], 1).to(r.dtype)], 1), m)
-            k = r.shape[1]
-            rewards.append(outcome[:, :k]), valid.append(outcome[:, k].bool())
-            lengths.append(outcome[:, k + 1].long()), truncated.append(outcome[:, k + 2].bool())
-            return successes(cfg, self.reward.total(torch.cat(rewards)))
+    def next_batch(self) -> tuple[TextExperience, torch.Tensor | None, dict]:
+        """This iteration's experience, the proximal log-probs of its completions when it came from
+        the producer (None when synchronous), and what the producer's timing adds to the row."""
+        if self.producer is None:
+            return self.collector.collect(self.iteration), None, {}
+        batch = self.producer.take(self.iteration)
+        self.allocator.load_state_dict(batch.state)  # the checkpoints hold the allocator as the producer left it
+        exp, staleness = batch.experience, self.iteration - batch.version
+        # AReaL's proximal policy: the weights at the start of this update; fresh samples' own log-probs are it
+        proximal = self.recompute_log_probs(exp.gen) if staleness else exp.gen.log_probs
+        return exp, proximal, {"staleness": staleness, "time_producer_idle": batch.producer_idle_s,
+                               "time_producer_busy": batch.producer_busy_s, "time_trainer_wait": batch.trainer_wait_s}
 
-        allocate_in_stages(self.allocator, iteration, sample_stage)
-        prompt_ids, rewards, valid = torch.cat(ids_all), torch.cat(rewards), torch.cat(valid)
-        gen = concat(gens, self.policy.tokenizer.pad_token_id)
-        if not bool(valid.any()):
-            raise UserError(f"every reward of iteration {iteration} was invalid (NaN or inf); see reward.on_invalid")
-        # the advantages' group statistics use every sample drawn, also those the loss leaves out
-        out = estimate_advantages(cfg.advantage.kind, rewards[valid], prompt_ids[valid], self.reward.weights,
-                                  std=cfg.advantage.std)
-        advantages = torch.zeros(len(prompt_ids))
-        advantages[valid] = out.advantages * out.mask
-        won = successes(cfg, self.reward.total(rewards[valid]))
-        trained = torch.zeros(len(prompt_ids), dtype=torch.bool)
-        trained[valid] = self.allocator.keep(prompt_ids[valid], won)
-        self.allocator.observe(prompt_ids[valid], won)
-        gen, rows = trained_share(gen, torch.cat(local_rows), trained, acc)
-        return TextExperience(iteration, prompt_ids, rewards, valid, advantages, torch.cat(lengths), torch.cat(truncated),
-                              trained, out.degenerate, out.group_ids, gen, rows)
+    @torch.no_grad()
+    def recompute_log_probs(self, gen: Generation) -> torch.Tensor:
+        """The current weights' log-probs of every completion [n, T] (0 outside the mask)."""
+        rows, step, temp = torch.arange(len(gen.texts)), self.cfg.trainer.micro_batch, self.cfg.generation.temperature
+        parts = [self.policy.log_probs(gen, rows[i : i + step], temp)[0].float().cpu() for i in range(0, len(rows), step)]
+        return torch.cat(parts) * gen.completion_mask
 
-    def update(self, exp: TextExperience) -> dict:
+    def update(self, exp: TextExperience, proximal: torch.Tensor | None = None) -> dict:
         """One optimizer step per inner epoch over every completion; micro-batches weighted so the
-        step's loss is the aggregation over the whole batch (over every process's completions)."""
+        step's loss is the aggregation over the whole batch (over every process's completions).
+        `proximal`: the log-probs of samples that came from the producer (the off-policy loss)."""
         l, t, acc = self.cfg.loss, self.cfg.trainer, self.accelerator
         gen = exp.gen
         mask = gen.completion_mask & exp.local_valid.unsqueeze(1)
@@ -172,7 +129,7 @@ class TextTrainer(RunManager):
                 share = (int(m.sum()) / max(total_tokens, 1)) if l.aggregation == "token_mean" else len(rows) / total_seqs
                 # gradients are summed across processes once, at the last micro-batch
                 with contextlib.nullcontext() if start == starts[-1] else acc.no_sync(self.train_model):
-                    loss, logged, dev = self._micro_batch(gen, rows, m, advantages[rows])
+                    loss, logged, dev = self._micro_batch(gen, rows, m, advantages[rows], None if proximal is None else proximal[rows])
                     (loss * share * scale).backward()
                 first_ratio_dev = dev if first_ratio_dev is None else first_ratio_dev
                 for key, value in logged.items():
@@ -187,17 +144,36 @@ class TextTrainer(RunManager):
         stats.update(grad_norm=sum(grad_norms) / len(grad_norms), first_ratio_deviation=first_ratio_dev,
                      lr=self.optimizer.param_groups[0]["lr"],
                      skipped_steps=sum(not math.isfinite(g) for g in grad_norms))
+        if proximal is not None:
+            stats.update(self.off_policy_metrics(proximal, gen.log_probs, mask))
         return stats
 
-    def _micro_batch(self, gen: Generation, rows: torch.Tensor, m: torch.Tensor, advantages: torch.Tensor):
+    def off_policy_metrics(self, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> dict:
+        """The behaviour weights' effective sample size over the tokens, as a fraction of them
+        ((sum w)^2 / (n sum w^2), 1 when nothing is stale), and the fraction past loss.behaviour_cap."""
+        w, _ = behaviour_weights(proximal, behaviour, mask)
+        w = w[mask.bool()].double()
+        if w.numel() == 0:
+            return {}
+        return {"off_policy/ess": float(w.sum() ** 2 / (w.numel() * w.square().sum())),
+                "off_policy/over_cap_fraction": float((w > self.cfg.loss.behaviour_cap).double().mean())}
+
+    def _micro_batch(self, gen: Generation, rows: torch.Tensor, m: torch.Tensor, advantages: torch.Tensor,
+                     proximal: torch.Tensor | None):
         """The loss of some of this process's completions (aggregated over them), what it logs, and
         the largest deviation of a ratio from 1."""
         cfg, l = self.cfg, self.cfg.loss
         temp, horizon = cfg.generation.temperature, cfg.generation.max_new_tokens
         lp, ent = self.policy.log_probs(gen, rows, temp, model=self.train_model)
         md = m.to(lp.device)
-        pl = token_policy_loss(lp, gen.log_probs[rows].to(lp.device), advantages.to(lp.device), md, l.clip_low, l.clip_high,
-                               l.aggregation, l.ratio_level, horizon)
+        behaviour, advantages = gen.log_probs[rows].to(lp.device), advantages.to(lp.device)
+        if proximal is None:  # synchronous: the samples are these weights' own
+            pl = token_policy_loss(lp, behaviour, advantages, md, l.clip_low, l.clip_high, l.aggregation, l.ratio_level, horizon)
+        elif l.off_policy == "m2po":  # M2PO: the second-moment mask is the trust region, no clip
+            pl = m2po_policy_loss(lp, behaviour, advantages, md, m2po_mask(proximal.to(lp.device), behaviour, md, l.m2po_tau))
+        else:  # AReaL's decoupled PPO: the clip against the proximal weights, the behaviour weight for staleness
+            pl = decoupled_policy_loss(lp, proximal.to(lp.device), behaviour, advantages, md, l.clip_low, l.clip_high, l.aggregation,
+                                       horizon, l.behaviour_weight, l.behaviour_cap, l.behaviour_level)
         loss, kl = pl.loss, torch.zeros(())
         if cfg.trainer.kl_beta > 0:
             with torch.no_grad(), self.policy.reference() as ref:
@@ -211,10 +187,12 @@ class TextTrainer(RunManager):
 
     def train_iteration(self) -> dict:
         t0 = time.perf_counter()
-        exp = self.collect(self.iteration)
+        exp, proximal, timing = self.next_batch()
         t1 = time.perf_counter()
-        stats = self.update(exp)
-        row = {"iteration": self.iteration, **self.metrics(exp), **stats, "time_sampling": t1 - t0,
+        stats = self.update(exp, proximal)
+        if self.producer is not None:  # the producer's next batches sample with these weights
+            self.producer.publish(self.params, self.iteration + 1)
+        row = {"iteration": self.iteration, **self.metrics(exp), **stats, **timing, "time_sampling": t1 - t0,
                "time_training": time.perf_counter() - t1}
         self.iteration += 1
         row["time_iteration"] = time.perf_counter() - t0
@@ -254,19 +232,6 @@ class TextTrainer(RunManager):
     def restore(self, ckpt: Path, data: dict) -> None:
         restore_weights(self.params, data["params"], ckpt)
         self.optimizer.load_state_dict(data["optimizer"])
-
-
-def trained_share(gen: Generation, rows: torch.Tensor, trained: torch.Tensor, acc) -> tuple[Generation, torch.Tensor]:
-    """This process's completions that the loss trains on, and their rows among the N; padded
-    with copies marked -1 to the largest share of any process (the processes' micro-batches must
-    pair up for DDP)."""
-    if bool(trained.all()):  # the same on every process: all skip the collective below, or none does
-        return gen, rows
-    mine = ((rows >= 0) & trained[rows.clamp(min=0)]).nonzero().squeeze(1)
-    most = int(acc.reduce(torch.tensor(len(mine), device=acc.device), "max"))
-    pad = max(most, 1) - len(mine)
-    index = torch.cat([mine, torch.zeros(pad, dtype=torch.long)])
-    return gen.select(index), torch.cat([rows[mine], torch.full((pad,), -1, dtype=torch.long)])
 
 
 def allocation_diagnostics(exp: TextExperience, buckets: list | None) -> dict:

@@ -289,13 +289,13 @@ def test_a_wall_clock_budget_plans_the_text_run_and_fits_its_schedule(tmp_path, 
                                                      "trainer.budget_probe=2", "trainer.lr_schedule=linear",
                                                      "run.checkpoint_every=0"])
     trainer = TextTrainer(cfg, run_dir=tmp_path / "run")
-    collect = trainer.collect
+    collect = trainer.collector.collect
 
     def one_second(iteration):
         clock.now += 1.0
         return collect(iteration)
 
-    trainer.collect = one_second
+    trainer.collector.collect = one_second
     rows = trainer.train()
     assert len(rows) == 2 + int(12 * 0.97 - 2)  # 11
     assert rows[-1]["lr"] == pytest.approx(1e-4 * lr_factor("linear", 99, 100))
@@ -330,7 +330,7 @@ def test_reinforce_ada_trains_a_balanced_group_per_prompt_of_the_samples_it_drew
 
 def test_trained_share_pads_every_process_to_the_largest_share():
     from flowrl.text.generate import Generation
-    from flowrl.text.train import trained_share
+    from flowrl.text.collect import trained_share
 
     class Acc:  # the other process keeps 3 of its samples
         device = torch.device("cpu")

@@ -1,0 +1,161 @@
+"""Rollouts that run ahead of the trainer (`run.async_rollouts`): AReaL's staleness-bounded
+asynchronous RL on one machine. A producer process collects batch after batch with the newest
+weights it has received while the trainer updates on the batch before.
+
+Versions. The trainer's weights have version v, the number of updates made, which is also the
+iteration of the batch it trains next. After the update on batch i it publishes its trainable
+weights to shared memory as version i + 1. The producer starts batch i only once it holds
+weights of version >= i - k (k = run.max_staleness), so no batch is more than k versions old
+when it is trained (AReaL's capacity rule with one batch per version). With k = 0 the producer
+waits for every update and the run is the synchronous one, draw for draw. Each batch carries
+the version that sampled it and the collector's state after it (the allocator's, which the
+trainer's checkpoints hold); the behaviour log-probabilities are in the experience itself.
+
+Failures never hang the trainer: an exception in the producer reaches `take` as one sentence,
+and a producer that dies (killed, out of memory) is noticed within half a second. Batches travel
+as files (in shared memory where the machine has /dev/shm) and only their short names through
+the queue: a pipe write under 4 KiB is atomic, so a producer killed mid-batch leaves no partial
+message for the trainer to block on, and nothing the trainer holds depends on the producer's life.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from flowrl.errors import UserError
+
+POLL_S = 0.5  # how often a waiting trainer checks that the producer is alive
+
+
+@dataclass
+class ProducedBatch:
+    iteration: int
+    version: int  # the weights' version that sampled it
+    experience: Any
+    state: dict | None  # the collector's state after this batch (its allocator's)
+    producer_idle_s: float  # the producer's wait for weights recent enough to start this batch
+    producer_busy_s: float  # its time collecting the batch
+    trainer_wait_s: float = 0.0  # the trainer's wait for it (set by `take`)
+
+
+@dataclass
+class ProducerFailure:
+    message: str
+
+
+class RolloutProducer:
+    """`build()` runs in the producer process and returns a collector: `weights()` (the tensors
+    the trainer's updates change, by name), `collect(iteration)` and `state()`. `weights` are the
+    trainer's tensors of the same names, at version `start_iteration`."""
+
+    def __init__(self, build: Callable[[], Any], weights: dict[str, torch.Tensor], max_staleness: int, start_iteration: int,
+                 threads: int = 0):
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.max_staleness = max_staleness
+        self.spool = tempfile.mkdtemp(prefix="flowrl-rollouts-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in weights.items()}
+        self.version = ctx.Value("q", start_iteration, lock=False)
+        self.lock = ctx.Lock()
+        self.queue = ctx.Queue()
+        self.stop = ctx.Event()
+        self.process = ctx.Process(target=produce, daemon=True, name="flowrl-rollout-producer",
+                                   args=(build, self.shared, self.version, self.lock, self.queue, self.stop, self.spool,
+                                         start_iteration, max_staleness, threads))
+        self.process.start()
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """The trainer's weights after an update, as `version`, for the producer's next batch."""
+        while not self.lock.acquire(timeout=POLL_S):
+            self._check_alive(f"version {version} of the weights was published")
+        try:
+            with torch.no_grad():
+                for name, tensor in weights.items():
+                    self.shared[name].copy_(tensor.detach())
+            self.version.value = version
+        finally:
+            self.lock.release()
+
+    def take(self, iteration: int) -> ProducedBatch:
+        """Batch `iteration`, waiting for it; checks that it is that batch and within the bound."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                name = self.queue.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                self._check_alive(f"batch {iteration} reached the trainer")
+        path = os.path.join(self.spool, name)
+        with open(path, "rb") as f:
+            item = pickle.load(f)
+        os.remove(path)
+        if isinstance(item, ProducerFailure):
+            raise UserError(item.message)
+        staleness = iteration - item.version
+        if item.iteration != iteration or not 0 <= staleness <= self.max_staleness:
+            raise RuntimeError(f"the rollout producer sent batch {item.iteration} of weights version {item.version} when the trainer "
+                               f"expected batch {iteration} within {self.max_staleness} versions")
+        item.trainer_wait_s = time.perf_counter() - t0
+        return item
+
+    def _check_alive(self, waiting_for: str) -> None:
+        if not self.process.is_alive():
+            raise UserError(f"the rollout producer process stopped (exit code {self.process.exitcode}) before {waiting_for}; "
+                            "the run stopped there with its checkpoints intact: `flowrl train --resume RUN` continues it")
+
+    def close(self) -> None:
+        """Stop the producer; what it had collected ahead of the trainer is dropped."""
+        self.stop.set()
+        self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join()
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+
+def send(out, spool: str, item) -> None:
+    """`item` into a file of the spool (written whole, then renamed into place), its name on the queue."""
+    name = f"{time.monotonic_ns()}.pkl"
+    with open(os.path.join(spool, name + ".part"), "wb") as f:
+        pickle.dump(item, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(os.path.join(spool, name + ".part"), os.path.join(spool, name))
+    out.put(name)
+
+
+def produce(build, shared, version, lock, out, stop, spool: str, iteration: int, max_staleness: int, threads: int) -> None:
+    """The producer process: batch after batch, each started once weights of version >=
+    iteration - max_staleness are at hand (the newest ones, loaded when the version moved)."""
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        collector = build()
+        weights, have = collector.weights(), None
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            while version.value < iteration - max_staleness:
+                if stop.wait(0.002):
+                    return
+            t1 = time.perf_counter()
+            with lock, torch.no_grad():
+                if version.value != have:
+                    for name, tensor in weights.items():
+                        tensor.copy_(shared[name])
+                    have = version.value
+            experience = collector.collect(iteration)
+            send(out, spool, ProducedBatch(iteration, have, experience, collector.state(), t1 - t0, time.perf_counter() - t1))
+            iteration += 1
+    except UserError as exc:
+        send(out, spool, ProducerFailure(str(exc)))
+    except Exception as exc:  # reaches the trainer as one sentence; the traceback stays in the producer's stderr
+        import traceback
+
+        traceback.print_exc()
+        send(out, spool, ProducerFailure(f"the rollout producer failed at batch {iteration}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))

@@ -1,0 +1,96 @@
+"""run.async_rollouts on the text default: a producer process collects ahead of the trainer.
+With max_staleness 0 the run is the synchronous one, loss for loss (so the weights reach the
+producer after every update); a resume repeats it; with a slow trainer the producer runs ahead
+by exactly the bound and never past it; a killed producer stops the run with one sentence."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import time
+
+import pytest
+import torch
+
+from flowrl.cli import main
+from flowrl.errors import ConfigError
+from run_checks import run_metrics
+
+# one thread in the trainer and in the producer: the synchronous run samples in the trainer's
+# process, and the two must sum in the same order to agree bit for bit
+FAST = ["configs/text_add.yaml", "data.prompts_per_iteration=4", "data.group_size=4", "run.progress=false", "trainer.micro_batch=8",
+        "trainer.threads=1"]
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, restore_threads):
+    sync, straight, stopped = tmp_path / "sync", tmp_path / "async", tmp_path / "stopped"
+    args = [*FAST, "trainer.iterations=4", "run.checkpoint_every=2"]
+    assert main(["train", *args, "--run-dir", str(sync)]) == 0
+    async_args = [*args, "run.async_rollouts=true", "run.max_staleness=0"]
+    assert main(["train", *async_args, "--run-dir", str(straight)]) == 0
+    rows, async_rows = run_metrics(sync), run_metrics(straight)
+    assert [{k: r[k] for k in s} for s, r in zip(rows, async_rows)] == rows  # every synchronous column, float for float
+    assert all(r["staleness"] == 0 and r["off_policy/ess"] == 1.0 for r in async_rows)
+    # a resume restarts the producer from the checkpoint's weights and allocator
+    assert main(["train", *async_args, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
+    assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
+    assert run_metrics(stopped) == async_rows
+
+
+def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run(tmp_path, capsys, monkeypatch, restore_threads):
+    from flowrl.text.train import TextTrainer
+    from flowrl.train.async_rollouts import RolloutProducer
+
+    update = TextTrainer.update
+
+    def slow_update(self, exp, proximal=None):  # a trainer slower than the producer: it runs ahead as far as allowed
+        time.sleep(1.5)
+        return update(self, exp, proximal)
+
+    take = RolloutProducer.take
+
+    def take_then_kill(self, iteration):
+        if iteration == 5:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.join()
+            while True:  # what it had collected ahead is lost with it
+                try:
+                    self.queue.get(timeout=0.2)
+                except queue.Empty:
+                    break
+        return take(self, iteration)
+
+    monkeypatch.setattr(TextTrainer, "update", slow_update)
+    monkeypatch.setattr(RolloutProducer, "take", take_then_kill)
+    run = tmp_path / "run"
+    assert main(["train", *FAST, "trainer.iterations=8", "run.checkpoint_every=2", "run.async_rollouts=true",
+                 "run.max_staleness=2", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "the rollout producer process stopped (exit code -9) before batch 5 reached the trainer" in err
+    assert "Traceback" not in err
+    rows = run_metrics(run)
+    assert len(rows) == 5 and [r["staleness"] for r in rows][2:] == [2, 2, 2]  # the bound reached, never passed
+    assert all(0 < r["off_policy/ess"] <= 1 for r in rows) and rows[-1]["off_policy/ess"] < 1
+    assert (run / "checkpoints" / "iter_000004").is_dir()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("run.cpu_processes=2", "one trainer process beside one producer process"),
+    ("loss.ratio_level=sequence", "set loss.ratio_level: token"),
+    ("loss.off_policy=gspo", "loss.off_policy"),
+])
+def test_async_settings_that_cannot_work_are_refused(override, message):
+    from flowrl.text.config import load_text_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_text_config("configs/text_add.yaml", ["run.async_rollouts=true", override])
+    with pytest.raises(ConfigError, match="run.max_staleness must be >= 0"):
+        load_text_config("configs/text_add.yaml", ["run.max_staleness=-1"])
