@@ -63,7 +63,6 @@ class ImageRewardModel(nn.Module):
         super().__init__()
         from transformers import BlipTextConfig, BlipTextModel, BlipVisionConfig, BlipVisionModel
 
-        self.config = config
         self.visual_encoder = BlipVisionModel(BlipVisionConfig(**config["vision"]))
         self.text_encoder = BlipTextModel(BlipTextConfig(**config["text"]), add_pooling_layer=False)
         self.mlp = AestheticHead(config["text"]["hidden_size"])
@@ -88,7 +87,6 @@ class ImageRewardModel(nn.Module):
             model.load_state_dict(state)
         except RuntimeError as exc:
             raise UserError(f"reward 'imagereward': '{path}' does not fit its config.json ({str(exc).splitlines()[0]}); convert ImageReward.pt again") from None
-        model.mlp.float()  # the head runs in float32, as the reference casts the [CLS] feature to float
         return model
 
 
@@ -172,6 +170,7 @@ class ImageRewardScorer:
 
         self.device, self.dtype = resolve_device(device), resolve_dtype(dtype)
         model = ImageRewardModel.from_directory(checkpoint_dir(checkpoint))
+        # the head stays in float32: the reference casts the [CLS] feature to float before it
         model.visual_encoder.to(self.dtype)
         model.text_encoder.to(self.dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)

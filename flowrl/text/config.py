@@ -21,8 +21,8 @@ from flowrl.yaml_config import merge_config, preset_path, read_yaml
 TASK = "text"
 # keys that moved to the image config's names for the same concept: the old name is refused with a sentence naming the new one
 TEXT_MOVED_KEYS = {"loss.kl_beta": "trainer.kl_beta", "loss.advantage": "advantage.kind", "loss.scale_rewards": "advantage.std"}
-BUILTIN_TEXT_MODELS = ("add",)
-OFF_POLICY_LOSSES = ("decoupled", "m2po")  # model.path builtin:NAME, shipped in the package
+BUILTIN_TEXT_MODELS = ("add",)  # model.path builtin:NAME, shipped in the package
+OFF_POLICY_LOSSES = ("decoupled", "m2po")
 
 
 @dataclass
@@ -184,6 +184,8 @@ def validate_off_policy(cfg: TextConfig) -> None:
         raise ConfigError(f"run.max_staleness must be >= 0 (0: every batch sampled with the newest weights); got {r.max_staleness}")
     if r.async_rollouts and r.cpu_processes > 1:
         raise ConfigError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1")
+    if l.off_policy == "m2po" and l.aggregation != "token_mean":  # its objective is the mean over the batch's tokens
+        raise ConfigError(f"loss.off_policy: m2po is a token-mean objective; set loss.aggregation: token_mean (got {l.aggregation})")
     if r.async_rollouts and l.ratio_level != "token":
         raise ConfigError("run.async_rollouts trains with a token-level off-policy loss (loss.off_policy); set loss.ratio_level: token")
 

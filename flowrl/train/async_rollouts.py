@@ -122,11 +122,11 @@ class RolloutProducer:
 
 
 def send(out, spool: str, item) -> None:
-    """`item` into a file of the spool (written whole, then renamed into place), its name on the queue."""
+    """`item` into a file of the spool, then its name on the queue (the trainer opens only names it
+    was sent, so it never sees a file half written)."""
     name = f"{time.monotonic_ns()}.pkl"
-    with open(os.path.join(spool, name + ".part"), "wb") as f:
+    with open(os.path.join(spool, name), "wb") as f:
         pickle.dump(item, f, protocol=pickle.HIGHEST_PROTOCOL)
-    os.replace(os.path.join(spool, name + ".part"), os.path.join(spool, name))
     out.put(name)
 
 

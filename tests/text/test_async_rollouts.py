@@ -86,11 +86,12 @@ def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run
     ("run.cpu_processes=2", "one trainer process beside one producer process"),
     ("loss.ratio_level=sequence", "set loss.ratio_level: token"),
     ("loss.off_policy=gspo", "loss.off_policy"),
+    ("loss.aggregation=seq_mean_token_mean loss.off_policy=m2po", "m2po is a token-mean objective"),
 ])
 def test_async_settings_that_cannot_work_are_refused(override, message):
     from flowrl.text.config import load_text_config
 
     with pytest.raises(ConfigError, match=message):
-        load_text_config("configs/text_add.yaml", ["run.async_rollouts=true", override])
+        load_text_config("configs/text_add.yaml", ["run.async_rollouts=true", *override.split()])
     with pytest.raises(ConfigError, match="run.max_staleness must be >= 0"):
         load_text_config("configs/text_add.yaml", ["run.max_staleness=-1"])
