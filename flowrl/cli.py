@@ -122,9 +122,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _search_arguments(p: argparse.ArgumentParser) -> None:
-    from flowrl.search import SEARCH_METHODS
+    from flowrl.schema import SEARCH_METHOD_NAMES  # not flowrl.search: `flowrl --help` need not load torch
 
-    p.add_argument("--search", choices=tuple(SEARCH_METHODS), help="inference-time search (search.method): best-of-N, SMC "
+    p.add_argument("--search", choices=SEARCH_METHOD_NAMES, help="inference-time search (search.method): best-of-N, SMC "
                    "steering, tree sampling or greedy tree search, on search.num_steps SDE steps (docs/search.md)")
     p.add_argument("--budget", type=_int(1), metavar="NFE", help="with --search: network evaluations per image, one per sample per "
                    "step (search.budget; default four samples' worth)")
@@ -178,7 +178,10 @@ def _split_config_and_overrides(config, overrides):
 
 
 def cmd_train(args) -> int:
+    from importlib import import_module
+
     from flowrl.config import load_config
+    from flowrl.models import policy_class
     from flowrl.text.cli import is_text_config, is_text_run
     from flowrl.train.run_dir import CONFIG_FILE, default_run_dir
 
@@ -190,6 +193,7 @@ def cmd_train(args) -> int:
 
         cfg, run_dir = text.resolve(config, overrides, args.resume, args.run_dir)
         start = lambda: text.train(cfg, run_dir, bool(args.resume))  # noqa: E731
+        warm_up = lambda: import_module("flowrl.text.train")  # noqa: E731
     else:
         if args.resume:
             run = Path(args.resume)
@@ -201,10 +205,11 @@ def cmd_train(args) -> int:
         # fixed here, so that the processes of a relaunch and an interrupted run's message name the same directory
         run_dir = run if args.resume else Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
         start = lambda: _train_images(cfg, run_dir, bool(args.resume))  # noqa: E731
+        warm_up = lambda: (import_module("flowrl.train.loop"), policy_class(cfg.model.kind))  # noqa: E731
     _no_file_on_the_way(run_dir, "the run directory (--run-dir, run.output_dir)")
     if launches_cpu_processes(cfg):
         argv = args.argv if args.resume or args.run_dir else [*args.argv, "--run-dir", str(run_dir)]
-        return relaunch(cfg.run.cpu_processes, argv, run_dir)
+        return relaunch(cfg.run.cpu_processes, argv, run_dir, main, warm_up)
     try:
         return start()
     except KeyboardInterrupt:

@@ -437,12 +437,15 @@ class RunConfig:
     # iteration to end past a mark writes one, and its metrics row names the mark (checkpoint_at_minutes)
     checkpoint_at_minutes: list[float] = field(default_factory=list)
     progress: bool = True
-    # a CPU run with N > 1 relaunches itself as N processes (accelerate launch --cpu) that split
+    # a CPU run with N > 1 runs as N processes joined by gloo (forked on Linux) that split
     # each iteration's rollouts and the cores: for small models one process per core beats threads
     cpu_processes: int = 1
     # how the trained network is laid out over processes (docs/distributed.md): ddp (whole on every process,
     # gradients all-reduced) | fsdp2 (weights, gradients, optimizer state and EMA sharded per transformer block)
     distributed: str = "ddp"
+
+
+SEARCH_METHOD_NAMES = ("bon", "smc", "dts", "dts_star")  # flowrl.search.SEARCH_METHODS, named without importing torch
 
 
 @dataclass

@@ -1,9 +1,9 @@
-"""Run by the tests under `accelerate launch --num_processes 2` (or alone, as one process):
-trains briefly and writes this rank's weights and metrics so the test can compare the
-processes. Usage: dist_worker.py OUT MODEL_DIR [OVERRIDE ...]. Rank 0 also writes the whole
-trained weights (full.safetensors, gathered from the shards under fsdp2) and an ODE sample of
-them (sample.safetensors). The tests run the one-process case in their own process, through
-`train_and_write`: a fresh interpreter would only add its start-up (about 20 s on a 2-core box)."""
+"""Trains briefly and writes this rank's weights and metrics so a test can compare the processes:
+run by `accelerate launch --num_processes 2 dist_worker.py OUT MODEL_DIR [OVERRIDE ...]`, or
+through `train_and_write` in processes forked from the test's own (`run_cpu_processes`, no
+interpreter start-up: about 20 s each on a 2-core box), or alone as one process. Rank 0 also
+writes the whole trained weights (full.safetensors, gathered from the shards under fsdp2) and an
+ODE sample of them (sample.safetensors)."""
 
 import json
 import sys

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from flowrl.schema import SEARCH_METHOD_NAMES
 from flowrl.search.dts import dts
 from flowrl.search.particles import best_of_n, smc
 from flowrl.search.problem import PolicyProblem, SearchProblem
@@ -36,7 +37,7 @@ def _dts(star: bool):
 
 
 # method name -> run(problem, seeds, budgets, search config, progress) -> SearchResult
-SEARCH_METHODS: dict[str, Callable] = {"bon": _bon, "smc": _smc, "dts": _dts(False), "dts_star": _dts(True)}
+SEARCH_METHODS: dict[str, Callable] = dict(zip(SEARCH_METHOD_NAMES, (_bon, _smc, _dts(False), _dts(True))))
 
 
 def run_search(method: str, problem, seeds: Sequence[int], budgets: Sequence[int], cfg, progress=None) -> SearchResult:

@@ -1,5 +1,5 @@
-"""Processes: `run.cpu_processes`' launcher (`flowrl train` relaunched as that many processes
-joined by gloo), and what every trainer does first when it may run as several processes
+"""Processes: `run.cpu_processes`' launcher (`flowrl train` run as that many processes joined
+by gloo, forked from the command on Linux), and what every trainer does first when it may run as several processes
 (accelerate's launcher, the relaunch, or one process alone): start the process group and agree on
 rank 0's values; for the image trainer, build its Accelerator and weight layout (`launch_image_run`)."""
 
@@ -9,7 +9,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 
 def start_processes(device: str, run_dir: str | Path) -> tuple[bool, Path]:
@@ -99,27 +99,45 @@ def launches_cpu_processes(cfg) -> bool:
     return cfg.run.cpu_processes > 1 and not inside and pick_device(cfg.model.device) == torch.device("cpu")
 
 
-def relaunch(processes: int, argv: list[str], run_dir: Path) -> int:
-    """The same command as `processes` processes joined by gloo, in torchrun's environment
-    (accelerate reads it): rank 0 writes the run directory, the processes split every
-    iteration's rollouts, and the cores are split between them. Started here rather than by a
-    launcher so that a user error keeps its one sentence and exit code 2: when one process
-    fails, the others are stopped and its exit code is returned."""
+def relaunch(processes: int, argv: list[str], run_dir: Path, main: Callable[[list[str]], int],
+             warm_up: Callable[[], object] | None = None) -> int:
+    """`main(argv)` (the CLI's) as `processes` processes joined by gloo (`run_cpu_processes`).
+    Started here rather than by a launcher so that a user error keeps its one sentence and exit
+    code 2.
+
+    On Linux the processes are forked from this one after `warm_up()` has imported what they
+    train with: torch, diffusers and transformers cost about 15 s of CPU to import on a small
+    machine, paid once here instead of once per process. Elsewhere each is a fresh interpreter
+    running `python -m flowrl.cli ARGV`."""
+    forked = sys.platform.startswith("linux")
+    threads = _threads_each(processes)
+    print(f"flowrl: launching {processes} CPU processes of {threads} thread(s) each (run.cpu_processes)", file=sys.stderr)
+    if forked and warm_up is not None:
+        warm_up()
+    try:
+        return run_cpu_processes(processes, (lambda: main(argv)) if forked else argv)
+    except KeyboardInterrupt:  # the processes got the same Ctrl-C and stopped on their own
+        print(interrupted_message(run_dir), file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def run_cpu_processes(processes: int, command: Callable[[], int] | list[str]) -> int:
+    """Run `command` as `processes` CPU processes in torchrun's environment (accelerate reads it)
+    and wait for them: a callable in children forked from this process, or the arguments of
+    `flowrl` in fresh interpreters. The cores are split between the processes. When one fails,
+    the others are stopped and its exit code is returned."""
     import socket
-    import subprocess
     import time
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // processes)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, LAUNCHED_ENV: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    threads = _threads_each(processes)
+    env = {LAUNCHED_ENV: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes), "OMP_NUM_THREADS": str(threads),
            "CUDA_VISIBLE_DEVICES": "", LAUNCHER_PID_ENV: str(os.getpid())}  # a CPU run
-    print(f"flowrl: launching {processes} CPU processes of {threads} thread(s) each (run.cpu_processes)", file=sys.stderr)
-    procs = [subprocess.Popen([sys.executable, "-m", "flowrl.cli", *argv], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(processes)]
+    start = _interpreter if isinstance(command, list) else ForkedProcess
+    procs = [start(command, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}, threads) for r in range(processes)]
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -132,11 +150,88 @@ def relaunch(processes: int, argv: list[str], run_dir: Path) -> int:
                     p.wait()
                 return failed[0] if failed else 0
             time.sleep(0.2)
-    except KeyboardInterrupt:  # the processes got the same Ctrl-C and stop on their own
+    except KeyboardInterrupt:
         for p in procs:
             p.wait()
-        print(interrupted_message(run_dir), file=sys.stderr)
-        return EXIT_INTERRUPTED
+        raise
+
+
+def _threads_each(processes: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // processes)
+
+
+def _interpreter(argv: list[str], env: dict[str, str], threads: int):
+    """`python -m flowrl.cli ARGV` in a fresh interpreter with `env` added to this one's."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-m", "flowrl.cli", *argv], env={**os.environ, **env})
+
+
+class ForkedProcess:
+    """`command()` in a child forked from this process, with `env` added to its environment and
+    `threads` compute threads; polled and stopped as a `subprocess.Popen` is. The child never
+    returns into the parent's code: it ends with `os._exit` and the command's exit code."""
+
+    def __init__(self, command: Callable[[], int], env: dict[str, str], threads: int):
+        sys.stdout.flush()
+        sys.stderr.flush()  # or the child would write the parent's buffered text a second time
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:
+            os._exit(self._child(command, env, threads))
+
+    @staticmethod
+    def _child(command: Callable[[], int], env: dict[str, str], threads: int) -> int:
+        code = 1
+        try:
+            import torch
+
+            os.environ.update(env)
+            die_with_launcher()
+            torch.set_num_threads(threads)  # the environment variable alone comes too late: torch is loaded
+            _forget_accelerate_state()
+            code = command() or 0  # None ends as sys.exit(None) does
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        except BaseException:  # noqa: BLE001 - printed as a fresh interpreter would, then the exit code
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.flush()
+        return code
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def terminate(self) -> None:
+        import signal
+
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+
+
+def _forget_accelerate_state() -> None:
+    """A process that trained alone before it forked (a test, a notebook) holds accelerate's
+    one-process state; the child must read its own rank from the environment instead."""
+    if "accelerate.state" in sys.modules:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
 
 
 def die_with_launcher() -> None:

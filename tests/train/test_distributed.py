@@ -4,9 +4,7 @@ same global batch, exact resume from shards, and exports that plain diffusers lo
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,15 +15,12 @@ from safetensors.torch import load_file
 from flowrl.cli import main
 from flowrl.config import ConfigError, load_config
 from flowrl.errors import UserError
+from flowrl.train.processes import run_cpu_processes
 from dist_worker import train_and_write
 from run_checks import run_metrics
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
 
-WORKER = Path(__file__).resolve().parents[1] / "dist_worker.py"  # tests/dist_worker.py
-# on a machine without GPUs, accelerate's --multi_gpu launcher starts CPU processes joined by gloo
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no"]
 # brightness: a smooth reward, so tiny float differences between the layouts stay tiny in the metrics
 SMOOTH = ["reward.weights={brightness: 1.0}"]
 FULL_FINETUNE = ["lora.enabled=false", "trainer.lr=1e-3"]
@@ -34,10 +29,8 @@ FULL_FINETUNE = ["lora.enabled=false", "trainer.lr=1e-3"]
 def train_worker(out: Path, model_dir: str, overrides: list[str], processes: int) -> dict:
     if processes == 1:  # in this process: a fresh interpreter would only add its start-up
         train_and_write(out, model_dir, overrides)
-    else:
-        cmd = [*LAUNCH, str(WORKER), str(out), model_dir, *overrides]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:  # forked from this process as `run.cpu_processes` starts its processes (accelerate's launcher: test_training)
+        assert run_cpu_processes(processes, lambda: train_and_write(out, model_dir, overrides) or 0) == 0
     rank0 = json.loads((out / "rank0.json").read_text())
     assert rank0["world"] == processes
     return {"history": rank0["history"], "full": load_file(str(out / "full.safetensors")),

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -365,28 +362,21 @@ def test_bad_tree_config_is_one_sentence_naming_the_key(overrides, key):
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo launch is tested on Linux")
 def test_two_processes_share_the_trees_and_end_with_identical_weights(tmp_path, tiny_sd3_dir):
     # 3 trees on 2 processes: the second process samples one real tree and one padding copy
-    overrides = [*TREE, f"model.path={tiny_sd3_dir}"]
-    worker = tmp_path / "worker.py"
-    worker.write_text(textwrap.dedent(f"""
-        import json, sys
-        from safetensors.torch import save_file
-        from flowrl.config import load_config
-        from flowrl.train.loop import Trainer
-        out = sys.argv[1]
-        cfg = load_config("tiny_jpeg", {overrides!r} + [
-            "data.prompts_per_iteration=3", "trainer.iterations=2", "run.checkpoint_every=0", "trainer.kl_beta=0.01",
-            "rollout.tree.width_keep=0.5"])
-        trainer = Trainer(cfg, run_dir=out + "/run")
+    from safetensors.torch import save_file
+
+    from flowrl.train.processes import run_cpu_processes
+
+    def train_and_write() -> int:  # in each of 2 processes forked from this one
+        cfg = load_config("tiny_jpeg", [*TREE, f"model.path={tiny_sd3_dir}", "data.prompts_per_iteration=3", "trainer.iterations=2",
+                                        "run.checkpoint_every=0", "trainer.kl_beta=0.01", "rollout.tree.width_keep=0.5"])
+        trainer = Trainer(cfg, run_dir=tmp_path / "run")
         history = trainer.train()
         rank = trainer.accelerator.process_index
-        save_file({{n: p.detach().contiguous() for n, p in trainer.params.items()}}, f"{{out}}/rank{{rank}}.safetensors")
-        open(f"{{out}}/rank{{rank}}.json", "w").write(json.dumps({{"world": trainer.accelerator.num_processes, "history": history}}))
-    """))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(worker), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+        save_file({n: p.detach().contiguous() for n, p in trainer.params.items()}, str(tmp_path / f"rank{rank}.safetensors"))
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"world": trainer.accelerator.num_processes, "history": history}))
+        return 0
+
+    assert run_cpu_processes(2, train_and_write) == 0
     r0, r1 = (load_file(str(tmp_path / f"rank{r}.safetensors")) for r in (0, 1))
     assert all(torch.equal(r0[k], r1[k]) for k in r0)
     assert any(r0[k].abs().sum() > 0 for k in r0 if "lora_B" in k)
