@@ -113,7 +113,7 @@ def count(module: torch.nn.Module) -> int:
 def _meta(build):
     from accelerate import init_empty_weights
 
-    with init_empty_weights():
+    with init_empty_weights(include_buffers=True):  # buffers too: SD3's position table alone is 0.9 GB to compute
         return build()
 
 
