@@ -24,6 +24,7 @@ import os
 import pickle
 import queue
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -59,7 +60,11 @@ class RolloutProducer:
 
     def __init__(self, build: Callable[[], Any], weights: dict[str, torch.Tensor], max_staleness: int, start_iteration: int,
                  threads: int = 0):
-        ctx = torch.multiprocessing.get_context("spawn")
+        # a producer on one thread is forked (no second start-up of torch and the model libraries,
+        # about 15 s of CPU on a 2-core machine); on several threads it is a fresh interpreter, since
+        # OpenMP's threads do not survive a fork (flowrl.train.processes.ForkedProcess)
+        forked = threads == 1 and sys.platform.startswith("linux")
+        ctx = torch.multiprocessing.get_context("fork" if forked else "spawn")
         self.max_staleness = max_staleness
         self.spool = tempfile.mkdtemp(prefix="flowrl-rollouts-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         self.shared = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in weights.items()}

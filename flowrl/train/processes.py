@@ -105,12 +105,13 @@ def relaunch(processes: int, argv: list[str], run_dir: Path, main: Callable[[lis
     Started here rather than by a launcher so that a user error keeps its one sentence and exit
     code 2.
 
-    On Linux the processes are forked from this one after `warm_up()` has imported what they
-    train with: torch, diffusers and transformers cost about 15 s of CPU to import on a small
-    machine, paid once here instead of once per process. Elsewhere each is a fresh interpreter
-    running `python -m flowrl.cli ARGV`."""
-    forked = sys.platform.startswith("linux")
+    Where each process gets one core (a small machine, where start-up costs most), they are forked
+    from this one after `warm_up()` has imported what they train with: torch, diffusers and
+    transformers cost about 15 s of CPU to import on a 2-core machine, paid once here instead of
+    once per process. Otherwise (several threads each, or not Linux) each is a fresh interpreter
+    running `python -m flowrl.cli ARGV` (see ForkedProcess for why)."""
     threads = _threads_each(processes)
+    forked = threads == 1 and ForkedProcess.possible()
     print(f"flowrl: launching {processes} CPU processes of {threads} thread(s) each (run.cpu_processes)", file=sys.stderr)
     if forked and warm_up is not None:
         warm_up()
@@ -123,8 +124,8 @@ def relaunch(processes: int, argv: list[str], run_dir: Path, main: Callable[[lis
 
 def run_cpu_processes(processes: int, command: Callable[[], int] | list[str]) -> int:
     """Run `command` as `processes` CPU processes in torchrun's environment (accelerate reads it)
-    and wait for them: a callable in children forked from this process, or the arguments of
-    `flowrl` in fresh interpreters. The cores are split between the processes. When one fails,
+    and wait for them: a callable in children forked from this process (one thread each), or the
+    arguments of `flowrl` in fresh interpreters (the cores split between them). When one fails,
     the others are stopped and its exit code is returned."""
     import socket
     import time
@@ -132,12 +133,12 @@ def run_cpu_processes(processes: int, command: Callable[[], int] | list[str]) ->
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    threads = _threads_each(processes)
+    threads = 1 if callable(command) else _threads_each(processes)
     env = {LAUNCHED_ENV: "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": str(processes), "LOCAL_WORLD_SIZE": str(processes), "OMP_NUM_THREADS": str(threads),
            "CUDA_VISIBLE_DEVICES": "", LAUNCHER_PID_ENV: str(os.getpid())}  # a CPU run
-    start = _interpreter if isinstance(command, list) else ForkedProcess
-    procs = [start(command, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}, threads) for r in range(processes)]
+    start = ForkedProcess if callable(command) else _interpreter
+    procs = [start(command, {**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(processes)]
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -161,7 +162,7 @@ def _threads_each(processes: int) -> int:
     return max(1, cores // processes)
 
 
-def _interpreter(argv: list[str], env: dict[str, str], threads: int):
+def _interpreter(argv: list[str], env: dict[str, str]):
     """`python -m flowrl.cli ARGV` in a fresh interpreter with `env` added to this one's."""
     import subprocess
 
@@ -169,27 +170,40 @@ def _interpreter(argv: list[str], env: dict[str, str], threads: int):
 
 
 class ForkedProcess:
-    """`command()` in a child forked from this process, with `env` added to its environment and
-    `threads` compute threads; polled and stopped as a `subprocess.Popen` is. The child never
-    returns into the parent's code: it ends with `os._exit` and the command's exit code."""
+    """`command()` in a child forked from this process, with `env` added to its environment;
+    polled and stopped as a `subprocess.Popen` is. The child never returns into the parent's code:
+    it ends with `os._exit` and the command's exit code.
 
-    def __init__(self, command: Callable[[], int], env: dict[str, str], threads: int):
+    The child computes on one thread. GNU OpenMP's thread team does not survive a fork: once the
+    parent has run a parallel region on several threads (a 20x20 matmul is enough), a child that
+    starts one on several threads hangs (measured with torch 2.13 on Linux); on one thread torch
+    never starts a region. A parent holding a process group cannot fork a new one."""
+
+    @staticmethod
+    def possible() -> bool:
+        import torch.distributed as dist
+
+        return sys.platform.startswith("linux") and not (dist.is_available() and dist.is_initialized())
+
+    def __init__(self, command: Callable[[], int], env: dict[str, str]):
+        if not self.possible():
+            raise RuntimeError("processes are forked on Linux from a process without a torch.distributed process group")
         sys.stdout.flush()
         sys.stderr.flush()  # or the child would write the parent's buffered text a second time
         self.returncode: int | None = None
         self.pid = os.fork()
         if self.pid == 0:
-            os._exit(self._child(command, env, threads))
+            os._exit(self._child(command, env))
 
     @staticmethod
-    def _child(command: Callable[[], int], env: dict[str, str], threads: int) -> int:
+    def _child(command: Callable[[], int], env: dict[str, str]) -> int:
         code = 1
         try:
             import torch
 
             os.environ.update(env)
             die_with_launcher()
-            torch.set_num_threads(threads)  # the environment variable alone comes too late: torch is loaded
+            torch.set_num_threads(1)  # the environment's OMP_NUM_THREADS comes too late: torch is loaded
             _forget_accelerate_state()
             code = command() or 0  # None ends as sys.exit(None) does
         except SystemExit as exc:
