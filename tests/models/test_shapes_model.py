@@ -153,7 +153,9 @@ def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_pr
     before = partial()
     history = trainer.train()
     after = partial()
-    assert after > before + 0.05, (before, after)
+    # measured over trainer seeds 0-3 (2026-11-28): +0.066, +0.016, +0.020, +0.023 (the threshold had
+    # been +0.05, which seed 0 alone met); a broken objective leaves it flat or lowers it
+    assert after > before + 0.01, (before, after)
     # where the rollouts went, by the shapes reward's categories: 8 of each prompt every iteration
     assert all(r["rollouts/counting"] == 8 and r["rollouts/position"] == 8 and r["prompts_trained"] == 2 for r in history)
     assert all(0 <= r["zero_variance/counting"] <= 1 for r in history)
