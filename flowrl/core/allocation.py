@@ -170,6 +170,16 @@ class Allocator:
     def observe(self, prompt_ids: torch.Tensor, success: torch.Tensor) -> None:
         self.stats.update(prompt_ids.long(), success.bool())
 
+    def coverage(self) -> dict[str, float]:
+        """How far over the pool the allocator has spread so far: `pool_covered`, the fraction of
+        its prompts observed in at least one iteration, and `pool_revisits`, in how many iterations
+        an observed prompt was on average. An allocator that keeps returning to a narrow set shows
+        a small coverage and many revisits (what held-out accuracy may pay for)."""
+        seen = self.stats.seen
+        observed = seen > 0
+        revisits = float(seen[observed].double().mean()) if bool(observed.any()) else 0.0
+        return {"pool_covered": float(observed.double().mean()), "pool_revisits": revisits}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.stats.state_dict()
 

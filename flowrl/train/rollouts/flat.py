@@ -86,6 +86,7 @@ class FlatRollout(Rollout):
             **adv_metrics,
             "allocation_stages": len(stages),
             "prompts_trained": len(adv.group_ids),
+            **ctx.allocator.coverage(),
             **(spending_by_bucket(prompt_ids, adv.group_ids, adv.degenerate, self.buckets) if self.buckets else {}),
             "group_size_min": int(sizes.min()),
             "group_size_max": int(sizes.max()),
