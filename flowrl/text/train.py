@@ -41,6 +41,30 @@ from flowrl.train.run_manager import RunManager
 from rewards.text import TextReward
 
 
+class StepProximal:
+    """AReaL's proximal log-probs of a batch: those of the weights at the start of this optimizer
+    step. The trainer takes one step per inner epoch and its first epoch forwards every completion
+    once with exactly those weights, so each completion's proximal log-probs are its first training
+    forward's, detached: the same policy AReaL recomputes (`prox_logp_method: recompute`), without
+    the separate forward over the batch (about a quarter of an asynchronous text iteration here).
+    Rows given as `known` (fresh samples: the behaviour log-probs are the proximal ones) are kept."""
+
+    def __init__(self, gen: Generation, known: bool = False):
+        self.log_probs = gen.log_probs.float().clone() if known else torch.zeros_like(gen.log_probs, dtype=torch.float32)
+        self.taken = torch.full((len(gen.texts),), known)
+        self.mask = gen.completion_mask
+
+    def of(self, rows: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+        """The proximal log-probs of `rows`, taking those not yet known from `lp` (their training
+        forward's log-probs under the step's starting weights)."""
+        new = ~self.taken[rows]
+        if bool(new.any()):
+            first = rows[new]
+            self.log_probs[first] = lp.detach().float().cpu()[new] * self.mask[first]
+            self.taken[first] = True
+        return self.log_probs[rows]
+
+
 def default_text_run_dir(cfg: TextConfig) -> Path:
     return Path(cfg.run.output_dir) / (cfg.run.name or time.strftime("text-%Y%m%d-%H%M%S"))
 
@@ -81,7 +105,7 @@ class TextTrainer(RunManager):
                 self.producer.close()
                 self.producer = None
 
-    def next_batch(self) -> tuple[TextExperience, torch.Tensor | None, dict]:
+    def next_batch(self) -> tuple[TextExperience, StepProximal | None, dict]:
         """This iteration's experience, the proximal log-probs of its completions when it came from
         the producer (None when synchronous), and what the producer's timing adds to the row."""
         if self.producer is None:
@@ -90,18 +114,11 @@ class TextTrainer(RunManager):
         self.allocator.load_state_dict(batch.state)  # the checkpoints hold the allocator as the producer left it
         exp, staleness = batch.experience, self.iteration - batch.version
         # AReaL's proximal policy: the weights at the start of this update; fresh samples' own log-probs are it
-        proximal = self.recompute_log_probs(exp.gen) if staleness else exp.gen.log_probs
+        proximal = StepProximal(exp.gen, known=staleness == 0)
         return exp, proximal, {"staleness": staleness, "time_producer_idle": batch.producer_idle_s,
                                "time_producer_busy": batch.producer_busy_s, "time_trainer_wait": batch.trainer_wait_s}
 
-    @torch.no_grad()
-    def recompute_log_probs(self, gen: Generation) -> torch.Tensor:
-        """The current weights' log-probs of every completion [n, T] (0 outside the mask)."""
-        rows, step, temp = torch.arange(len(gen.texts)), self.cfg.trainer.micro_batch, self.cfg.generation.temperature
-        parts = [self.policy.log_probs(gen, rows[i : i + step], temp)[0].float().cpu() for i in range(0, len(rows), step)]
-        return torch.cat(parts) * gen.completion_mask
-
-    def update(self, exp: TextExperience, proximal: torch.Tensor | None = None) -> dict:
+    def update(self, exp: TextExperience, proximal: StepProximal | None = None) -> dict:
         """One optimizer step per inner epoch over every completion; micro-batches weighted so the
         step's loss is the aggregation over the whole batch (over every process's completions).
         `proximal`: the log-probs of samples that came from the producer (the off-policy loss)."""
@@ -129,7 +146,7 @@ class TextTrainer(RunManager):
                 share = (int(m.sum()) / max(total_tokens, 1)) if l.aggregation == "token_mean" else len(rows) / total_seqs
                 # gradients are summed across processes once, at the last micro-batch
                 with contextlib.nullcontext() if start == starts[-1] else acc.no_sync(self.train_model):
-                    loss, logged, dev = self._micro_batch(gen, rows, m, advantages[rows], None if proximal is None else proximal[rows])
+                    loss, logged, dev = self._micro_batch(gen, rows, m, advantages[rows], proximal)
                     (loss * share * scale).backward()
                 first_ratio_dev = dev if first_ratio_dev is None else first_ratio_dev
                 for key, value in logged.items():
@@ -145,7 +162,7 @@ class TextTrainer(RunManager):
                      lr=self.optimizer.param_groups[0]["lr"],
                      skipped_steps=sum(not math.isfinite(g) for g in grad_norms))
         if proximal is not None:
-            stats.update(self.off_policy_metrics(proximal, gen.log_probs, mask))
+            stats.update(self.off_policy_metrics(proximal.log_probs, gen.log_probs, mask))
         return stats
 
     def off_policy_metrics(self, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -159,7 +176,7 @@ class TextTrainer(RunManager):
                 "off_policy/over_cap_fraction": float((w > self.cfg.loss.behaviour_cap).double().mean())}
 
     def _micro_batch(self, gen: Generation, rows: torch.Tensor, m: torch.Tensor, advantages: torch.Tensor,
-                     proximal: torch.Tensor | None):
+                     step_proximal: StepProximal | None):
         """The loss of some of this process's completions (aggregated over them), what it logs, and
         the largest deviation of a ratio from 1."""
         cfg, l = self.cfg, self.cfg.loss
@@ -167,12 +184,13 @@ class TextTrainer(RunManager):
         lp, ent = self.policy.log_probs(gen, rows, temp, model=self.train_model)
         md = m.to(lp.device)
         behaviour, advantages = gen.log_probs[rows].to(lp.device), advantages.to(lp.device)
+        proximal = None if step_proximal is None else step_proximal.of(rows, lp).to(lp.device)
         if proximal is None:  # synchronous: the samples are these weights' own
             pl = token_policy_loss(lp, behaviour, advantages, md, l.clip_low, l.clip_high, l.aggregation, l.ratio_level, horizon)
         elif l.off_policy == "m2po":  # M2PO: the second-moment mask is the trust region, no clip
-            pl = m2po_policy_loss(lp, behaviour, advantages, md, m2po_mask(proximal.to(lp.device), behaviour, md, l.m2po_tau))
+            pl = m2po_policy_loss(lp, behaviour, advantages, md, m2po_mask(proximal, behaviour, md, l.m2po_tau))
         else:  # AReaL's decoupled PPO: the clip against the proximal weights, the behaviour weight for staleness
-            pl = decoupled_policy_loss(lp, proximal.to(lp.device), behaviour, advantages, md, l.clip_low, l.clip_high, l.aggregation,
+            pl = decoupled_policy_loss(lp, proximal, behaviour, advantages, md, l.clip_low, l.clip_high, l.aggregation,
                                        horizon, l.behaviour_weight, l.behaviour_cap, l.behaviour_level)
         loss, kl = pl.loss, torch.zeros(())
         if cfg.trainer.kl_beta > 0:

@@ -95,3 +95,27 @@ def test_async_settings_that_cannot_work_are_refused(override, message):
         load_text_config("configs/text_add.yaml", ["run.async_rollouts=true", *override.split()])
     with pytest.raises(ConfigError, match="run.max_staleness must be >= 0"):
         load_text_config("configs/text_add.yaml", ["run.max_staleness=-1"])
+
+
+def test_a_stale_batch_takes_its_proximal_log_probs_from_the_steps_first_forward(tmp_path, restore_threads):
+    """AReaL's proximal policy is the weights at the start of the optimizer step: each completion's
+    first training forward of the step has exactly those, so its detached log-probs are what a
+    separate forward would recompute, and a second inner epoch (other weights) keeps them."""
+    from flowrl.text.config import load_text_config
+    from flowrl.text.train import StepProximal, TextTrainer
+
+    cfg = load_text_config(FAST[0], [*FAST[1:], "trainer.inner_epochs=2", "trainer.micro_batch=6", "run.checkpoint_every=0"])
+    trainer = TextTrainer(cfg, run_dir=tmp_path / "run")
+    exp = trainer.collector.collect(0)
+    gen, rows, temp = exp.gen, torch.arange(len(exp.gen.texts)), cfg.generation.temperature
+    with torch.no_grad():  # what AReaL's `recompute` does: one forward of the batch with the step's starting weights
+        recomputed = trainer.policy.log_probs(gen, rows, temp)[0].float() * gen.completion_mask
+    proximal = StepProximal(gen)
+    stats = trainer.update(exp, proximal)
+    assert bool(proximal.taken.all()) and stats["off_policy/ess"] > 0
+    assert torch.allclose(proximal.log_probs, recomputed, atol=1e-5)
+    with torch.no_grad():  # the update moved the weights: the live policy is not the proximal one any more
+        after = trainer.policy.log_probs(gen, rows, temp)[0].float() * gen.completion_mask
+    assert (after - recomputed).abs().max() > 1e-4
+    fresh = StepProximal(gen, known=True)  # fresh samples: the behaviour log-probs are kept as they are
+    assert torch.equal(fresh.of(rows, after), gen.log_probs.float())
