@@ -119,3 +119,29 @@ def test_a_stale_batch_takes_its_proximal_log_probs_from_the_steps_first_forward
     assert (after - recomputed).abs().max() > 1e-4
     fresh = StepProximal(gen, known=True)  # fresh samples: the behaviour log-probs are kept as they are
     assert torch.equal(fresh.of(rows, after), gen.log_probs.float())
+
+
+def test_m2po_in_the_trainer_is_the_core_objective_on_a_stale_batch(tmp_path, restore_threads):
+    """loss.off_policy m2po through the trainer: a batch drawn by older weights, trained by newer
+    ones, gets M2PO's second-moment mask over (behaviour - proximal)^2 and its unclipped
+    token-mean objective, as flowrl/core/off_policy.py writes them."""
+    from flowrl.core.off_policy import m2po_mask, m2po_policy_loss
+    from flowrl.text.config import load_text_config
+    from flowrl.text.train import StepProximal, TextTrainer
+
+    cfg = load_text_config(FAST[0], [*FAST[1:], "loss.off_policy=m2po", "trainer.micro_batch=16", "run.checkpoint_every=0"])
+    trainer = TextTrainer(cfg, run_dir=tmp_path / "run")
+    exp = trainer.collector.collect(0)  # drawn by these weights: the behaviour policy
+    with torch.no_grad():  # the trainer has moved on since: newer weights
+        g = torch.Generator().manual_seed(0)
+        for p in trainer.params.values():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    gen, rows = exp.gen, torch.arange(len(exp.gen.texts))
+    with torch.no_grad():
+        proximal = trainer.policy.log_probs(gen, rows, cfg.generation.temperature)[0].float() * gen.completion_mask
+    mask = gen.completion_mask & exp.local_valid.unsqueeze(1)
+    keep = m2po_mask(proximal, gen.log_probs.float(), mask, cfg.loss.m2po_tau)
+    expected = m2po_policy_loss(proximal, gen.log_probs.float(), exp.local_advantages, mask, keep).loss
+    assert 0 < int(keep.sum()) < int(mask.sum())  # stale enough that the mask drops tokens
+    stats = trainer.update(exp, StepProximal(gen))
+    assert stats["loss"] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
