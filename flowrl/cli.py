@@ -181,7 +181,6 @@ def cmd_train(args) -> int:
     from importlib import import_module
 
     from flowrl.config import load_config
-    from flowrl.models import policy_class
     from flowrl.text.cli import is_text_config, is_text_run
     from flowrl.train.run_dir import CONFIG_FILE, default_run_dir
 
@@ -205,7 +204,7 @@ def cmd_train(args) -> int:
         # fixed here, so that the processes of a relaunch and an interrupted run's message name the same directory
         run_dir = run if args.resume else Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
         start = lambda: _train_images(cfg, run_dir, bool(args.resume))  # noqa: E731
-        warm_up = lambda: (import_module("flowrl.train.loop"), policy_class(cfg.model.kind))  # noqa: E731
+        warm_up = lambda: (import_module("flowrl.train.loop"), import_module("flowrl.models").policy_class(cfg.model.kind))  # noqa: E731
     _no_file_on_the_way(run_dir, "the run directory (--run-dir, run.output_dir)")
     if launches_cpu_processes(cfg):
         argv = args.argv if args.resume or args.run_dir else [*args.argv, "--run-dir", str(run_dir)]
