@@ -181,19 +181,6 @@ def test_coverage_counts_the_prompts_observed_and_the_iterations_they_were_in():
     assert 0.3 <= alloc.coverage()["pool_covered"] < 1.0 and alloc.coverage()["pool_revisits"] > 1.0
 
 
-def test_vade_covers_less_of_a_pool_than_uniform_and_returns_to_its_few_uncertain_prompts():
-    # 200 prompts: 20 at one half, the rest always or never solved (the arithmetic pool's shape):
-    # VADE spends its draws on the uncertain few, so less of the pool is ever trained on
-    p = torch.tensor([0.5] * 20 + [1.0] * 90 + [0.0] * 90, dtype=torch.float64)
-    cover = {}
-    for kind in ("uniform", "vade"):
-        alloc = make_allocator(kind, num_prompts=200, budget=32, prompts_per_iteration=8, seed=0)
-        run_iterations(alloc, p, 40, seed=0)
-        cover[kind] = alloc.coverage()
-    assert cover["vade"]["pool_covered"] < 0.5 * cover["uniform"]["pool_covered"], cover
-    assert cover["vade"]["pool_revisits"] > 2 * cover["uniform"]["pool_revisits"], cover
-
-
 # --------------------------------------------------------------------------------------
 # Thompson draws (hand-written Gamma sampler)
 # --------------------------------------------------------------------------------------
