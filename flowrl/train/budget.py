@@ -10,8 +10,8 @@ and checkpoints at their measured mean cost, against what is left of the budget 
 timing noise. A plan is never below the iterations already done and never above
 `trainer.iterations`. A machine that speeds up after the probe trains more iterations, one that
 slows down trains fewer, and the run ends within a few percent of its budget (the margin, plus
-what the speed does after the last re-plan). With `run.checkpoint_every` 0 the probe's plan is
-the only one.
+what the speed does after the last re-plan). A run with `run.checkpoint_every` 0 plans again at
+every tenth of its plan instead.
 
 The schedule clock. `trainer.iterations` stays the length every iteration-based schedule is
 written for (the nominal length): the learning-rate decay, a progressive SDE window, a sliding

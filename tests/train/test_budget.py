@@ -173,11 +173,14 @@ def test_a_new_plan_keeps_the_clock_of_the_iterations_that_ran():
     assert old.progress(59) == 59 * 269 / 151 and old.progress(179) == 269
 
 
+@pytest.mark.parametrize("checkpoint_every", [10, 0], ids=["at-checkpoints", "no-checkpoints"])
 @pytest.mark.parametrize("probe_s, after_s", [(0.5, 0.3125), (0.3125, 0.5)], ids=["faster", "slower"])
-def test_re_planning_ends_the_run_within_5_percent_of_its_budget(tmp_path, tiny_sd3_dir, clock, probe_s, after_s):
-    # a 30 s budget for at most 1000 iterations; the machine changes speed after the 5-iteration probe
-    cfg = budget_cfg(tiny_sd3_dir, "trainer.iterations=1000", "trainer.budget_probe=5", "run.checkpoint_every=10",
-                     "run.sample_every=10")
+def test_re_planning_ends_the_run_within_5_percent_of_its_budget(tmp_path, tiny_sd3_dir, clock, probe_s, after_s,
+                                                                 checkpoint_every):
+    # a 30 s budget for at most 1000 iterations; the machine changes speed after the 5-iteration probe. Without
+    # periodic checkpoints the loop plans again at every tenth of its plan
+    cfg = budget_cfg(tiny_sd3_dir, "trainer.iterations=1000", "trainer.budget_probe=5",
+                     f"run.checkpoint_every={checkpoint_every}", "run.sample_every=10")
     trainer = Trainer(cfg, tmp_path / "run")
     ends = timed_only(trainer, clock, lambda i: 1.0 if i == 0 else probe_s if i < 5 else after_s, grid_s=0.25,
                       checkpoint_s=0.125)
