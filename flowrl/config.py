@@ -37,7 +37,7 @@ from flowrl.train.sharding import DISTRIBUTED
 from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml, refuse_moved_keys
 from rewards import available_rewards, check_reward_config
 
-MODEL_KINDS = ("sd3", "flux")
+MODEL_KINDS = ("sd3", "flux", "qwen_image")
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")
@@ -236,6 +236,9 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     if w.strategy != "all":
         if not 1 <= w.size <= s.num_steps:
             raise ConfigError(f"sampling.window.size must be between 1 and sampling.num_steps ({s.num_steps}); got {w.size}")
+        if w.choices and (w.strategy != "random" or not all(0 <= c <= s.num_steps - w.size for c in w.choices)):
+            raise ConfigError(f"sampling.window.choices needs sampling.window.strategy random and steps between 0 and "
+                              f"{s.num_steps - w.size} (sampling.num_steps - size); got {list(w.choices)} with strategy '{w.strategy}'")
         if w.strategy == "progressive" and w.at_end == "roll_back" and s.num_steps < 3:
             raise ConfigError(f"sampling.window.at_end roll_back needs sampling.num_steps >= 3 (its windows stop short of the "
                               f"last two steps); got {s.num_steps}, or set sampling.window.at_end=clamp")

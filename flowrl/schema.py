@@ -62,6 +62,7 @@ class WindowConfig:
     # and the start rolls back to `start` once it passes them) | clamp (flowrl's earlier rule: the window
     # stops on the last `size` steps, those two included, and stays there)
     at_end: str = "roll_back"
+    choices: list[int] = field(default_factory=list)  # random: the first step drawn from these (Flow-Factory's sde_steps)
 
 
 @dataclass

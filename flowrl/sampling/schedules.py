@@ -38,12 +38,13 @@ WINDOW_ENDS = ("roll_back", "clamp")
 
 
 def window_steps(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 25,
-                 schedule_step: int | None = None, stride: int = 1, at_end: str = "roll_back") -> list[int]:
+                 schedule_step: int | None = None, stride: int = 1, at_end: str = "roll_back", choices=()) -> list[int]:
     """The SDE (and trained) steps of this iteration (MixGRPO, arXiv 2507.21802; Flow-GRPO-Fast;
     docs/algorithms.md section 1).
 
     all: every step. fixed: [start, start + size). random: the start uniform in
-    [0, num_steps // 2 - 1], clipped so the window fits, keyed by (seed, iteration).
+    [0, num_steps // 2 - 1], clipped so the window fits, or uniform over `choices` where given
+    (Flow-Factory's sde_steps), keyed by (seed, iteration).
     progressive (MixGRPO's sliding window): on the schedule's clock c (`schedule_step`, by default
     the iteration itself; a wall-clock budget maps it onto trainer.iterations) the start is
     l = start + stride * (c // shift_every), and at the end of the schedule:
@@ -60,8 +61,8 @@ def window_steps(strategy: str, num_steps: int, size: int, start: int, iteration
     if strategy == "fixed":
         return list(range(start, start + size))
     if strategy == "random":
-        hi = max(0, min(num_steps // 2 - 1, num_steps - size))
-        first = random.Random(seed * 1_000_003 + iteration).randint(0, hi)
+        rng = random.Random(seed * 1_000_003 + iteration)
+        first = rng.choice(sorted(choices)) if choices else rng.randint(0, max(0, min(num_steps // 2 - 1, num_steps - size)))
         return list(range(first, first + size))
     if strategy != "progressive":
         raise ValueError(f"sampling.window.strategy must be one of {WINDOW_STRATEGIES}, got {strategy!r}")
@@ -78,14 +79,14 @@ def window_steps(strategy: str, num_steps: int, size: int, start: int, iteration
 
 
 def window_start(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 25,
-                 schedule_step: int | None = None, stride: int = 1, at_end: str = "roll_back") -> int:
+                 schedule_step: int | None = None, stride: int = 1, at_end: str = "roll_back", choices=()) -> int:
     """First step of this iteration's SDE window (`window_steps`)."""
-    return window_steps(strategy, num_steps, size, start, iteration, seed, shift_every, schedule_step, stride, at_end)[0]
+    return window_steps(strategy, num_steps, size, start, iteration, seed, shift_every, schedule_step, stride, at_end, choices)[0]
 
 
 def window_mask(strategy: str, num_steps: int, size: int, start: int, iteration: int, seed: int, shift_every: int = 25,
-                schedule_step: int | None = None, stride: int = 1, at_end: str = "roll_back") -> torch.Tensor:
+                schedule_step: int | None = None, stride: int = 1, at_end: str = "roll_back", choices=()) -> torch.Tensor:
     """Boolean [num_steps]: True where the step is an SDE step (and so trainable); `window_steps`."""
     mask = torch.zeros(num_steps, dtype=torch.bool)
-    mask[window_steps(strategy, num_steps, size, start, iteration, seed, shift_every, schedule_step, stride, at_end)] = True
+    mask[window_steps(strategy, num_steps, size, start, iteration, seed, shift_every, schedule_step, stride, at_end, choices)] = True
     return mask

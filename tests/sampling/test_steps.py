@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowrl.sampling.noise import INITIAL, seeded_noise
-from flowrl.sampling.schedules import shifted_sigmas, stratified_sigma, time_shift, window_mask, window_start
+from flowrl.sampling.schedules import shifted_sigmas, stratified_sigma, time_shift, window_mask, window_start, window_steps
 from flowrl.sampling.steps import (
     STEP_FUNCTIONS,
     cps_step,
@@ -323,6 +323,26 @@ def test_window_random(num_steps, data):
     assert start + size <= num_steps
     assert start <= max(0, num_steps // 2 - 1)  # within the first half
     assert start == window_start("random", num_steps, size, 0, iteration, seed)
+
+
+def test_window_random_over_choices_draws_every_choice_and_nothing_else():
+    # Flow-Factory's sde_steps [1, 2, 3] with one SDE step: each iteration one of them, uniformly
+    firsts = [window_steps("random", 10, 1, 0, it, seed=3, choices=[3, 1, 2]) for it in range(300)]
+    assert all(len(f) == 1 for f in firsts)
+    counts = {c: sum(f[0] == c for f in firsts) for c in (1, 2, 3)}
+    assert sum(counts.values()) == 300 and min(counts.values()) > 70
+    assert window_steps("random", 10, 1, 0, 5, seed=3, choices=[1, 2, 3]) == firsts[5]  # keyed by (seed, iteration)
+
+
+def test_window_choices_are_checked():
+    from flowrl.config import load_config
+    from flowrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sampling.window.choices needs sampling.window.strategy random"):
+        load_config("tiny_jpeg", ["sampling.window.strategy=fixed", "sampling.window.choices=[1]"])
+    with pytest.raises(ConfigError, match=r"steps between 0 and 3 \(sampling.num_steps - size\); got \[1, 9\]"):
+        load_config("tiny_jpeg", ["sampling.num_steps=4", "sampling.window.strategy=random", "sampling.window.size=1",
+                                  "sampling.window.choices=[1, 9]"])
 
 
 def test_window_random_varies_with_iteration_and_seed():

@@ -38,7 +38,7 @@ def training_spec(cfg, iteration: int, policy, plan=None) -> SamplerSpec:
     iteration's SDE window (a progressive window moves on the run's schedule plan, ctx.plan)."""
     s, w = cfg.sampling, cfg.sampling.window
     mask = window_mask(w.strategy, s.num_steps, w.size, w.start, iteration, cfg.trainer.seed, w.shift_every,
-                       None if plan is None else plan.step(iteration), w.stride, w.at_end)
+                       None if plan is None else plan.step(iteration), w.stride, w.at_end, w.choices)
     return SamplerSpec(policy.sigmas(s.num_steps, s.schedule, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction,
                        s.cps_logprob)
 
