@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny SD3 and FLUX pipelines saved once per session and loaded back
+"""Shared fixtures: tiny SD3, FLUX and Qwen-Image pipelines saved once per session and loaded back
 through the real `from_pretrained` path."""
 
 from __future__ import annotations
@@ -28,6 +28,13 @@ def tiny_flux_dir(tmp_path_factory):
     from flowrl.models.tiny import build_tiny_flux
 
     return str(build_tiny_flux(tmp_path_factory.mktemp("tiny-flux") / "pipe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_image_dir(tmp_path_factory):
+    from flowrl.models.tiny import build_tiny_qwen_image
+
+    return str(build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image") / "pipe"))
 
 
 @pytest.fixture(autouse=True, scope="session")

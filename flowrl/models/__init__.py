@@ -17,7 +17,11 @@ def policy_class(kind: str) -> type[FlowPolicy]:
         from flowrl.models.flux import FluxPolicy
 
         return FluxPolicy
-    raise ValueError(f"model.kind must be sd3 or flux, got {kind!r}")
+    if kind == "qwen_image":
+        from flowrl.models.qwen_image import QwenImagePolicy
+
+        return QwenImagePolicy
+    raise ValueError(f"model.kind must be sd3, flux or qwen_image, got {kind!r}")
 
 
 def load_policy(cfg: ModelConfig, device=None) -> FlowPolicy:

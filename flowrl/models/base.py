@@ -23,7 +23,7 @@ from flowrl.schema import LoraConfig, ModelConfig
 
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux")  # model.path builtin:NAME
+BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-qwen-image")  # model.path builtin:NAME
 # sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
 # (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
 # sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
@@ -48,7 +48,8 @@ def builtin_model_dir(name: str) -> Path:
     target = root / name
     if not (target / "model_index.json").is_file():
         tmp = root / f".{name}.tmp{os.getpid()}"
-        builder = {"tiny-sd3": tiny.build_tiny_sd3, "tiny-flux": tiny.build_tiny_flux}[name]
+        builder = {"tiny-sd3": tiny.build_tiny_sd3, "tiny-flux": tiny.build_tiny_flux,
+                   "tiny-qwen-image": tiny.build_tiny_qwen_image}[name]
         builder(tmp)
         try:
             tmp.replace(target)  # atomic; another process may have won the race
@@ -82,7 +83,8 @@ def absent_components(path: str) -> dict[str, None]:
     return {k: None for k, v in entries.items() if isinstance(v, list) and len(v) == 2 and v[0] is None}
 
 
-PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}  # model_index.json's class -> model.kind
+# model_index.json's class -> model.kind
+PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwen_image"}
 
 
 class FlowPolicy:
@@ -99,7 +101,7 @@ class FlowPolicy:
         self.transformer = pipe.transformer
         self.transformer_class = type(pipe.transformer)  # before sharding swaps in a subclass (flowrl/train/sharding.py)
         self.vae = pipe.vae  # None: the transformer works in pixel space, images in [-1, 1]
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1) if self.vae is not None else 1
+        self.vae_scale_factor = pipe.vae_scale_factor if self.vae is not None else 1  # the pipeline's own rule
         for module in self._modules():
             module.requires_grad_(False)
             module.to(self.device)  # already loaded in self.dtype
@@ -159,7 +161,11 @@ class FlowPolicy:
             if p not in self._cache:
                 with torch.no_grad():
                     self._cache[p] = self._encode_uncached([p])
-        return {k: torch.cat([self._cache[p][k] for p in prompts]) for k in self._cache[prompts[0]]}
+        return self._batch([self._cache[p] for p in prompts])
+
+    def _batch(self, per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """One conditioning batch from each prompt's own (a family whose embeddings vary in length pads here)."""
+        return {k: torch.cat([c[k] for c in per_prompt]) for k in per_prompt[0]}
 
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         raise NotImplementedError

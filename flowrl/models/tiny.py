@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised SD3 and FLUX.1 pipelines built from configs.
+"""Tiny, randomly initialised SD3, FLUX.1 and Qwen-Image pipelines built from configs.
 
 They exist so that tests and the built-in default preset exercise the real loading code
 (`from_pretrained` of a local pipeline directory) without downloading anything. The
@@ -173,4 +173,64 @@ def build_tiny_flux(path: str | Path, seed: int = 0, width: int = 32) -> Path:
         tokenizer_2=tok2,
     )
     pipe.save_pretrained(str(path))
+    return Path(path)
+
+
+# The words of QwenImagePipeline's prompt template before the user's prompt, as Qwen's tokenizer splits
+# them: with a merge chain for each, the template's system part is the 34 tokens the pipeline drops
+# from the encoder's output (prompt_template_encode_start_idx), as with the real tokenizer
+_QWEN_TEMPLATE_WORDS = ("system", "Describe", " the", " image", " by", " detailing", " color", " shape", " size",
+                        " texture", " quantity", " text", " spatial", " relationships", " of", " objects", " and",
+                        " background", "user", "assistant")
+
+
+def _qwen_tokenizer():
+    """A byte-level BPE Qwen2 tokenizer: single bytes, the template's words, and the chat template's
+    special tokens: every prompt tokenizes, offline."""
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                "<|video_pad|>"]
+    pieces, merges = sorted(ByteLevel.alphabet()), []  # the 256 byte-level characters
+    for word in _QWEN_TEMPLATE_WORDS:
+        w = word.replace(" ", "\u0120")  # byte-level's space
+        for i in range(2, len(w) + 1):  # a chain of merges, left to right: w[:i-1] + w[i-1]
+            merges.append((w[: i - 1], w[i - 1]))
+            pieces.append(w[:i])
+    vocab = {p: i for i, p in enumerate(dict.fromkeys(pieces + specials))}
+    return Qwen2Tokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), additional_special_tokens=specials[1:])
+
+
+def build_tiny_qwen_image(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random `QwenImagePipeline` to `path`: Qwen2.5-VL text encoder, the 3D-causal
+    Qwen-Image VAE (8x spatial downsampling and per-channel latent mean/std, as the real one has),
+    an MMDiT with 2x2 packed latents and dynamic shifting with a terminal sigma."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = _qwen_tokenizer()
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end", "image_pad", "video_pad")}
+    hidden, z_dim = 16, 4
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=hidden,
+                                              guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True],
+                                 latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.2 * i for i in range(z_dim)])
+    torch.manual_seed(seed + 2)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": hidden},
+        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+        image_token_id=ids["image_pad"], video_token_id=ids["video_pad"]))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                                time_shift_type="exponential")
+    QwenImagePipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                      tokenizer=tok).save_pretrained(str(path))
     return Path(path)

@@ -21,7 +21,7 @@ from flowrl.models.base import PIPELINE_KINDS
 GIB = 1024**3
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-# the published configs of the two models the presets name, so a plan needs no download; any other
+# the published configs of the models the presets name, so a plan needs no download; any other
 # model is read from its own directory or hub id (only the config files)
 KNOWN_MODELS = {
     "black-forest-labs/FLUX.1-dev": {
@@ -41,6 +41,14 @@ KNOWN_MODELS = {
         "text_encoders": [("CLIPTextModelWithProjection", "clip_l"), ("CLIPTextModelWithProjection", "clip_g"),
                           ("T5EncoderModel", "t5_xxl")],
     },
+    "Qwen/Qwen-Image": {
+        "kind": "qwen_image",
+        "transformer": ("QwenImageTransformer2DModel", {
+            "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56], "guidance_embeds": False, "in_channels": 64,
+            "joint_attention_dim": 3584, "num_attention_heads": 24, "num_layers": 60, "out_channels": 16, "patch_size": 2}),
+        "text_encoders": [("Qwen2_5_VLForConditionalGeneration", "qwen25_vl_7b")],
+        "vae": ("AutoencoderKLQwenImage", {}),  # the class's defaults are Qwen-Image's VAE (z_dim 16, 8x spatial)
+    },
 }
 ENCODER_CONFIGS = {  # transformers config kwargs
     "clip_l": ("CLIPTextConfig", {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -49,6 +57,10 @@ ENCODER_CONFIGS = {  # transformers config kwargs
                                   "num_attention_heads": 20, "projection_dim": 1280, "vocab_size": 49408}),
     "t5_xxl": ("T5Config", {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
                             "vocab_size": 32128, "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}),
+    "qwen25_vl_7b": ("Qwen2_5_VLConfig", {  # Qwen2.5-VL-7B-Instruct, the whole model as QwenImagePipeline loads it
+        "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                        "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
+        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584}}),
 }
 VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
               "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 2}
@@ -60,6 +72,7 @@ VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block
 # H200), where 34 would predict 23 GiB of activations against the 36.6 measured. The same value
 # is assumed for FLUX's blocks, unmeasured.
 ACTIVATION_BYTES_PER_HIDDEN = 54
+CFG_KINDS = ("sd3", "qwen_image")  # families whose presets train through classifier-free guidance
 
 @dataclass
 class Launch:
@@ -87,7 +100,7 @@ class Launch:
 @dataclass
 class Model:
     name: str
-    kind: str  # sd3 | flux
+    kind: str  # sd3 | flux | qwen_image
     transformer: torch.nn.Module  # on the meta device
     frozen_params: int  # text encoders and VAE
 
@@ -102,7 +115,7 @@ class Model:
 
     def image_tokens(self, height: int, width: int) -> int:
         c = self.transformer.config
-        patch = c.patch_size if self.kind == "sd3" else 2  # FLUX packs 2x2 latent patches into tokens
+        patch = c.patch_size if self.kind == "sd3" else 2  # FLUX and Qwen-Image pack 2x2 latent patches into tokens
         return (height // 8 // patch) * (width // 8 // patch)
 
 
@@ -129,7 +142,8 @@ def load_model(name: str) -> Model:
         transformer = _meta(lambda: getattr(diffusers, cls_name)(**kwargs))
         frozen = sum(count(_meta(lambda e=e: getattr(transformers, c)(getattr(transformers, ENCODER_CONFIGS[e][0])(**ENCODER_CONFIGS[e][1]))))
                      for c, e in spec["text_encoders"])
-        frozen += count(_meta(lambda: diffusers.AutoencoderKL(**VAE_CONFIG)))
+        vae_class, vae_kwargs = spec.get("vae", ("AutoencoderKL", VAE_CONFIG))
+        frozen += count(_meta(lambda: getattr(diffusers, vae_class)(**vae_kwargs)))
         return Model(name, spec["kind"], transformer, frozen)
     try:
         index = diffusers.DiffusionPipeline.load_config(name)
@@ -201,9 +215,10 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     gathered = 2 * low * unit if sharded else 0.0  # the block computing and the next one prefetched
     rows.append(("gathered blocks (fsdp2)", gathered, f"2 x the largest block ({unit / 1e6:.0f}M) x {low} B" if sharded else "-"))
 
+    # prompt tokens: T5's (SD3 256, FLUX 512 by default); Qwen-Image's vary with the prompt, at most 512 by default
     t5 = launch.max_sequence_length or (256 if model.kind == "sd3" else 512)
     tokens = model.image_tokens(launch.height, launch.width) + t5 + (77 if model.kind == "sd3" else 0)
-    rows_per_forward = launch.batch * (2 if model.kind == "sd3" else 1)  # SD3 trains with CFG: two halves per sample
+    rows_per_forward = launch.batch * (2 if model.kind in CFG_KINDS else 1)  # trained with CFG: two halves per sample
     per_block = ACTIVATION_BYTES_PER_HIDDEN * model.hidden * tokens * rows_per_forward
     if launch.gradient_checkpointing:  # each block's 16-bit input kept, one block's activations recomputed at a time
         acts = len(blocks) * 2 * model.hidden * tokens * rows_per_forward + per_block

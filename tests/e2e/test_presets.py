@@ -1,5 +1,5 @@
 """Tests for the presets in configs/: every YAML validates, the multi-GPU presets split evenly
-over 8 processes, and the LoRA target modules of the SD3 / FLUX presets exist in the real
+over 8 processes, and the LoRA target modules of the SD3 / FLUX / Qwen-Image presets exist in the real
 diffusers transformer classes (checked on the tiny built-in architectures, offline)."""
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from flowrl.errors import UserError
 
 TEXT_PRESETS = ("text_add", "text_add_wide", "qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu", "qwen25_05b_gsm8k_8gpu", "qwen25_15b_gsm8k_8gpu")  # task: text, tested in test_text.py
 PRESETS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if p.stem not in TEXT_PRESETS)
-MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8}
+MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8, "qwen_image_pickscore_8gpu": 8}
 SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu")
 FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu", "flux1_dev_g2rpo_1gpu")
+QWEN_IMAGE_PRESETS = ("qwen_image_pickscore_1gpu", "qwen_image_pickscore_8gpu")
+IMAGE_PRESETS = (*SD3_PRESETS, *FLUX_PRESETS, *QWEN_IMAGE_PRESETS)
 GROUP_OBJECTIVE_PRESETS = ("sd35_medium_dgpo_1gpu", "flux1_dev_gdro_1gpu")
 OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu")  # settings checked by their own tests
 
@@ -28,7 +30,7 @@ def _preset(name: str) -> Path:
 
 def test_the_named_presets_exist():
     names = {p.stem for p in PRESETS}
-    for name in (*SD3_PRESETS, *FLUX_PRESETS, "default"):
+    for name in (*IMAGE_PRESETS, "default"):
         assert name in names
 
 
@@ -54,7 +56,7 @@ def test_multi_gpu_presets_split_evenly(name, processes):
     assert per_process_batches % cfg.trainer.gradient_accumulation_steps == 0
 
 
-@pytest.mark.parametrize("name", [n for n in (*SD3_PRESETS, *FLUX_PRESETS) if n not in MULTI_GPU])
+@pytest.mark.parametrize("name", [n for n in IMAGE_PRESETS if n not in MULTI_GPU])
 def test_accumulation_closes_exactly_on_one_process(name):
     cfg = load_config(_preset(name), validate_paths=False)
     batches = cfg.data.prompts_per_iteration * cfg.data.group_size // cfg.sampling.batch_size
@@ -80,6 +82,25 @@ def test_reference_settings(name):
         assert (cfg.sampling.sampler, cfg.sampling.noise_level, cfg.sampling.num_steps) == ("dance_grpo", 0.3, 16)
         assert cfg.data.group_size == 12
         assert _yaml_reward_weights(name) == {"hpsv2": 1.0}
+
+
+@pytest.mark.parametrize("name", QWEN_IMAGE_PRESETS)
+def test_qwen_image_presets_keep_flow_factorys_settings(name):
+    cfg = load_config(_preset(name), validate_paths=False)
+    m, s, t = cfg.model, cfg.sampling, cfg.trainer
+    assert (m.kind, m.path, m.dtype, m.height, m.guidance_scale, m.gradient_checkpointing) == (
+        "qwen_image", "Qwen/Qwen-Image", "bf16", 512, 4.0, True)
+    assert (cfg.lora.rank, cfg.lora.alpha, len(cfg.lora.target_modules)) == (64, 128, 12)
+    assert (s.sampler, s.noise_level, s.num_steps, s.eval_num_steps, s.schedule) == ("flow_grpo", 1.0, 10, 28, "pipeline")
+    assert (s.window.strategy, s.window.size, s.window.choices, s.batch_size) == ("random", 1, [1, 2, 3], 1)
+    assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"clip_score": 1.0, "pickscore": 0.5}
+    assert (cfg.advantage.kind, cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("gdpo", "group", 5.0, 1e-4)
+    assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (3e-4, 1e-4, 0.0, 1.0, True, 0.9)
+    # 2 optimizer steps per iteration on every process, as the reference's gradient_step_per_epoch
+    processes = MULTI_GPU.get(name, 1)
+    batches = cfg.data.prompts_per_iteration * cfg.data.group_size // (processes * s.batch_size)
+    assert batches // t.gradient_accumulation_steps == 2
+    assert cfg.data.prompts_per_iteration == (48 if processes == 8 else 6)  # the reference's 48 over 8 GPUs, one GPU's share
 
 
 def test_g2rpo_preset_keeps_the_reference_settings():
@@ -119,17 +140,17 @@ def _yaml_reward_weights(name: str) -> dict:
 
 
 # Regression: a YAML's reward.weights replaces the schema default instead of merging into it.
-@pytest.mark.parametrize("name", (*SD3_PRESETS, *FLUX_PRESETS))
+@pytest.mark.parametrize("name", IMAGE_PRESETS)
 def test_loaded_reward_weights_are_exactly_the_presets(name):
     cfg = load_config(_preset(name), validate_paths=False)
     assert cfg.reward.weights == _yaml_reward_weights(name)
 
 
 # where each preset reward takes its model from: a nonexistent one must fail in one sentence
-MODEL_OPTION = {"pickscore": "path", "hpsv2": "checkpoint"}
+MODEL_OPTION = {"pickscore": "path", "hpsv2": "checkpoint", "clip_score": "path"}
 
 
-@pytest.mark.parametrize("name", (*SD3_PRESETS, *FLUX_PRESETS))
+@pytest.mark.parametrize("name", IMAGE_PRESETS)
 def test_preset_rewards_with_a_missing_model_fail_clearly(name, tmp_path):
     """Building a preset's reward (trainer start) with a model that is not there raises a
     one-sentence UserError naming the reward, never a KeyError, an OSError or an ImportError.
@@ -152,9 +173,9 @@ def test_preset_rewards_with_a_missing_model_fail_clearly(name, tmp_path):
 
 
 @pytest.fixture
-def tiny_dirs(tiny_sd3_dir, tiny_flux_dir):
+def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_qwen_image_dir):
     # the session's tiny pipelines (tests/conftest.py), built by flowrl.models.tiny
-    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir}
+    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "qwen_image": tiny_qwen_image_dir}
 
 
 def _assert_targets_adapted(policy, targets):
@@ -164,7 +185,7 @@ def _assert_targets_adapted(policy, targets):
         assert hits, f"LoRA target '{t}' wrapped no module of {type(policy.transformer).__name__}"
 
 
-@pytest.mark.parametrize("name", (*SD3_PRESETS, *FLUX_PRESETS))
+@pytest.mark.parametrize("name", IMAGE_PRESETS)
 def test_lora_targets_exist_in_the_architecture(name, tiny_dirs):
     from flowrl.models import load_policy
 

@@ -1,4 +1,4 @@
-"""SD3 and FLUX adapters: loading, ratio = 1 on fresh samples, KL to the reference, LoRA I/O."""
+"""SD3, FLUX and Qwen-Image adapters: loading, ratio = 1 on fresh samples, KL to the reference, LoRA I/O."""
 
 from __future__ import annotations
 
@@ -24,9 +24,14 @@ def _spec(steps=4):
     return SamplerSpec(shifted_sigmas(steps), torch.ones(steps, dtype=torch.bool), "flow_grpo", 0.7, "mean")
 
 
-@pytest.fixture(params=["sd3", "flux"])
-def model_dir(request, tiny_sd3_dir, tiny_flux_dir):
-    return request.param, tiny_sd3_dir if request.param == "sd3" else tiny_flux_dir
+@pytest.fixture
+def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_qwen_image_dir):
+    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "qwen_image": tiny_qwen_image_dir}
+
+
+@pytest.fixture(params=["sd3", "flux", "qwen_image"])
+def model_dir(request, tiny_dirs):
+    return request.param, tiny_dirs[request.param]
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -120,9 +125,9 @@ def test_prompt_embeddings_are_cached(tiny_sd3_dir):
     assert torch.equal(b["embeds"][0], a["embeds"][1]) and torch.equal(b["embeds"][1], a["embeds"][0])
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_decoded_images_and_reproducible_samples(kind, tiny_sd3_dir, tiny_flux_dir):
-    policy = _policy(kind, tiny_sd3_dir if kind == "sd3" else tiny_flux_dir)
+@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image"])
+def test_decoded_images_and_reproducible_samples(kind, tiny_dirs):
+    policy = _policy(kind, tiny_dirs[kind])
     spec = _spec()
     a = rollout(policy, PROMPTS[:2], [5, 6], spec, batch_size=1)
     b = rollout(policy, PROMPTS[1:2] + PROMPTS[:1], [6, 5], spec, batch_size=1)  # other order
@@ -135,9 +140,9 @@ def test_decoded_images_and_reproducible_samples(kind, tiny_sd3_dir, tiny_flux_d
     assert images.min() >= 0 and images.max() <= 1
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux"])
-def test_lora_saves_in_diffusers_format(kind, tiny_sd3_dir, tiny_flux_dir, tmp_path):
-    path = tiny_sd3_dir if kind == "sd3" else tiny_flux_dir
+@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image"])
+def test_lora_saves_in_diffusers_format(kind, tiny_dirs, tmp_path):
+    path = tiny_dirs[kind]
     policy = _policy(kind, path)
     with torch.no_grad():
         for p in policy.trainable_parameters():

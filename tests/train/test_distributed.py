@@ -221,6 +221,23 @@ def test_plan_memory_script_prints_the_table_and_refuses_bad_launches(capsys):
     assert "neither a known model" in capsys.readouterr().err
 
 
+def test_memory_plan_knows_qwen_image(tiny_qwen_image_dir):
+    from diffusers import QwenImageTransformer2DModel
+
+    from flowrl.train.memory_plan import GIB, Launch, load_model, plan
+
+    tiny = load_model(tiny_qwen_image_dir)  # a local pipeline: its class names the kind, its configs build the parts
+    real = QwenImageTransformer2DModel.from_pretrained(tiny_qwen_image_dir, subfolder="transformer")
+    assert tiny.kind == "qwen_image" and tiny.frozen_params > 0
+    assert sum(p.numel() for p in tiny.transformer.parameters()) == sum(p.numel() for p in real.parameters())
+    model = load_model("Qwen/Qwen-Image")  # the shipped configs, nothing downloaded
+    n = sum(p.numel() for p in model.transformer.parameters())
+    assert 19e9 < n < 21e9 and 8.0e9 < model.frozen_params < 8.6e9  # the 20B MMDiT; Qwen2.5-VL-7B and the VAE
+    rows = {w: g for w, g, _ in plan(model, Launch(lora_rank=64, height=512, width=512, max_sequence_length=64))}
+    # 60 blocks x 54 B x hidden 3072 x (32 x 32 image tokens + 64 prompt tokens) x 2 rows: true CFG doubles the batch
+    assert rows["activations (estimate)"] == pytest.approx(60 * 54 * 3072 * (32 * 32 + 64) * 2 / GIB)
+
+
 def test_fsdp_memory_bench_runs_its_code_path_on_the_cpu(capsys):
     # the GPU check (scripts/gpu_checks.sh) on a tiny transformer: fsdp2 full fine-tuning with a KL,
     # bf16 and gradient checkpointing through the trainer, and the plan printed beside it

@@ -1,0 +1,108 @@
+"""Qwen-Image (`QwenImagePipeline` components): a Qwen2.5-VL prompt encoder whose embeddings vary
+in length from prompt to prompt (a padding mask travels with them), latents packed 2x2 as FLUX.1
+packs them, the pipeline's dynamic shifting with a terminal sigma, and true classifier-free
+guidance on a negative prompt with the pipeline's rescaling of the guided velocity to the
+conditional one's norm (Flow-GRPO trains through the same guided velocity)."""
+
+from __future__ import annotations
+
+import torch
+from diffusers import QwenImagePipeline
+
+from flowrl.models.base import FlowPolicy
+from flowrl.models.flux import flux_pipeline_sigmas
+
+SEQUENCE_KEYS = ("embeds", "mask", "neg_embeds", "neg_mask")  # per-prompt tensors of the prompt's own length
+
+
+def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of different sequence lengths (dim 1) as one batch, each right-padded with zeros to the
+    longest: padding the text stream at its end leaves every real token's rotary position alone,
+    and a zero mask keeps the padding out of attention."""
+    longest = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in tensors])
+
+
+class QwenImagePolicy(FlowPolicy):
+    """v = rescale(v_neg + g (v_cond - v_neg)) on the negative prompt `negative_prompt` when
+    model.guidance_scale (the pipeline's true_cfg_scale) is above 1, as `QwenImagePipeline.__call__`
+    does; at 1 the conditional velocity alone, one forward."""
+
+    pipeline_class = QwenImagePipeline
+    negative_prompt = " "  # what Flow-GRPO trains and evaluates Qwen-Image with
+
+    def _encode_uncached(self, prompts):
+        out = {}
+        for prefix, texts in (("", prompts), ("neg_", [self.negative_prompt] * len(prompts))):
+            embeds, mask = self.pipe.encode_prompt(prompt=texts, device=self.device,
+                                                   max_sequence_length=self.cfg.max_sequence_length)
+            if mask is None:  # the pipeline drops an all-ones mask
+                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+            out[prefix + "embeds"], out[prefix + "mask"] = embeds, mask
+        return out
+
+    def _batch(self, per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {k: pad_cat([c[k] for c in per_prompt]) for k in per_prompt[0]}
+
+    def _latent_hw(self):
+        # the VAE downsamples by vae_scale_factor and packing needs even sizes
+        return (2 * (self.cfg.height // (self.vae_scale_factor * 2)), 2 * (self.cfg.width // (self.vae_scale_factor * 2)))
+
+    def pipeline_sigmas(self, num_steps):
+        # QwenImagePipeline.__call__ builds its grid as FluxPipeline's does: linspace(1, 1 / T, T) and mu
+        return flux_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])
+
+    def latent_shape(self):
+        h, w = self._latent_hw()
+        return ((h // 2) * (w // 2), self.transformer.config.in_channels)  # in_channels: 4x the VAE's, packed
+
+    def _velocity(self, x, sigma, cond):
+        g = self.guidance_scale
+        use_cfg = g > 1.0
+        x_in = x.to(self.device, self.dtype)
+        embeds, mask = cond["embeds"], cond["mask"]
+        if use_cfg:  # one forward over both halves, the text streams padded to one length
+            x_in = torch.cat([x_in, x_in])
+            embeds, mask = pad_cat([embeds, cond["neg_embeds"]]), pad_cat([mask, cond["neg_mask"]])
+        h, w = self._latent_hw()
+        rows = x_in.shape[0]
+        v = self.net(
+            hidden_states=x_in,
+            timestep=self.timestep_rows(sigma, rows),  # the pipeline passes t / 1000: sigma itself
+            guidance=None,
+            encoder_hidden_states=embeds.to(self.dtype),
+            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            img_shapes=[[(1, h // 2, w // 2)]] * rows,
+            return_dict=False,
+        )[0].float()
+        if use_cfg:
+            v_cond, v_neg = v.chunk(2)
+            guided = v_neg + g * (v_cond - v_neg)
+            v = guided * (v_cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+        return v
+
+    # ---- the VAE: a video VAE with one frame, latents normalised per channel ----------------------
+    def _latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.vae.config
+        shape = (1, c.z_dim, 1, 1, 1)
+        return (torch.tensor(c.latents_mean, device=like.device, dtype=like.dtype).view(shape),
+                torch.tensor(c.latents_std, device=like.device, dtype=like.dtype).view(shape))
+
+    def encode_images(self, images):
+        x = images.to(self.device, torch.float32) * 2 - 1
+        with torch.no_grad():
+            latents = self.vae.encode(x[:, :, None].to(self.dtype)).latent_dist.mean.float()  # [B, C, 1, h, w]
+        mean, std = self._latent_stats(latents)
+        latents = ((latents - mean) / std)[:, :, 0]
+        b, c, h, w = latents.shape  # packed as QwenImagePipeline._pack_latents: 2x2 patches
+        return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+    def decode(self, latents):
+        h, w = self._latent_hw()
+        b, _, c = latents.shape
+        unpacked = latents.view(b, h // 2, w // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c // 4, 1, h, w)
+        unpacked = unpacked.to(self.device, self.dtype)
+        mean, std = self._latent_stats(unpacked)
+        with torch.no_grad():
+            image = self.vae.decode(unpacked * std + mean, return_dict=False)[0][:, :, 0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
