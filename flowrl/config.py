@@ -37,7 +37,7 @@ from flowrl.train.sharding import DISTRIBUTED
 from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml, refuse_moved_keys
 from rewards import available_rewards, check_reward_config
 
-MODEL_KINDS = ("sd3", "flux", "qwen_image")
+MODEL_KINDS = ("sd3", "flux", "qwen_image", "z_image")
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")
@@ -114,7 +114,7 @@ def _validate_sigma_range(cfg: Config) -> None:
 # and mappings too) is finite. A part's own section (objective.nft, rollout.tree, ...) is checked by
 # the part's validate.
 RANGES: dict[str, str | tuple[str, str]] = {
-    "model.guidance_scale": "> 0",
+    "model.guidance_scale": (">= 0", "0 turns guidance off for Z-Image; SD3 then samples unconditionally"),
     "model.max_sequence_length": ">= 0",
     "lora.rank": ">= 1",
     "lora.alpha": "> 0",

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny SD3, FLUX and Qwen-Image pipelines saved once per session and loaded back
+"""Shared fixtures: tiny SD3, FLUX, Qwen-Image and Z-Image pipelines saved once per session and loaded back
 through the real `from_pretrained` path."""
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ def tiny_qwen_image_dir(tmp_path_factory):
     from flowrl.models.tiny import build_tiny_qwen_image
 
     return str(build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image") / "pipe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_z_image_dir(tmp_path_factory):
+    from flowrl.models.tiny import build_tiny_z_image
+
+    return str(build_tiny_z_image(tmp_path_factory.mktemp("tiny-z-image") / "pipe"))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -21,7 +21,11 @@ def policy_class(kind: str) -> type[FlowPolicy]:
         from flowrl.models.qwen_image import QwenImagePolicy
 
         return QwenImagePolicy
-    raise ValueError(f"model.kind must be sd3, flux or qwen_image, got {kind!r}")
+    if kind == "z_image":
+        from flowrl.models.z_image import ZImagePolicy
+
+        return ZImagePolicy
+    raise ValueError(f"model.kind must be sd3, flux, qwen_image or z_image, got {kind!r}")
 
 
 def load_policy(cfg: ModelConfig, device=None) -> FlowPolicy:

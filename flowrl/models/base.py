@@ -23,7 +23,7 @@ from flowrl.schema import LoraConfig, ModelConfig
 
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-qwen-image")  # model.path builtin:NAME
+BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-z-image")  # model.path builtin:NAME
 # sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
 # (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
 # sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
@@ -49,7 +49,7 @@ def builtin_model_dir(name: str) -> Path:
     if not (target / "model_index.json").is_file():
         tmp = root / f".{name}.tmp{os.getpid()}"
         builder = {"tiny-sd3": tiny.build_tiny_sd3, "tiny-flux": tiny.build_tiny_flux,
-                   "tiny-qwen-image": tiny.build_tiny_qwen_image}[name]
+                   "tiny-qwen-image": tiny.build_tiny_qwen_image, "tiny-z-image": tiny.build_tiny_z_image}[name]
         builder(tmp)
         try:
             tmp.replace(target)  # atomic; another process may have won the race
@@ -84,13 +84,23 @@ def absent_components(path: str) -> dict[str, None]:
 
 
 # model_index.json's class -> model.kind
-PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwen_image"}
+PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwen_image",
+                  "ZImagePipeline": "z_image"}
+
+
+def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Rows of different sequence lengths (dim 1) as one batch, each right-padded with zeros to the
+    longest: padding a text stream at its end leaves every real token's position alone, and a zero
+    in the mask beside it keeps the padding out of attention."""
+    longest = max(t.shape[1] for t in tensors)
+    return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in tensors])
 
 
 class FlowPolicy:
     """Shared machinery; subclasses implement encoding, the transformer call and latent layout."""
 
     pipeline_class: Any = None
+    variable_length = False  # prompt embeddings of each prompt's own length, padded per batch (`_batch`)
 
     def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
         self.pipe = pipe
@@ -164,8 +174,10 @@ class FlowPolicy:
         return self._batch([self._cache[p] for p in prompts])
 
     def _batch(self, per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """One conditioning batch from each prompt's own (a family whose embeddings vary in length pads here)."""
-        return {k: torch.cat([c[k] for c in per_prompt]) for k in per_prompt[0]}
+        """One conditioning batch from each prompt's own; a family whose prompt embeddings vary in
+        length (`variable_length`) pads them to the longest, with a mask beside them."""
+        join = pad_cat if self.variable_length else torch.cat
+        return {k: join([c[k] for c in per_prompt]) for k in per_prompt[0]}
 
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         raise NotImplementedError

@@ -9,18 +9,8 @@ from __future__ import annotations
 import torch
 from diffusers import QwenImagePipeline
 
-from flowrl.models.base import FlowPolicy
+from flowrl.models.base import FlowPolicy, pad_cat
 from flowrl.models.flux import flux_pipeline_sigmas
-
-SEQUENCE_KEYS = ("embeds", "mask", "neg_embeds", "neg_mask")  # per-prompt tensors of the prompt's own length
-
-
-def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Rows of different sequence lengths (dim 1) as one batch, each right-padded with zeros to the
-    longest: padding the text stream at its end leaves every real token's rotary position alone,
-    and a zero mask keeps the padding out of attention."""
-    longest = max(t.shape[1] for t in tensors)
-    return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in tensors])
 
 
 class QwenImagePolicy(FlowPolicy):
@@ -29,6 +19,7 @@ class QwenImagePolicy(FlowPolicy):
     does; at 1 the conditional velocity alone, one forward."""
 
     pipeline_class = QwenImagePipeline
+    variable_length = True
     negative_prompt = " "  # what Flow-GRPO trains and evaluates Qwen-Image with
 
     def _encode_uncached(self, prompts):
@@ -40,9 +31,6 @@ class QwenImagePolicy(FlowPolicy):
                 mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
             out[prefix + "embeds"], out[prefix + "mask"] = embeds, mask
         return out
-
-    def _batch(self, per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {k: pad_cat([c[k] for c in per_prompt]) for k in per_prompt[0]}
 
     def _latent_hw(self):
         # the VAE downsamples by vae_scale_factor and packing needs even sizes

@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised SD3, FLUX.1 and Qwen-Image pipelines built from configs.
+"""Tiny, randomly initialised SD3, FLUX.1, Qwen-Image and Z-Image pipelines built from configs.
 
 They exist so that tests and the built-in default preset exercise the real loading code
 (`from_pretrained` of a local pipeline directory) without downloading anything. The
@@ -233,4 +233,31 @@ def build_tiny_qwen_image(path: str | Path, seed: int = 0) -> Path:
                                                 time_shift_type="exponential")
     QwenImagePipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                       tokenizer=tok).save_pretrained(str(path))
+    return Path(path)
+
+
+_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tiny_z_image(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random `ZImagePipeline` to `path`: a Qwen3 text encoder behind a chat template,
+    FLUX.1's kind of VAE (AutoencoderKL with a shift factor) and the single-stream transformer with
+    2x2 patches, its refiner layers and 3-axis RoPE."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    tok = _qwen_tokenizer()
+    tok.chat_template = _CHAT_TEMPLATE
+    hidden = 16
+    torch.manual_seed(seed)
+    transformer = ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=32, n_layers=2,
+                                           n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=hidden,
+                                           axes_dims=[8, 4, 4], axes_lens=[256, 32, 32])
+    torch.manual_seed(seed + 2)
+    text_encoder = Qwen3Model(Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, num_key_value_heads=2, head_dim=8, max_position_embeddings=1024))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    ZImagePipeline(scheduler=scheduler, vae=_vae(4, seed + 1, shift_factor=0.1), text_encoder=text_encoder, tokenizer=tok,
+                   transformer=transformer).save_pretrained(str(path))
     return Path(path)

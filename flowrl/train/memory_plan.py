@@ -49,6 +49,11 @@ KNOWN_MODELS = {
         "text_encoders": [("Qwen2_5_VLForConditionalGeneration", "qwen25_vl_7b")],
         "vae": ("AutoencoderKLQwenImage", {}),  # the class's defaults are Qwen-Image's VAE (z_dim 16, 8x spatial)
     },
+    "Tongyi-MAI/Z-Image-Turbo": {
+        "kind": "z_image",
+        "transformer": ("ZImageTransformer2DModel", {}),  # the class's defaults are the released model's (dim 3840, 30 layers)
+        "text_encoders": [("Qwen3Model", "qwen3_4b")],  # and FLUX.1's VAE
+    },
 }
 ENCODER_CONFIGS = {  # transformers config kwargs
     "clip_l": ("CLIPTextConfig", {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -61,6 +66,8 @@ ENCODER_CONFIGS = {  # transformers config kwargs
         "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
                         "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
         "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584}}),
+    "qwen3_4b": ("Qwen3Config", {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}),
 }
 VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
               "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 2}
@@ -72,7 +79,7 @@ VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block
 # H200), where 34 would predict 23 GiB of activations against the 36.6 measured. The same value
 # is assumed for FLUX's blocks, unmeasured.
 ACTIVATION_BYTES_PER_HIDDEN = 54
-CFG_KINDS = ("sd3", "qwen_image")  # families whose presets train through classifier-free guidance
+CFG_KINDS = ("sd3", "qwen_image")  # families whose presets train through classifier-free guidance (not Z-Image-Turbo)
 
 @dataclass
 class Launch:
@@ -100,14 +107,14 @@ class Launch:
 @dataclass
 class Model:
     name: str
-    kind: str  # sd3 | flux | qwen_image
+    kind: str  # sd3 | flux | qwen_image | z_image
     transformer: torch.nn.Module  # on the meta device
     frozen_params: int  # text encoders and VAE
 
     @property
     def hidden(self) -> int:
         c = self.transformer.config
-        return c.num_attention_heads * c.attention_head_dim
+        return c.dim if "dim" in c else c.num_attention_heads * c.attention_head_dim  # Z-Image names its width `dim`
 
     def blocks(self) -> list[torch.nn.Module]:
         names = set(self.transformer._no_split_modules or ())
@@ -115,7 +122,7 @@ class Model:
 
     def image_tokens(self, height: int, width: int) -> int:
         c = self.transformer.config
-        patch = c.patch_size if self.kind == "sd3" else 2  # FLUX and Qwen-Image pack 2x2 latent patches into tokens
+        patch = c.patch_size if self.kind == "sd3" else 2  # FLUX, Qwen-Image and Z-Image make 2x2 latent patches tokens
         return (height // 8 // patch) * (width // 8 // patch)
 
 

@@ -1,4 +1,4 @@
-"""SD3, FLUX and Qwen-Image adapters: loading, ratio = 1 on fresh samples, KL to the reference, LoRA I/O."""
+"""SD3, FLUX, Qwen-Image and Z-Image adapters: loading, ratio = 1 on fresh samples, KL to the reference, LoRA I/O."""
 
 from __future__ import annotations
 
@@ -24,12 +24,15 @@ def _spec(steps=4):
     return SamplerSpec(shifted_sigmas(steps), torch.ones(steps, dtype=torch.bool), "flow_grpo", 0.7, "mean")
 
 
+KINDS = ["sd3", "flux", "qwen_image", "z_image"]
+
+
 @pytest.fixture
-def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_qwen_image_dir):
-    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "qwen_image": tiny_qwen_image_dir}
+def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_qwen_image_dir, tiny_z_image_dir):
+    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "qwen_image": tiny_qwen_image_dir, "z_image": tiny_z_image_dir}
 
 
-@pytest.fixture(params=["sd3", "flux", "qwen_image"])
+@pytest.fixture(params=KINDS)
 def model_dir(request, tiny_dirs):
     return request.param, tiny_dirs[request.param]
 
@@ -125,7 +128,7 @@ def test_prompt_embeddings_are_cached(tiny_sd3_dir):
     assert torch.equal(b["embeds"][0], a["embeds"][1]) and torch.equal(b["embeds"][1], a["embeds"][0])
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_decoded_images_and_reproducible_samples(kind, tiny_dirs):
     policy = _policy(kind, tiny_dirs[kind])
     spec = _spec()
@@ -140,7 +143,7 @@ def test_decoded_images_and_reproducible_samples(kind, tiny_dirs):
     assert images.min() >= 0 and images.max() <= 1
 
 
-@pytest.mark.parametrize("kind", ["sd3", "flux", "qwen_image"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_lora_saves_in_diffusers_format(kind, tiny_dirs, tmp_path):
     path = tiny_dirs[kind]
     policy = _policy(kind, path)

@@ -238,6 +238,24 @@ def test_memory_plan_knows_qwen_image(tiny_qwen_image_dir):
     assert rows["activations (estimate)"] == pytest.approx(60 * 54 * 3072 * (32 * 32 + 64) * 2 / GIB)
 
 
+def test_memory_plan_knows_z_image(tiny_z_image_dir):
+    from diffusers import ZImageTransformer2DModel
+
+    from flowrl.train.memory_plan import GIB, Launch, load_model, plan
+
+    tiny = load_model(tiny_z_image_dir)
+    real = ZImageTransformer2DModel.from_pretrained(tiny_z_image_dir, subfolder="transformer")
+    assert tiny.kind == "z_image" and tiny.hidden == 32
+    assert sum(p.numel() for p in tiny.transformer.parameters()) == sum(p.numel() for p in real.parameters())
+    model = load_model("Tongyi-MAI/Z-Image-Turbo")
+    n = sum(p.numel() for p in model.transformer.parameters())
+    assert 5.5e9 < n < 6.5e9 and 3.9e9 < model.frozen_params < 4.3e9  # the 6B DiT; Qwen3-4B and the VAE
+    rows = {w: g for w, g, _ in plan(model, Launch(lora_rank=64, height=512, width=512, max_sequence_length=64))}
+    # no CFG for the distilled model: one row per sample, over every ZImageTransformerBlock (refiners included)
+    blocks = len(model.blocks())
+    assert rows["activations (estimate)"] == pytest.approx(blocks * 54 * 3840 * (32 * 32 + 64) / GIB)
+
+
 def test_fsdp_memory_bench_runs_its_code_path_on_the_cpu(capsys):
     # the GPU check (scripts/gpu_checks.sh) on a tiny transformer: fsdp2 full fine-tuning with a KL,
     # bf16 and gradient checkpointing through the trainer, and the plan printed beside it

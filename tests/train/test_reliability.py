@@ -123,7 +123,8 @@ def test_cuda_on_a_machine_without_it_is_refused(tmp_path, tiny_sd3_dir, capsys)
     assert not run.exists()
 
 
-def test_a_model_of_the_other_kind_names_the_kind_to_set(tmp_path, tiny_sd3_dir, tiny_flux_dir, tiny_qwen_image_dir, capsys):
+def test_a_model_of_the_other_kind_names_the_kind_to_set(tmp_path, tiny_sd3_dir, tiny_flux_dir, tiny_qwen_image_dir,
+                                                         tiny_z_image_dir, capsys):
     run = tmp_path / "run"
     _fails_with(capsys, ["train", "tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", "model.kind=flux", "--run-dir", str(run)],
                 "holds a StableDiffusion3Pipeline", "set model.kind=sd3")
@@ -133,6 +134,8 @@ def test_a_model_of_the_other_kind_names_the_kind_to_set(tmp_path, tiny_sd3_dir,
     assert not run.exists()
     _fails_with(capsys, ["train", "tiny_jpeg", *FAST, f"model.path={tiny_qwen_image_dir}", "model.kind=flux", "--run-dir", str(run)],
                 "holds a QwenImagePipeline", "set model.kind=qwen_image")
+    _fails_with(capsys, ["train", "tiny_jpeg", *FAST, f"model.path={tiny_z_image_dir}", "model.kind=qwen_image", "--run-dir", str(run)],
+                "holds a ZImagePipeline", "set model.kind=z_image")
     assert not run.exists()
 
 
