@@ -17,6 +17,10 @@ def policy_class(kind: str) -> type[FlowPolicy]:
         from flowrl.models.flux import FluxPolicy
 
         return FluxPolicy
+    if kind == "flux2_klein":
+        from flowrl.models.flux2 import Flux2KleinPolicy
+
+        return Flux2KleinPolicy
     if kind == "qwen_image":
         from flowrl.models.qwen_image import QwenImagePolicy
 
@@ -25,7 +29,7 @@ def policy_class(kind: str) -> type[FlowPolicy]:
         from flowrl.models.z_image import ZImagePolicy
 
         return ZImagePolicy
-    raise ValueError(f"model.kind must be sd3, flux, qwen_image or z_image, got {kind!r}")
+    raise ValueError(f"model.kind must be sd3, flux, flux2_klein, qwen_image or z_image, got {kind!r}")
 
 
 def load_policy(cfg: ModelConfig, device=None) -> FlowPolicy:

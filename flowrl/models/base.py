@@ -23,7 +23,7 @@ from flowrl.schema import LoraConfig, ModelConfig
 
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-qwen-image", "tiny-z-image")  # model.path builtin:NAME
+BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image")  # model.path builtin:NAME
 # sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
 # (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
 # sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
@@ -49,7 +49,8 @@ def builtin_model_dir(name: str) -> Path:
     if not (target / "model_index.json").is_file():
         tmp = root / f".{name}.tmp{os.getpid()}"
         builder = {"tiny-sd3": tiny.build_tiny_sd3, "tiny-flux": tiny.build_tiny_flux,
-                   "tiny-qwen-image": tiny.build_tiny_qwen_image, "tiny-z-image": tiny.build_tiny_z_image}[name]
+                   "tiny-flux2-klein": tiny.build_tiny_flux2_klein, "tiny-qwen-image": tiny.build_tiny_qwen_image,
+                   "tiny-z-image": tiny.build_tiny_z_image}[name]
         builder(tmp)
         try:
             tmp.replace(target)  # atomic; another process may have won the race
@@ -84,8 +85,8 @@ def absent_components(path: str) -> dict[str, None]:
 
 
 # model_index.json's class -> model.kind
-PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwen_image",
-                  "ZImagePipeline": "z_image"}
+PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2KleinPipeline": "flux2_klein",
+                  "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image"}
 
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:

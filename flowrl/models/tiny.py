@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised SD3, FLUX.1, Qwen-Image and Z-Image pipelines built from configs.
+"""Tiny, randomly initialised SD3, FLUX.1, FLUX.2 [klein], Qwen-Image and Z-Image pipelines built from configs.
 
 They exist so that tests and the built-in default preset exercise the real loading code
 (`from_pretrained` of a local pipeline directory) without downloading anything. The
@@ -260,4 +260,35 @@ def build_tiny_z_image(path: str | Path, seed: int = 0) -> Path:
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     ZImagePipeline(scheduler=scheduler, vae=_vae(4, seed + 1, shift_factor=0.1), text_encoder=text_encoder, tokenizer=tok,
                    transformer=transformer).save_pretrained(str(path))
+    return Path(path)
+
+
+def build_tiny_flux2_klein(path: str | Path, seed: int = 0, distilled: bool = False) -> Path:
+    """Save a tiny random `Flux2KleinPipeline` to `path`: a 27-layer Qwen3 (the pipeline stacks the
+    hidden states of layers 9, 18 and 27), the FLUX.2 VAE with its batch-norm latent statistics set
+    away from 0 and 1, and a transformer of one double- and one single-stream block; `distilled`
+    as the 4-step models (no guidance), else as the undistilled bases."""
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = _qwen_tokenizer()
+    tok.chat_template = _CHAT_TEMPLATE
+    hidden, z = 8, 4
+    torch.manual_seed(seed)
+    transformer = Flux2Transformer2DModel(patch_size=1, in_channels=4 * z, num_layers=1, num_single_layers=1,
+                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=3 * hidden,
+                                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=z, norm_num_groups=4,
+                             sample_size=64)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.2, 0.2, vae.bn.num_features))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 1.5, vae.bn.num_features))
+    torch.manual_seed(seed + 2)
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=16,
+                                                num_hidden_layers=27, num_attention_heads=2, num_key_value_heads=2,
+                                                head_dim=4, max_position_embeddings=1024))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer,
+                       is_distilled=distilled).save_pretrained(str(path))
     return Path(path)

@@ -1,0 +1,104 @@
+"""FLUX.2 [klein] (`Flux2KleinPipeline` components; the 4B/9B distilled models and their undistilled
+bases): a Qwen3 prompt encoder whose hidden states of three layers are stacked side by side
+(padded to max_sequence_length, no mask), latents patchified 2x2 by the pipeline and kept packed
+as tokens [B, h/2 x w/2, 4C] normalised by the VAE's batch-norm statistics, 4D rotary ids, a grid
+whose shift depends on the step count (`compute_empirical_mu`), and classifier-free guidance on
+the empty prompt for the undistilled bases (none for the distilled models)."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+from diffusers import Flux2KleinPipeline
+from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_timesteps
+
+from flowrl.models.base import FlowPolicy
+
+
+def flux2_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
+    """The sigmas `Flux2KleinPipeline.__call__` samples on (diffusers 0.42): linspace(1, 1 / T, T)
+    shifted by an empirical mu of the token count and of T itself."""
+    sigmas = None if scheduler.config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
+    scheduler = copy.deepcopy(scheduler)  # set_timesteps changes the scheduler's state
+    retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=compute_empirical_mu(image_seq_len, num_steps))
+    return scheduler.sigmas.float().cpu()
+
+
+class Flux2KleinPolicy(FlowPolicy):
+    """v = v_neg + g (v_cond - v_neg) when model.guidance_scale is above 1 and the pipeline is not
+    the distilled model (`is_distilled` in its config), as the pipeline guides; else one forward."""
+
+    pipeline_class = Flux2KleinPipeline
+
+    def _encode_uncached(self, prompts):
+        out = {}
+        for prefix, texts in (("", prompts), ("neg_", [""] * len(prompts))):  # the pipeline's negative prompt
+            embeds, text_ids = self.pipe.encode_prompt(prompt=list(texts), device=self.device,
+                                                       max_sequence_length=self.cfg.max_sequence_length)
+            out[prefix + "embeds"], out[prefix + "text_ids"] = embeds, text_ids
+        return out
+
+    def _latent_hw(self):
+        # the VAE downsamples by vae_scale_factor and patchifying needs even sizes
+        return (2 * (self.cfg.height // (self.vae_scale_factor * 2)), 2 * (self.cfg.width // (self.vae_scale_factor * 2)))
+
+    def pipeline_sigmas(self, num_steps):
+        return flux2_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])
+
+    def latent_shape(self):
+        h, w = self._latent_hw()
+        return ((h // 2) * (w // 2), self.transformer.config.in_channels)  # in_channels: the 2x2 patches' 4C
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance_scale > 1.0 and not self.pipe.config.is_distilled
+
+    def _velocity(self, x, sigma, cond):
+        b = x.shape[0]
+        x_in = x.to(self.device, self.dtype)
+        embeds, text_ids = cond["embeds"], cond["text_ids"]
+        if self.guided:  # one forward over both halves (the text streams have one length: max_sequence_length)
+            x_in = torch.cat([x_in, x_in])
+            embeds, text_ids = torch.cat([embeds, cond["neg_embeds"]]), torch.cat([text_ids, cond["neg_text_ids"]])
+        h, w = self._latent_hw()
+        rows = x_in.shape[0]
+        img_ids = Flux2KleinPipeline._prepare_latent_ids(x_in.new_empty(rows, 1, h // 2, w // 2)).to(self.device)
+        v = self.net(
+            hidden_states=x_in,
+            encoder_hidden_states=embeds.to(self.dtype),
+            timestep=self.timestep_rows(sigma, rows),  # the pipeline passes t / 1000: sigma itself
+            img_ids=img_ids,
+            txt_ids=text_ids,
+            guidance=None,
+            return_dict=False,
+        )[0].float()
+        if self.guided:
+            v_cond, v_neg = v[:b], v[b:]
+            v = v_neg + self.guidance_scale * (v_cond - v_neg)
+        return v
+
+    # ---- the VAE: 2x2 patches normalised by its batch-norm statistics -------------------------------
+    def _bn_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bn = self.vae.bn
+        mean = bn.running_mean.view(1, -1, 1, 1).to(like.device, like.dtype)
+        std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps).to(like.device, like.dtype)
+        return mean, std
+
+    def encode_images(self, images):
+        x = images.to(self.device, torch.float32) * 2 - 1
+        with torch.no_grad():
+            latents = self.vae.encode(x.to(self.dtype)).latent_dist.mode().float()
+        patches = Flux2KleinPipeline._patchify_latents(latents)
+        mean, std = self._bn_stats(patches)
+        return Flux2KleinPipeline._pack_latents((patches - mean) / std)
+
+    def decode(self, latents):
+        h, w = self._latent_hw()
+        b, _, c = latents.shape
+        patches = latents.to(self.device, self.dtype).permute(0, 2, 1).reshape(b, c, h // 2, w // 2)  # the packing undone
+        mean, std = self._bn_stats(patches)
+        with torch.no_grad():
+            image = self.vae.decode(Flux2KleinPipeline._unpatchify_latents(patches * std + mean), return_dict=False)[0]
+        return (image.float() / 2 + 0.5).clamp(0, 1)
