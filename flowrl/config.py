@@ -37,7 +37,7 @@ from flowrl.train.sharding import DISTRIBUTED
 from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml, refuse_moved_keys
 from rewards import available_rewards, check_reward_config
 
-MODEL_KINDS = ("sd3", "flux", "flux2_klein", "qwen_image", "z_image")
+MODEL_KINDS = ("sd3", "flux", "flux2_klein", "qwen_image", "z_image", "sana")
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")

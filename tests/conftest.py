@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny SD3, FLUX.1, FLUX.2 [klein], Qwen-Image and Z-Image pipelines saved once per session and loaded back
+"""Shared fixtures: tiny SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image and SANA pipelines saved once per session and loaded back
 through the real `from_pretrained` path."""
 
 from __future__ import annotations
@@ -49,6 +49,13 @@ def tiny_flux2_klein_dir(tmp_path_factory):
     from flowrl.models.tiny import build_tiny_flux2_klein
 
     return str(build_tiny_flux2_klein(tmp_path_factory.mktemp("tiny-flux2-klein") / "pipe"))
+
+
+@pytest.fixture(scope="session")
+def tiny_sana_dir(tmp_path_factory):
+    from flowrl.models.tiny import build_tiny_sana
+
+    return str(build_tiny_sana(tmp_path_factory.mktemp("tiny-sana") / "pipe"))
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -29,7 +29,11 @@ def policy_class(kind: str) -> type[FlowPolicy]:
         from flowrl.models.z_image import ZImagePolicy
 
         return ZImagePolicy
-    raise ValueError(f"model.kind must be sd3, flux, flux2_klein, qwen_image or z_image, got {kind!r}")
+    if kind == "sana":
+        from flowrl.models.sana import SanaPolicy
+
+        return SanaPolicy
+    raise ValueError(f"model.kind must be sd3, flux, flux2_klein, qwen_image, z_image or sana, got {kind!r}")
 
 
 def load_policy(cfg: ModelConfig, device=None) -> FlowPolicy:

@@ -23,7 +23,7 @@ from flowrl.schema import LoraConfig, ModelConfig
 
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image")  # model.path builtin:NAME
+BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image", "tiny-sana")  # model.path builtin:NAME
 # sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
 # (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
 # sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
@@ -50,7 +50,7 @@ def builtin_model_dir(name: str) -> Path:
         tmp = root / f".{name}.tmp{os.getpid()}"
         builder = {"tiny-sd3": tiny.build_tiny_sd3, "tiny-flux": tiny.build_tiny_flux,
                    "tiny-flux2-klein": tiny.build_tiny_flux2_klein, "tiny-qwen-image": tiny.build_tiny_qwen_image,
-                   "tiny-z-image": tiny.build_tiny_z_image}[name]
+                   "tiny-z-image": tiny.build_tiny_z_image, "tiny-sana": tiny.build_tiny_sana}[name]
         builder(tmp)
         try:
             tmp.replace(target)  # atomic; another process may have won the race
@@ -86,7 +86,7 @@ def absent_components(path: str) -> dict[str, None]:
 
 # model_index.json's class -> model.kind
 PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2KleinPipeline": "flux2_klein",
-                  "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image"}
+                  "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image", "SanaPipeline": "sana"}
 
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:

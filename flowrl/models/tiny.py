@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised SD3, FLUX.1, FLUX.2 [klein], Qwen-Image and Z-Image pipelines built from configs.
+"""Tiny, randomly initialised SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image and SANA pipelines built from configs.
 
 They exist so that tests and the built-in default preset exercise the real loading code
 (`from_pretrained` of a local pipeline directory) without downloading anything. The
@@ -291,4 +291,33 @@ def build_tiny_flux2_klein(path: str | Path, seed: int = 0, distilled: bool = Fa
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer,
                        is_distilled=distilled).save_pretrained(str(path))
+    return Path(path)
+
+
+def build_tiny_sana(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random `SanaPipeline` to `path` with the scheduler SANA ships, DPM-Solver++ on
+    flow sigmas (flow_shift 3): a Gemma 2 text encoder, the deep-compression autoencoder with two
+    stages (2x here, 32x in the real one) and a one-layer linear-attention transformer."""
+    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    tok = _qwen_tokenizer()
+    hidden = 8
+    torch.manual_seed(seed)
+    transformer = SanaTransformer2DModel(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=4,
+                                         num_layers=1, num_cross_attention_heads=2, cross_attention_head_dim=4,
+                                         cross_attention_dim=8, caption_channels=hidden, sample_size=32)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=2, encoder_block_types=("ResBlock", "EfficientViTBlock"),
+                        decoder_block_types=("ResBlock", "EfficientViTBlock"), encoder_block_out_channels=(8, 8),
+                        decoder_block_out_channels=(8, 8), encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1),
+                        encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)), downsample_block_type="conv",
+                        upsample_block_type="interpolate", scaling_factor=0.41407)
+    torch.manual_seed(seed + 2)
+    text_encoder = Gemma2Model(Gemma2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=16, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                                            max_position_embeddings=4096))
+    scheduler = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+    SanaPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                 scheduler=scheduler).save_pretrained(str(path))
     return Path(path)
