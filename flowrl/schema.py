@@ -214,7 +214,8 @@ ALLOCATOR_RANGES = {"min_group": (">= 2", "a group of one has no baseline"), "pr
 class AllocatorConfig:
     """Which prompts get how many of the data.prompts_per_iteration x data.group_size rollouts."""
 
-    kind: str = "uniform"  # uniform | vade | xrpo | dars | successive_elimination | reinforce_ada | sqrt | prompt_gdro
+    # uniform | vade | xrpo | dars | dars_budget | successive_elimination | reinforce_ada | sqrt | prompt_gdro
+    kind: str = "uniform"
     # a rollout "succeeds" when its weighted reward exceeds this; unset: when it exceeds the mean
     # reward of the iteration so far (continuous rewards have no natural pass/fail)
     success_threshold: Optional[float] = None
@@ -223,10 +224,11 @@ class AllocatorConfig:
     prior_b: float = 1.0
     fast_decay: float = 0.5  # VADE's two forgetting scales, applied each time a prompt is sampled
     slow_decay: float = 0.95
-    first_fraction: float = 0.5  # dars: share of the budget spent in the first, uniform stage
-    hard_accuracy: float = 0.5  # dars: prompts below this success rate get top-ups
-    target_positives: int = 2  # dars: ...until they have this many successes
-    round_size: int = 4  # successive_elimination (and dars top-up size)
+    dars_schedule: str = "equal"  # dars: the authors' equal-treatment schedule | hardness (hardness weighted)
+    first_fraction: float = 0.5  # dars_budget: share of the budget spent in the first, uniform stage
+    hard_accuracy: float = 0.5  # dars_budget: prompts below this success rate get top-ups
+    target_positives: int = 2  # dars_budget: ...until they have this many successes
+    round_size: int = 4  # successive_elimination (and dars_budget top-up size)
     cap: int = 0  # successive_elimination: most rollouts per prompt (0: 2 x group_size)
     ada_round_size: int = 8  # reinforce_ada: rollouts per prompt and round
     ada_max_rounds: int = 4  # reinforce_ada: most rounds; a prompt trains on group_size of its samples
@@ -240,11 +242,13 @@ class AllocatorConfig:
     def validate(self, group_size: int, kinds: tuple[str, ...]) -> None:
         """One sentence for the first setting that is not allowed; `kinds`: the allocators the
         task's rollouts can drive (the image and the text config both call this)."""
+        from flowrl.core.allocation import SUBSET_KINDS
         from flowrl.errors import ConfigError, check_choice, check_range
 
-        if self.kind == "reinforce_ada" and self.kind not in kinds:
-            raise ConfigError("allocator.kind reinforce_ada trains on a subset of each prompt's samples, which the image "
+        if self.kind in SUBSET_KINDS and self.kind not in kinds:
+            raise ConfigError(f"allocator.kind {self.kind} trains on a subset of each prompt's samples, which the image "
                               f"rollouts do not do yet; choose one of {', '.join(kinds)} (or use it with task: text)")
+        check_choice("allocator.dars_schedule", self.dars_schedule, ("equal", "hardness"))
         check_choice("allocator.kind", self.kind, kinds)
         check_choice("allocator.ada_exit", self.ada_exit, ("balanced", "positive"))
         for name, spec in ALLOCATOR_RANGES.items():
@@ -267,7 +271,7 @@ class AllocatorConfig:
             prior_b=self.prior_b, fast_decay=self.fast_decay, slow_decay=self.slow_decay, first_fraction=self.first_fraction,
             hard_accuracy=self.hard_accuracy, target_positives=self.target_positives, round_size=self.round_size,
             cap=self.cap or 2 * group_size, ada_round_size=self.ada_round_size, ada_max_rounds=self.ada_max_rounds,
-            ada_exit=self.ada_exit, gdro_bins=self.gdro_bins, gdro_window=self.gdro_window, gdro_step=self.gdro_step,
+            ada_exit=self.ada_exit, dars_schedule=self.dars_schedule, gdro_bins=self.gdro_bins, gdro_window=self.gdro_window, gdro_step=self.gdro_step,
             gdro_ema=self.gdro_ema, gdro_uniform_mix=self.gdro_uniform_mix)
 
 

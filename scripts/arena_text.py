@@ -49,7 +49,7 @@ LOSSES = {
     "gspo": ["loss.ratio_level=sequence", "loss.aggregation=seq_mean_token_mean", "loss.clip_low=0.0003",
              "loss.clip_high=0.0004", "advantage.std=group"],
 }
-ALLOCATORS = ("uniform", "vade", "xrpo", "dars", "successive_elimination", "reinforce_ada", "sqrt", "prompt_gdro")
+ALLOCATORS = ("uniform", "vade", "xrpo", "dars", "dars_budget", "successive_elimination", "reinforce_ada", "sqrt", "prompt_gdro")
 ALLOCATOR_EXTRA = {"reinforce_ada": ["advantage.kind=reinforce_ada"]}  # the authors' baseline over every sample drawn
 BUDGET = 5.0
 BACKSTOP = 1 / 24  # trainer.max_minutes = budget x (1 + BACKSTOP)

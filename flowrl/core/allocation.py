@@ -20,9 +20,12 @@ from typing import Callable
 
 import torch
 
-ALLOCATOR_KINDS = ("uniform", "vade", "xrpo", "dars", "successive_elimination", "reinforce_ada", "sqrt", "prompt_gdro")
-# the kinds that train on every sample they draw (the image rollouts need this)
-KEEP_ALL_KINDS = tuple(k for k in ALLOCATOR_KINDS if k != "reinforce_ada")
+ALLOCATOR_KINDS = ("uniform", "vade", "xrpo", "dars", "dars_budget", "successive_elimination", "reinforce_ada", "sqrt",
+                   "prompt_gdro")
+# the kinds that train on every sample they draw (the image rollouts need this); reinforce_ada and
+# dars choose which samples the loss sees (`Allocator.keep`)
+SUBSET_KINDS = ("reinforce_ada", "dars")
+KEEP_ALL_KINDS = tuple(k for k in ALLOCATOR_KINDS if k not in SUBSET_KINDS)
 
 
 class PromptStats:
@@ -223,13 +226,85 @@ class XRPOAllocator(Allocator):
         return counts
 
 
+# DARS's schedules (the authors' ray_dars_trainer.py, resample_func1 / resample_func2): a prompt's
+# total rollouts after its first group of 8, by its accuracy in that group: (at most this accuracy,
+# total), the first row that holds; above 3/8 the first group is all
+DARS_SCHEDULES = {
+    "equal": ((0.0, 32), (1 / 8, 18), (2 / 8, 11), (3 / 8, 9)),  # equal treatment
+    "hardness": ((0.0, 48), (1 / 8, 24), (2 / 8, 12), (3 / 8, 9)),  # hardness weighted
+}
+DARS_REFERENCE_GROUP = 8  # the reference's rollout.n, which the schedules' totals are written for
+
+
+def dars_total(accuracy: float, group: int, schedule: str = "equal") -> int:
+    """Rollouts in all for a prompt whose first `group` rollouts had `accuracy`: the reference's
+    schedule, its totals scaled from groups of 8 to `group` (exactly the reference's at 8)."""
+    for limit, total in DARS_SCHEDULES[schedule]:
+        if accuracy <= limit + 1e-6:
+            return max(group, round(total * group / DARS_REFERENCE_GROUP))
+    return group
+
+
 class DARSAllocator(Allocator):
-    """DARS (depth-adaptive rollouts): a first uniform stage spends `first_fraction` of the
-    budget; later stages give `round_size` more rollouts to each prompt whose success rate is
-    below `hard_accuracy` and which has fewer than `target_positives` successes, until the
-    budget runs out. Budget left when no prompt is hard goes round-robin to all prompts."""
+    """DARS as its authors run it (Yang et al., "Depth-Breadth Synergy in RLVR", arXiv 2508.13755;
+    yangzhch6/DARS, ray_dars_trainer.py): the iteration's prompts (uniform) get a full group of
+    n = budget / prompts_per_iteration (data.group_size); a second stage brings each prompt whose
+    accuracy in it is at most 3/8 to the total its accuracy earns in `dars_schedule` (equal
+    treatment, at n = 8: 32, 18, 11, 9 rollouts for accuracy 0, 1/8, 2/8, 3/8; hardness weighted:
+    48, 24, 12, 9); the loss trains only on the prompts whose combined accuracy lies strictly
+    between 0 and 1 (`keep`: the reference drops the rest). The iteration spends between the
+    budget and 4x (equal) or 6x (hardness) it: DARS buys depth on hard prompts with more
+    rollouts, which at equal wall-clock means fewer iterations."""
 
     kind = "dars"
+    exact_budget = False
+
+    def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2, **kw):
+        if prompts_per_iteration * min_group > budget:  # the first groups: group_size each
+            raise ValueError(f"a budget of {budget} rollouts cannot give {prompts_per_iteration} prompts {min_group} rollouts each")
+        self.group = budget // prompts_per_iteration
+        self.second_stage_done = False
+        self.schedule = str(kw.get("dars_schedule", "equal"))
+        if self.schedule not in DARS_SCHEDULES:
+            raise ValueError(f"dars_schedule must be one of {tuple(DARS_SCHEDULES)}, got {self.schedule!r}")
+        most = dars_total(0.0, self.group, self.schedule)
+        super().__init__(num_prompts, prompts_per_iteration * most, prompts_per_iteration, seed, min_group, **kw)
+
+    def first_stage(self, iteration: int) -> torch.Tensor:
+        self.iteration, self.second_stage_done = iteration, False
+        prompts = self.choose_prompts(iteration)
+        counts = self.counts_for(prompts, torch.full((len(prompts),), self.group))
+        self.spent = int(counts.sum())
+        return counts
+
+    def next_stage(self, counts, successes, failures):
+        extra = torch.zeros(self.num_prompts, dtype=torch.long)
+        if self.second_stage_done:  # one second stage only
+            return extra
+        self.second_stage_done = True
+        for i in (counts > 0).nonzero().squeeze(1).tolist():
+            n = int(counts[i])  # a group, or several where a small pool drew the prompt more than once
+            extra[i] = dars_total(float(successes[i]) / n, self.group, self.schedule) * n // self.group - n
+        return self._take(extra)
+
+    def keep(self, prompt_ids: torch.Tensor, success: torch.Tensor) -> torch.Tensor:
+        """The reference's filter after both stages: a prompt trains when its samples are neither
+        all failures nor all successes (its accuracy strictly between 0 and upper_threshold 1)."""
+        kept = torch.zeros(len(prompt_ids), dtype=torch.bool)
+        for prompt in torch.unique(prompt_ids).tolist():
+            rows = prompt_ids == prompt
+            kept[rows] = bool(success[rows].any()) and not bool(success[rows].all())
+        return kept
+
+
+class DARSBudgetAllocator(Allocator):
+    """flowrl's fixed-budget variant of DARS (`dars_budget`; the authors' rule is `dars`): a first
+    uniform stage spends `first_fraction` of the budget; later stages give `round_size` more
+    rollouts to each prompt whose success rate is below `hard_accuracy` and which has fewer than
+    `target_positives` successes, until the budget runs out. Budget left when no prompt is hard
+    goes round-robin to all prompts. Every sample trains."""
+
+    kind = "dars_budget"
 
     def stage_budget(self) -> int:
         frac = float(self.params.get("first_fraction", 0.5))
@@ -467,6 +542,7 @@ ALLOCATORS = {
     "vade": VADEAllocator,
     "xrpo": XRPOAllocator,
     "dars": DARSAllocator,
+    "dars_budget": DARSBudgetAllocator,
     "successive_elimination": SuccessiveEliminationAllocator,
     "reinforce_ada": ReinforceAdaAllocator,
     "sqrt": SqrtAllocator,

@@ -294,11 +294,41 @@ def test_sqrt_allocation_follows_square_root_rule():
 # --------------------------------------------------------------------------------------
 
 
+def test_dars_follows_the_authors_schedule_and_trains_on_mixed_groups():
+    # the reference (ray_dars_trainer.py): a group of 8, then totals by accuracy; resample_func1 (equal
+    # treatment) 0 -> 32, 1/8 -> 18, 2/8 -> 11, 3/8 -> 9, above -> 8; resample_func2 48, 24, 12, 9, 8
+    def resample_func1(acc):
+        return 32 if acc <= 1e-6 else 18 if acc <= 1 / 8 + 1e-6 else 11 if acc <= 2 / 8 + 1e-6 else 9 if acc <= 3 / 8 + 1e-6 else 8
+
+    def resample_func2(acc):
+        return 48 if acc <= 1e-6 else 24 if acc <= 1 / 8 + 1e-6 else 12 if acc <= 2 / 8 + 1e-6 else 9 if acc <= 3 / 8 + 1e-6 else 8
+
+    from flowrl.core.allocation import dars_total
+
+    for k in range(9):
+        assert dars_total(k / 8, 8, "equal") == resample_func1(k / 8)
+        assert dars_total(k / 8, 8, "hardness") == resample_func2(k / 8)
+    assert dars_total(0.0, 16, "equal") == 64 and dars_total(0.5, 16) == 16  # groups of 16: the totals doubled
+
+    # 5 prompts with 0..4 successes of their first 8 (the pool is the iteration): one second stage
+    alloc = make_allocator("dars", num_prompts=5, budget=40, prompts_per_iteration=5, seed=0)
+    first = alloc.first_stage(0)
+    assert first.tolist() == [8] * 5
+    wins = torch.tensor([0, 1, 2, 3, 4])
+    extra = alloc.next_stage(first, wins, first - wins)
+    assert extra.tolist() == [24, 10, 3, 1, 0]
+    assert int(alloc.next_stage(first + extra, wins, first + extra - wins).sum()) == 0  # one second stage only
+    # the loss sees the prompts whose samples are neither all failures nor all successes
+    ids = torch.tensor([0, 0, 1, 1, 2, 2])
+    won = torch.tensor([False, False, True, False, True, True])
+    assert alloc.keep(ids, won).tolist() == [False, False, True, True, False, False]
+
+
 @FAST
 @given(pool=pools(), seed=st.integers(0, 1000), hard_accuracy=st.sampled_from([0.3, 0.5, 0.8]))
-def test_dars_tops_up_only_hard_prompts(pool, seed, hard_accuracy):
+def test_dars_budget_tops_up_only_hard_prompts(pool, seed, hard_accuracy):
     num_prompts, per_iteration, budget, p = pool
-    alloc = make_allocator("dars", num_prompts=num_prompts, budget=budget, prompts_per_iteration=per_iteration,
+    alloc = make_allocator("dars_budget", num_prompts=num_prompts, budget=budget, prompts_per_iteration=per_iteration,
                            seed=seed, hard_accuracy=hard_accuracy, target_positives=2)
     outcome, _ = bernoulli_outcome(p, seed)
     stage = alloc.first_stage(0)

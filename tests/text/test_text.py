@@ -328,6 +328,18 @@ def test_reinforce_ada_trains_a_balanced_group_per_prompt_of_the_samples_it_drew
     assert (run / "reward_curve.png").is_file()  # with a panel of where the rollouts went
 
 
+def test_dars_adds_one_second_stage_and_trains_on_the_mixed_groups(tmp_path):
+    # 4 prompts x 4: a first stage of 16, then totals by accuracy (the reference's at 8, halved): at
+    # most 4 x 16 samples; the loss sees only prompts with both a success and a failure
+    run = tmp_path / "run"
+    assert main(["train", "configs/text_add.yaml", *FAST, "allocator.kind=dars", "trainer.iterations=2",
+                 "run.checkpoint_every=0", "--run-dir", str(run)]) == 0
+    for row in run_metrics(run):
+        assert 16 <= row["samples"] <= 64
+        assert row["nonzero_advantage_samples"] <= row["samples_trained"] <= row["samples"]
+        assert (row["samples_trained"] == 0) == (row["zero_variance_fraction"] == 1.0)  # the mixed groups, and only they
+
+
 def test_trained_share_pads_every_process_to_the_largest_share():
     from flowrl.text.generate import Generation
     from flowrl.text.collect import trained_share

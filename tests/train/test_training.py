@@ -311,7 +311,7 @@ def test_gradient_accumulation_takes_fewer_optimizer_steps(tmp_path, tiny_sd3_di
     assert rows[1]["optimizer_steps"] == 8 and rows[2]["optimizer_steps"] == 4
 
 
-@pytest.mark.parametrize("allocator", ["uniform", "vade", "xrpo", "dars", "successive_elimination", "sqrt"])
+@pytest.mark.parametrize("allocator", ["uniform", "vade", "xrpo", "dars_budget", "successive_elimination", "sqrt"])
 def test_allocators_drive_the_trainer(tmp_path, tiny_sd3_dir, allocator):
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=2",
                  "data.prompts_per_iteration=2", "data.group_size=6", "sampling.batch_size=4", "sampling.num_steps=2",
@@ -321,7 +321,7 @@ def test_allocators_drive_the_trainer(tmp_path, tiny_sd3_dir, allocator):
         assert row["samples"] == 12  # the budget, exactly, whatever the stages
         assert row["group_size_min"] >= 2
         assert sum(int(k) * v for k, v in row["group_size_histogram"].items()) == 12
-    if allocator in ("dars", "successive_elimination"):
+    if allocator in ("dars_budget", "successive_elimination"):
         assert max(r["allocation_stages"] for r in history) > 1
 
 
