@@ -23,14 +23,17 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/machine.txt"
 
+CHECKS=("$@")  # names to run (scripts/gpu_checks.sh families); none: every check
 run() {  # run NAME SECONDS CMD...: one check, its log in $OUT/NAME.log, stopped after SECONDS
   local name=$1 secs=$2; shift 2
+  if [ ${#CHECKS[@]} -gt 0 ] && [[ ! " ${CHECKS[*]} " == *" $name "* ]]; then return; fi
   echo "=== $name: $*"
   timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
   echo "=== $name: exit ${PIPESTATUS[0]}"
 }
 
-# Each check is capped so that the whole script ends within 9.5 minutes on an H100 or H200.
+# Each check is capped; fsdp_memory and two_stage_compile together end within 9.5 minutes on an H100
+# or H200, families needs a call of its own (one device call runs at most 10 minutes).
 # FSDP2 smoke run: full fine-tuning of an SD3.5-Medium-sized transformer on one GPU under
 # run.distributed=fsdp2, peak memory against scripts/plan_memory.py's estimate (goal: within 15%).
 run fsdp_memory 240 python3 scripts/bench_fsdp_memory.py
@@ -38,3 +41,6 @@ run fsdp_memory 240 python3 scripts/bench_fsdp_memory.py
 # of the 2.24B-parameter transformer did not finish both copies in 380 s (2026-11-26), so the bench
 # compiles per transformer block (regional compilation); the log keeps whatever finished.
 run two_stage_compile 330 python3 scripts/bench_two_stage.py --gpu --fidelity-prompts 0 --compile
+# One Flow-GRPO iteration of Qwen-Image (20B) and Z-Image-Turbo (6B) at their real sizes with random
+# weights (LoRA r64, 512x512, batch 1): seconds per iteration and peak memory against the plan.
+run families 240 python3 scripts/bench_families.py

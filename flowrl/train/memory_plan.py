@@ -130,7 +130,7 @@ def count(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _meta(build):
+def on_meta(build):
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=True):  # buffers too: SD3's position table alone is 0.9 GB to compute
@@ -146,11 +146,11 @@ def load_model(name: str) -> Model:
     if name in KNOWN_MODELS:
         spec = KNOWN_MODELS[name]
         cls_name, kwargs = spec["transformer"]
-        transformer = _meta(lambda: getattr(diffusers, cls_name)(**kwargs))
-        frozen = sum(count(_meta(lambda e=e: getattr(transformers, c)(getattr(transformers, ENCODER_CONFIGS[e][0])(**ENCODER_CONFIGS[e][1]))))
+        transformer = on_meta(lambda: getattr(diffusers, cls_name)(**kwargs))
+        frozen = sum(count(on_meta(lambda e=e: getattr(transformers, c)(getattr(transformers, ENCODER_CONFIGS[e][0])(**ENCODER_CONFIGS[e][1]))))
                      for c, e in spec["text_encoders"])
         vae_class, vae_kwargs = spec.get("vae", ("AutoencoderKL", VAE_CONFIG))
-        frozen += count(_meta(lambda: getattr(diffusers, vae_class)(**vae_kwargs)))
+        frozen += count(on_meta(lambda: getattr(diffusers, vae_class)(**vae_kwargs)))
         return Model(name, spec["kind"], transformer, frozen)
     try:
         index = diffusers.DiffusionPipeline.load_config(name)
@@ -168,10 +168,10 @@ def load_model(name: str) -> Model:
             continue  # schedulers, tokenizers, absent components
         if library is diffusers:
             config = cls.load_config(name, subfolder=component)
-            module = _meta(lambda: cls.from_config(config))
+            module = on_meta(lambda: cls.from_config(config))
         else:
             config = transformers.AutoConfig.from_pretrained(name, subfolder=component)
-            module = _meta(lambda: cls(config))
+            module = on_meta(lambda: cls(config))
         if component == "transformer":
             transformer = module
         else:

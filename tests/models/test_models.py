@@ -191,3 +191,26 @@ def test_bad_target_modules_are_named(tiny_sd3_dir):
     policy = load_policy(ModelConfig(kind="sd3", path=tiny_sd3_dir), device="cpu")
     with pytest.raises(UserError, match="not_a_module"):
         policy.add_lora(LoraConfig(target_modules=["to_q", "not_a_module"]))
+
+
+def test_the_families_bench_trains_each_family_through_the_trainer_on_the_cpu(capsys):
+    # the GPU check (scripts/gpu_checks.sh) with tiny networks: each family's 1-GPU preset (LoRA,
+    # guidance, SDE window) trains through the trainer on a pipeline built in memory, and its plan prints
+    from accelerate.state import AcceleratorState
+    from script_loader import load_script
+
+    from flowrl.train import loop
+
+    # the presets train in bf16 autocast; accelerate keeps one precision per process, so its state is
+    # cleared before and after (as test_training's bf16 run does)
+    original = loop.load_policy
+    AcceleratorState._reset_state()
+    try:
+        assert load_script("bench_families").main(["--cpu-smoke", "--iterations", "1"]) == 0
+    finally:
+        loop.load_policy = original
+        AcceleratorState._reset_state()
+    out = capsys.readouterr().out
+    for family in ("qwen_image", "z_image"):
+        assert f"{family}: pipeline built" in out
+    assert out.count("iteration 0:") == 2 and "LoRA rank 64" in out and "plan peak" in out
