@@ -199,6 +199,37 @@ def table(lines: list[dict], budget: float, smoke: bool) -> str:
             f"{'; '.join(machines)}.\n")
 
 
+def diagnostics(lines: list[dict]) -> str:
+    """Where each cell's rollouts went, from its runs' metrics (the run directories the rows name):
+    per iteration, the samples drawn and trained, the samples with a nonzero advantage, the
+    distinct prompts trained; the share of rollouts and the zero-variance fraction per operand-
+    length bucket; and the pool covered at the end. Means over each run's iterations, then over seeds."""
+    cells: dict[str, list[list[dict]]] = {}
+    for r in lines:
+        f = Path(r.get("run_dir", "")) / "metrics.jsonl"
+        if r.get("task") == "text" and f.is_file():
+            cells.setdefault(r["cell"], []).append([json.loads(x) for x in f.read_text().splitlines() if x.strip()])
+    if not cells:
+        return "no run directories with metrics"
+    mean = statistics.mean
+    buckets = sorted({k.split("/")[1] for runs in cells.values() for rows in runs for k in rows[0] if k.startswith("rollouts/")},
+                     key=int)
+    out = ["| cell | runs | s / iteration | samples drawn / trained | nonzero-advantage samples | prompts trained | "
+           f"rollout share, buckets {', '.join(buckets)} | zero-variance fraction, same buckets | pool covered at the end |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for cell, runs in sorted(cells.items()):
+        def avg(key, runs=runs):
+            return mean(mean(r[key] for r in rows if key in r) for rows in runs if any(key in r for r in rows))
+        share = [mean(mean(r.get(f"rollouts/{b}", 0) / r["samples"] for r in rows) for rows in runs) for b in buckets]
+        dead = [mean(mean(r[f"zero_variance/{b}"] for r in rows if f"zero_variance/{b}" in r) for rows in runs
+                     if any(f"zero_variance/{b}" in r for r in rows)) for b in buckets]
+        out.append(f"| {cell} | {len(runs)} | {avg('time_iteration'):.2f} | {avg('samples'):.0f} / {avg('samples_trained'):.0f} | "
+                   f"{avg('nonzero_advantage_samples'):.0f} | {avg('prompts_trained'):.1f} | "
+                   f"{' / '.join(f'{x:.2f}' for x in share)} | {' / '.join(f'{x:.2f}' for x in dead)} | "
+                   f"{mean(rows[-1].get('pool_covered', float('nan')) for rows in runs):.2f} |")
+    return "\n".join(out)
+
+
 def write_report(args) -> int:
     doc = Path(args.doc)
     block = f"{TABLE_START}\n{table(recorded(Path(args.out)), args.budget_minutes, args.smoke)}{TABLE_END}"
@@ -227,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="seconds per cell: tiny groups, budget and eval (not a result)")
     ap.add_argument("--report", action="store_true", help="write --doc's text table from --out, and train nothing")
     ap.add_argument("--doc", default=str(DOC))
+    ap.add_argument("--diagnostics", action="store_true", help="print where each cell's rollouts went (from its run "
+                                                               "directories), and train nothing")
     args = ap.parse_args(argv)
     if args.budget_minutes is None:
         args.budget_minutes = SMOKE_BUDGET if args.smoke else BUDGET
@@ -234,6 +267,9 @@ def main(argv=None) -> int:
         ap.error(f"--budget-minutes must be a positive number; got {args.budget_minutes}")
     if args.report:
         return write_report(args)
+    if args.diagnostics:
+        print(diagnostics(recorded(Path(args.out))))
+        return 0
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from flowrl.quiet import silence_known_messages
 
