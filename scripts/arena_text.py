@@ -3,9 +3,10 @@
 wall-clock budget on the same machine, judged by held-out greedy exact match (docs/arena.md).
 
     python scripts/arena_text.py --pools add --losses grpo dapo dr_grpo gspo           # the loss variants, uniform
-    python scripts/arena_text.py --pools wide --losses dapo --allocators uniform vade xrpo dars \\
+    python scripts/arena_text.py --pools wide --losses grpo --allocators uniform vade xrpo dars dars_budget \\
         successive_elimination reinforce_ada sqrt prompt_gdro                           # the allocators, harder pool
     python scripts/arena_text.py --report                                               # docs/arena.md's text table
+    python scripts/arena_text.py --diagnostics                                          # where the rollouts went
     python scripts/arena_text.py --smoke --runs /tmp/t --out /tmp/t.jsonl               # seconds (the test)
 
 A cell is POOL/LOSS/ALLOCATOR: the pool's preset (add: configs/text_add.yaml, wide:
