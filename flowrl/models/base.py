@@ -198,6 +198,12 @@ class FlowPolicy:
     def latent_shape(self) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def _latent_hw(self) -> tuple[int, int]:
+        """The VAE latents' height and width for model.height x model.width, even for the families
+        that pack 2x2 latent patches into tokens (FLUX.1, FLUX.2, Qwen-Image), as their pipelines round."""
+        f = self.vae_scale_factor * 2
+        return 2 * (self.cfg.height // f), 2 * (self.cfg.width // f)
+
     def velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         """v(x, sigma | cond) in fp32 for latents x [B, *latent_shape]; sigma is one float or one per
         row ([B]). Outside the adapter's sigma range (lora.sigma_range) the base network answers:

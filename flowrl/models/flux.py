@@ -36,10 +36,6 @@ class FluxPolicy(FlowPolicy):
         )
         return {"embeds": embeds, "pooled": pooled}
 
-    def _latent_hw(self):
-        # the VAE downsamples by vae_scale_factor and packing needs even sizes
-        return (2 * (self.cfg.height // (self.vae_scale_factor * 2)), 2 * (self.cfg.width // (self.vae_scale_factor * 2)))
-
     def pipeline_sigmas(self, num_steps):
         return flux_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])
 

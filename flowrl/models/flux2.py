@@ -40,10 +40,6 @@ class Flux2KleinPolicy(FlowPolicy):
             out[prefix + "embeds"], out[prefix + "text_ids"] = embeds, text_ids
         return out
 
-    def _latent_hw(self):
-        # the VAE downsamples by vae_scale_factor and patchifying needs even sizes
-        return (2 * (self.cfg.height // (self.vae_scale_factor * 2)), 2 * (self.cfg.width // (self.vae_scale_factor * 2)))
-
     def pipeline_sigmas(self, num_steps):
         return flux2_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])
 

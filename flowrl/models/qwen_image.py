@@ -32,10 +32,6 @@ class QwenImagePolicy(FlowPolicy):
             out[prefix + "embeds"], out[prefix + "mask"] = embeds, mask
         return out
 
-    def _latent_hw(self):
-        # the VAE downsamples by vae_scale_factor and packing needs even sizes
-        return (2 * (self.cfg.height // (self.vae_scale_factor * 2)), 2 * (self.cfg.width // (self.vae_scale_factor * 2)))
-
     def pipeline_sigmas(self, num_steps):
         # QwenImagePipeline.__call__ builds its grid as FluxPipeline's does: linspace(1, 1 / T, T) and mu
         return flux_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])

@@ -87,6 +87,15 @@ def test_reference_settings(name):
         assert _yaml_reward_weights(name) == {"hpsv2": 1.0}
 
 
+def _assert_flow_factory_batching(name: str, cfg) -> None:
+    """Flow-Factory's 48 prompts x 16 on 8 GPUs (one GPU's share, 6, on one), batch 1 per GPU, and 2
+    optimizer steps per iteration on every process (its gradient_step_per_epoch)."""
+    processes = MULTI_GPU.get(name, 1)
+    batches = cfg.data.prompts_per_iteration * cfg.data.group_size // (processes * cfg.sampling.batch_size)
+    assert batches // cfg.trainer.gradient_accumulation_steps == 2 and cfg.sampling.batch_size == 1
+    assert cfg.data.prompts_per_iteration == (48 if processes == 8 else 6) and cfg.data.group_size == 16
+
+
 @pytest.mark.parametrize("name", QWEN_IMAGE_PRESETS)
 def test_qwen_image_presets_keep_flow_factorys_settings(name):
     cfg = load_config(_preset(name), validate_paths=False)
@@ -99,11 +108,7 @@ def test_qwen_image_presets_keep_flow_factorys_settings(name):
     assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"clip_score": 1.0, "pickscore": 0.5}
     assert (cfg.advantage.kind, cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("gdpo", "group", 5.0, 1e-4)
     assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (3e-4, 1e-4, 0.0, 1.0, True, 0.9)
-    # 2 optimizer steps per iteration on every process, as the reference's gradient_step_per_epoch
-    processes = MULTI_GPU.get(name, 1)
-    batches = cfg.data.prompts_per_iteration * cfg.data.group_size // (processes * s.batch_size)
-    assert batches // t.gradient_accumulation_steps == 2
-    assert cfg.data.prompts_per_iteration == (48 if processes == 8 else 6)  # the reference's 48 over 8 GPUs, one GPU's share
+    _assert_flow_factory_batching(name, cfg)
 
 
 @pytest.mark.parametrize("name", Z_IMAGE_PRESETS)
@@ -117,9 +122,7 @@ def test_z_image_presets_keep_flow_factorys_settings(name):
     assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"pickscore": 1.0}
     assert (cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("group", 5.0, 1e-4)
     assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (3e-4, 1e-4, 0.0, 1.0, True, 0.9)
-    processes = MULTI_GPU.get(name, 1)
-    assert cfg.data.prompts_per_iteration * cfg.data.group_size // (processes * s.batch_size) // t.gradient_accumulation_steps == 2
-    assert cfg.data.prompts_per_iteration == (48 if processes == 8 else 6)
+    _assert_flow_factory_batching(name, cfg)
 
 
 @pytest.mark.parametrize("name", FLUX2_PRESETS)
@@ -134,9 +137,7 @@ def test_flux2_klein_presets_keep_flow_factorys_settings(name):
     assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"pickscore": 1.0}
     assert (cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("group", 5.0, 1e-4)
     assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (3e-4, 1e-4, 0.0, 1.0, True, 0.9)
-    processes = MULTI_GPU.get(name, 1)
-    assert cfg.data.prompts_per_iteration * cfg.data.group_size // (processes * s.batch_size) // t.gradient_accumulation_steps == 2
-    assert cfg.data.prompts_per_iteration == (48 if processes == 8 else 6)
+    _assert_flow_factory_batching(name, cfg)
 
 
 def test_g2rpo_preset_keeps_the_reference_settings():
