@@ -23,6 +23,7 @@ from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.selection import SELECTION_KINDS
 from flowrl.devices import DTYPES
 from flowrl.errors import ConfigError, check_choice, check_range
+from flowrl.models import POLICY_CLASSES
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.models.compile import COMPILE_MODES
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
@@ -37,7 +38,7 @@ from flowrl.train.sharding import DISTRIBUTED
 from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml, refuse_moved_keys
 from rewards import available_rewards, check_reward_config
 
-MODEL_KINDS = ("sd3", "flux", "flux2_klein", "qwen_image", "z_image", "sana")
+MODEL_KINDS = tuple(POLICY_CLASSES)
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")

@@ -16,46 +16,24 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs one worker per core:
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def tiny_sd3_dir(tmp_path_factory):
-    from flowrl.models.tiny import build_tiny_sd3
+def _tiny_pipeline(builder: str):
+    """A session fixture: the tiny pipeline flowrl.models.tiny.`builder` saves, its directory."""
 
-    return str(build_tiny_sd3(tmp_path_factory.mktemp("tiny-sd3") / "pipe"))
+    @pytest.fixture(scope="session")
+    def directory(tmp_path_factory):
+        from flowrl.models import tiny
 
+        return str(getattr(tiny, builder)(tmp_path_factory.mktemp(builder) / "pipe"))
 
-@pytest.fixture(scope="session")
-def tiny_flux_dir(tmp_path_factory):
-    from flowrl.models.tiny import build_tiny_flux
-
-    return str(build_tiny_flux(tmp_path_factory.mktemp("tiny-flux") / "pipe"))
+    return directory
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen_image_dir(tmp_path_factory):
-    from flowrl.models.tiny import build_tiny_qwen_image
-
-    return str(build_tiny_qwen_image(tmp_path_factory.mktemp("tiny-qwen-image") / "pipe"))
-
-
-@pytest.fixture(scope="session")
-def tiny_z_image_dir(tmp_path_factory):
-    from flowrl.models.tiny import build_tiny_z_image
-
-    return str(build_tiny_z_image(tmp_path_factory.mktemp("tiny-z-image") / "pipe"))
-
-
-@pytest.fixture(scope="session")
-def tiny_flux2_klein_dir(tmp_path_factory):
-    from flowrl.models.tiny import build_tiny_flux2_klein
-
-    return str(build_tiny_flux2_klein(tmp_path_factory.mktemp("tiny-flux2-klein") / "pipe"))
-
-
-@pytest.fixture(scope="session")
-def tiny_sana_dir(tmp_path_factory):
-    from flowrl.models.tiny import build_tiny_sana
-
-    return str(build_tiny_sana(tmp_path_factory.mktemp("tiny-sana") / "pipe"))
+tiny_sd3_dir = _tiny_pipeline("build_tiny_sd3")
+tiny_flux_dir = _tiny_pipeline("build_tiny_flux")
+tiny_flux2_klein_dir = _tiny_pipeline("build_tiny_flux2_klein")
+tiny_qwen_image_dir = _tiny_pipeline("build_tiny_qwen_image")
+tiny_z_image_dir = _tiny_pipeline("build_tiny_z_image")
+tiny_sana_dir = _tiny_pipeline("build_tiny_sana")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -2,38 +2,29 @@
 
 from __future__ import annotations
 
+from importlib import import_module
 
 from flowrl.models.base import FlowPolicy
 from flowrl.schema import ModelConfig
 
 
 
+# model.kind -> (module, adapter class), imported on first use: each family pulls in its own diffusers pipeline
+POLICY_CLASSES = {
+    "sd3": ("flowrl.models.sd3", "SD3Policy"),
+    "flux": ("flowrl.models.flux", "FluxPolicy"),
+    "flux2_klein": ("flowrl.models.flux2", "Flux2KleinPolicy"),
+    "qwen_image": ("flowrl.models.qwen_image", "QwenImagePolicy"),
+    "z_image": ("flowrl.models.z_image", "ZImagePolicy"),
+    "sana": ("flowrl.models.sana", "SanaPolicy"),
+}
+
+
 def policy_class(kind: str) -> type[FlowPolicy]:
-    if kind == "sd3":
-        from flowrl.models.sd3 import SD3Policy
-
-        return SD3Policy
-    if kind == "flux":
-        from flowrl.models.flux import FluxPolicy
-
-        return FluxPolicy
-    if kind == "flux2_klein":
-        from flowrl.models.flux2 import Flux2KleinPolicy
-
-        return Flux2KleinPolicy
-    if kind == "qwen_image":
-        from flowrl.models.qwen_image import QwenImagePolicy
-
-        return QwenImagePolicy
-    if kind == "z_image":
-        from flowrl.models.z_image import ZImagePolicy
-
-        return ZImagePolicy
-    if kind == "sana":
-        from flowrl.models.sana import SanaPolicy
-
-        return SanaPolicy
-    raise ValueError(f"model.kind must be sd3, flux, flux2_klein, qwen_image, z_image or sana, got {kind!r}")
+    if kind not in POLICY_CLASSES:
+        raise ValueError(f"model.kind must be one of {', '.join(POLICY_CLASSES)}, got {kind!r}")
+    module, name = POLICY_CLASSES[kind]
+    return getattr(import_module(module), name)
 
 
 def load_policy(cfg: ModelConfig, device=None) -> FlowPolicy:
