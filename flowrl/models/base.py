@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -23,7 +23,8 @@ from flowrl.schema import LoraConfig, ModelConfig
 
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image", "tiny-sana")  # model.path builtin:NAME
+# model.path builtin:NAME; each tiny-* is built by flowrl.models.tiny.build_tiny_*
+BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image", "tiny-sana")
 # sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
 # (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
 # sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
@@ -48,10 +49,7 @@ def builtin_model_dir(name: str) -> Path:
     target = root / name
     if not (target / "model_index.json").is_file():
         tmp = root / f".{name}.tmp{os.getpid()}"
-        builder = {"tiny-sd3": tiny.build_tiny_sd3, "tiny-flux": tiny.build_tiny_flux,
-                   "tiny-flux2-klein": tiny.build_tiny_flux2_klein, "tiny-qwen-image": tiny.build_tiny_qwen_image,
-                   "tiny-z-image": tiny.build_tiny_z_image, "tiny-sana": tiny.build_tiny_sana}[name]
-        builder(tmp)
+        getattr(tiny, "build_" + name.replace("-", "_"))(tmp)  # builtin:tiny-qwen-image -> build_tiny_qwen_image
         try:
             tmp.replace(target)  # atomic; another process may have won the race
         except OSError:
@@ -97,6 +95,19 @@ def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, longest - t.shape[1])) for t in tensors])
 
 
+def pack_2x2(latents: torch.Tensor) -> torch.Tensor:
+    """VAE latents [B, C, H, W] as tokens of 2x2 patches [B, H/2 x W/2, 4C] (FluxPipeline's and
+    QwenImagePipeline's `_pack_latents`)."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of `pack_2x2`: tokens [B, H/2 x W/2, 4C] back to latents [B, C, H, W]."""
+    b, _, c = tokens.shape
+    return tokens.view(b, h // 2, w // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c // 4, h, w)
+
+
 class FlowPolicy:
     """Shared machinery; subclasses implement encoding, the transformer call and latent layout."""
 
@@ -119,6 +130,7 @@ class FlowPolicy:
             module.eval()
         self.net = self.transformer
         self._cache: dict[str, dict[str, torch.Tensor]] = {}
+        self._negative: dict[str, torch.Tensor] | None = None  # `negative_once`
         self.has_lora = False
         self.lora_sigma_range: tuple[float, float] | None = None  # None: the adapter acts at every sigma
         self._reference_depth = 0
@@ -183,6 +195,13 @@ class FlowPolicy:
     def _encode_uncached(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def negative_once(self, encode: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The negative prompt's conditioning for one prompt, its keys prefixed "neg_": the same beside
+        every prompt, so `encode()` runs once per policy, not once per prompt."""
+        if self._negative is None:
+            self._negative = {"neg_" + k: v for k, v in encode().items()}
+        return self._negative
+
     # ---- the sigma grid ------------------------------------------------------------
     def sigmas(self, num_steps: int, schedule: str, shift: float) -> torch.Tensor:
         """[num_steps + 1] fp32 sigmas from 1 to 0 under sampling.schedule (SCHEDULES)."""
@@ -197,6 +216,12 @@ class FlowPolicy:
     # ---- the model -----------------------------------------------------------------
     def latent_shape(self) -> tuple[int, ...]:
         raise NotImplementedError
+
+    def _packed_latent_shape(self) -> tuple[int, int]:
+        """[tokens, channels] of the families that pack 2x2 latent patches (FLUX.1, FLUX.2, Qwen-Image):
+        the transformer's in_channels are already the patches' 4C."""
+        h, w = self._latent_hw()
+        return ((h // 2) * (w // 2), self.transformer.config.in_channels)
 
     def _latent_hw(self) -> tuple[int, int]:
         """The VAE latents' height and width for model.height x model.width, even for the families

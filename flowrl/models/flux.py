@@ -10,7 +10,7 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
-from flowrl.models.base import FlowPolicy
+from flowrl.models.base import FlowPolicy, pack_2x2, unpack_2x2
 
 
 def flux_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
@@ -40,9 +40,7 @@ class FluxPolicy(FlowPolicy):
         return flux_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])
 
     def latent_shape(self):
-        h, w = self._latent_hw()
-        c = self.transformer.config.in_channels  # already 4x the VAE channels
-        return ((h // 2) * (w // 2), c)
+        return self._packed_latent_shape()
 
     def _velocity(self, x, sigma, cond):
         b = x.shape[0]
@@ -66,12 +64,7 @@ class FluxPolicy(FlowPolicy):
         return v.float()
 
     def encode_images(self, images):
-        latents = self._vae_encode(images)
-        b, c, h, w = latents.shape  # packed as FluxPipeline._pack_latents: 2x2 patches
-        return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+        return pack_2x2(self._vae_encode(images))
 
     def decode(self, latents):
-        h, w = self._latent_hw()
-        b, _, c = latents.shape
-        unpacked = latents.view(b, h // 2, w // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c // 4, h, w)
-        return self._vae_decode(unpacked)
+        return self._vae_decode(unpack_2x2(latents, *self._latent_hw()))

@@ -33,19 +33,18 @@ class Flux2KleinPolicy(FlowPolicy):
     pipeline_class = Flux2KleinPipeline
 
     def _encode_uncached(self, prompts):
-        out = {}
-        for prefix, texts in (("", prompts), ("neg_", [""] * len(prompts))):  # the pipeline's negative prompt
-            embeds, text_ids = self.pipe.encode_prompt(prompt=list(texts), device=self.device,
-                                                       max_sequence_length=self.cfg.max_sequence_length)
-            out[prefix + "embeds"], out[prefix + "text_ids"] = embeds, text_ids
-        return out
+        return {**self._encode_texts(prompts), **self.negative_once(lambda: self._encode_texts([""]))}  # the pipeline's negative
+
+    def _encode_texts(self, texts):
+        embeds, text_ids = self.pipe.encode_prompt(prompt=list(texts), device=self.device,
+                                                   max_sequence_length=self.cfg.max_sequence_length)
+        return {"embeds": embeds, "text_ids": text_ids}
 
     def pipeline_sigmas(self, num_steps):
         return flux2_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])
 
     def latent_shape(self):
-        h, w = self._latent_hw()
-        return ((h // 2) * (w // 2), self.transformer.config.in_channels)  # in_channels: the 2x2 patches' 4C
+        return self._packed_latent_shape()
 
     @property
     def guided(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from diffusers import QwenImagePipeline
 
-from flowrl.models.base import FlowPolicy, pad_cat
+from flowrl.models.base import FlowPolicy, pack_2x2, pad_cat, unpack_2x2
 from flowrl.models.flux import flux_pipeline_sigmas
 
 
@@ -23,22 +23,21 @@ class QwenImagePolicy(FlowPolicy):
     negative_prompt = " "  # what Flow-GRPO trains and evaluates Qwen-Image with
 
     def _encode_uncached(self, prompts):
-        out = {}
-        for prefix, texts in (("", prompts), ("neg_", [self.negative_prompt] * len(prompts))):
-            embeds, mask = self.pipe.encode_prompt(prompt=texts, device=self.device,
-                                                   max_sequence_length=self.cfg.max_sequence_length)
-            if mask is None:  # the pipeline drops an all-ones mask
-                mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
-            out[prefix + "embeds"], out[prefix + "mask"] = embeds, mask
-        return out
+        return {**self._encode_texts(prompts), **self.negative_once(lambda: self._encode_texts([self.negative_prompt]))}
+
+    def _encode_texts(self, texts):
+        embeds, mask = self.pipe.encode_prompt(prompt=list(texts), device=self.device,
+                                               max_sequence_length=self.cfg.max_sequence_length)
+        if mask is None:  # the pipeline drops an all-ones mask
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return {"embeds": embeds, "mask": mask}
 
     def pipeline_sigmas(self, num_steps):
         # QwenImagePipeline.__call__ builds its grid as FluxPipeline's does: linspace(1, 1 / T, T) and mu
         return flux_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])
 
     def latent_shape(self):
-        h, w = self._latent_hw()
-        return ((h // 2) * (w // 2), self.transformer.config.in_channels)  # in_channels: 4x the VAE's, packed
+        return self._packed_latent_shape()
 
     def _velocity(self, x, sigma, cond):
         g = self.guidance_scale
@@ -77,15 +76,10 @@ class QwenImagePolicy(FlowPolicy):
         with torch.no_grad():
             latents = self.vae.encode(x[:, :, None].to(self.dtype)).latent_dist.mean.float()  # [B, C, 1, h, w]
         mean, std = self._latent_stats(latents)
-        latents = ((latents - mean) / std)[:, :, 0]
-        b, c, h, w = latents.shape  # packed as QwenImagePipeline._pack_latents: 2x2 patches
-        return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+        return pack_2x2(((latents - mean) / std)[:, :, 0])
 
     def decode(self, latents):
-        h, w = self._latent_hw()
-        b, _, c = latents.shape
-        unpacked = latents.view(b, h // 2, w // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c // 4, 1, h, w)
-        unpacked = unpacked.to(self.device, self.dtype)
+        unpacked = unpack_2x2(latents, *self._latent_hw())[:, :, None].to(self.device, self.dtype)  # one frame
         mean, std = self._latent_stats(unpacked)
         with torch.no_grad():
             image = self.vae.decode(unpacked * std + mean, return_dict=False)[0][:, :, 0]

@@ -18,14 +18,14 @@ class ZImagePolicy(FlowPolicy):
     variable_length = True
 
     def _encode_uncached(self, prompts):
-        out = {}
-        for prefix, texts in (("", prompts), ("neg_", [""] * len(prompts))):  # the pipeline's default negative prompt
-            # a copy of the list: the pipeline writes its chat template into the list it is given
-            (features,) = self.pipe._encode_prompt(prompt=list(texts), device=self.device,
-                                                   max_sequence_length=self.cfg.max_sequence_length)
-            out[prefix + "embeds"] = features[None]  # [1, L, D]: this prompt's own length
-            out[prefix + "mask"] = torch.ones(1, features.shape[0], dtype=torch.long, device=features.device)
-        return out
+        return {**self._encode_texts(prompts), **self.negative_once(lambda: self._encode_texts([""]))}  # the pipeline's negative
+
+    def _encode_texts(self, texts):
+        # a copy of the list: the pipeline writes its chat template into the list it is given
+        (features,) = self.pipe._encode_prompt(prompt=list(texts), device=self.device,
+                                               max_sequence_length=self.cfg.max_sequence_length)
+        mask = torch.ones(1, features.shape[0], dtype=torch.long, device=features.device)
+        return {"embeds": features[None], "mask": mask}  # [1, L, D]: this prompt's own length
 
     def pipeline_sigmas(self, num_steps):
         # ZImagePipeline.__call__: linspace(1, 1 / T, T) (get_default_z_image_sigmas) shifted by mu of the
@@ -45,10 +45,8 @@ class ZImagePolicy(FlowPolicy):
         if use_cfg:  # the pipeline's one forward over the conditional rows, then the negative ones
             x_in = torch.cat([x_in, x_in])
             features = features + self._features(cond["neg_embeds"], cond["neg_mask"])
-        rows = x_in.shape[0]
-        t = 1.0 - torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)  # the model's clock: (1000 - 1000 sigma) / 1000
-        t = t.to(self.device, torch.float32)
-        t = t.expand(rows) if t.numel() == 1 else t.repeat(rows // t.numel())
+        # the model's clock runs the other way: t = (1000 - 1000 sigma) / 1000
+        t = self.timestep_rows(1.0 - torch.as_tensor(sigma, dtype=torch.float64), x_in.shape[0])
         out = self.net(list(x_in.unsqueeze(2).unbind(0)), t, features, return_dict=False)[0]
         v = -torch.stack([o.float() for o in out]).squeeze(2)  # the network predicts -v
         if use_cfg:

@@ -129,6 +129,20 @@ def test_prompt_embeddings_are_cached(tiny_sd3_dir):
     assert torch.equal(b["embeds"][0], a["embeds"][1]) and torch.equal(b["embeds"][1], a["embeds"][0])
 
 
+@pytest.mark.parametrize("kind", ["flux2_klein", "qwen_image", "z_image"])
+def test_the_negative_prompt_is_encoded_once_for_every_prompt(kind, tiny_dirs):
+    policy = load_policy(ModelConfig(kind=kind, path=tiny_dirs[kind], guidance_scale=4.5), device="cpu")
+    calls = []
+    original = policy._encode_texts
+    policy._encode_texts = lambda texts: calls.append(list(texts)) or original(texts)
+    cond = policy.encode(PROMPTS[:3])
+    prompt_calls = [c for c in calls if c[0] in PROMPTS]
+    assert prompt_calls == [[p] for p in PROMPTS[:3]] and len(calls) == 4  # each prompt once, the negative once
+    policy.encode(["a dog"])
+    assert len(calls) == 5  # the new prompt alone
+    assert all(torch.equal(cond["neg_embeds"][0], row) for row in cond["neg_embeds"])
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_decoded_images_and_reproducible_samples(kind, tiny_dirs):
     policy = _policy(kind, tiny_dirs[kind])
