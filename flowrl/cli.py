@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     which = s.add_mutually_exclusive_group(required=True)
     which.add_argument("--prompt", action="append", help="repeat for several prompts")
     which.add_argument("--prompts", metavar="FILE", help="one prompt per line (# comments skipped)")
-    s.add_argument("-n", type=_int(1), default=4, help="images per prompt")
+    s.add_argument("-n", type=_int(1), default=4, help="images (videos) per prompt")
     s.add_argument("--out", help="output PNG grid (default: RUN/samples/sample.png)")
     s.add_argument("--out-dir", metavar="DIR", help="instead of a grid: one PNG per image and samples.jsonl (prompt, seed, "
                    "steps, source, and rewards with --reward); the same command again samples only what is missing")
@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="with --run: the checkpoint of this iteration (default: the latest)")
     e.add_argument("--prompts", metavar="FILE", help="one prompt per line, or builtin:shapes-heldout "
                    "(the default when the reward is shapes: a GenEval-style per-category table)")
-    e.add_argument("-n", type=_int(1), default=1, help="images per prompt")
+    e.add_argument("-n", type=_int(1), default=1, help="images (videos) per prompt")
     e.add_argument("--per-category", type=_int(1), default=150, help="built-in prompt sets: images per category (default 150)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--judge", metavar="REWARD", help="an auxiliary judge reward for GDRO's corrected score next to each channel "

@@ -23,7 +23,7 @@ from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.selection import SELECTION_KINDS
 from flowrl.devices import DTYPES
 from flowrl.errors import ConfigError, check_choice, check_range
-from flowrl.models import POLICY_CLASSES
+from flowrl.models import POLICY_CLASSES, VIDEO_KINDS
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.models.compile import COMPILE_MODES
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
@@ -129,6 +129,7 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "data.group_size": (">= 2", "GRPO compares samples within a group"),
     "data.prompts_per_iteration": ">= 1",
     "reward.batch_size": ">= 1",
+    "reward.frame_stride": ">= 1",
     "advantage.eps": "> 0",
     "advantage.clip": "> 0",
     "trainer.iterations": ">= 1",
@@ -224,6 +225,12 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
         value = getattr(m, key)
         if value <= 0 or value % 16:
             raise ConfigError(f"model.{key} must be a positive multiple of 16; got {value}")
+    if m.kind in VIDEO_KINDS and (m.num_frames < 1 or (m.num_frames - 1) % 4):
+        raise ConfigError(f"model.num_frames must be 1 plus a multiple of 4 (the VAE packs 4 frames into each latent frame after "
+                          f"the first), such as 5, 13 or 81; got {m.num_frames}")
+    if m.kind not in VIDEO_KINDS and m.num_frames != 1:
+        raise ConfigError(f"model.num_frames must be 1 for model.kind {m.kind} (an image family; video: {', '.join(VIDEO_KINDS)}); "
+                          f"got {m.num_frames}")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
 

@@ -25,6 +25,7 @@ class ModelConfig:
     dtype: str = "fp32"
     height: int = 64
     width: int = 64
+    num_frames: int = 1  # video families (wan): frames per sample, 1 + a multiple of 4; images: 1
     guidance_scale: float = 4.5  # SD3: classifier-free guidance; FLUX.1-dev: guidance embedding
     max_sequence_length: int = 128
     gradient_checkpointing: bool = False
@@ -189,6 +190,8 @@ class RewardConfig:
     on_invalid: str = "error"  # error: stop on NaN / inf / wrong shape | drop: mark those samples invalid
     # per channel ("shapes/partial": 0.5): replaces the reward's weight for that channel only
     channel_weights: dict[str, float] = field(default_factory=dict)
+    # videos (model.kind wan): image rewards score every frame_stride-th frame and average (rewards/video.py)
+    frame_stride: int = 1
     # an auxiliary judge for GDRO's corrected score in `flowrl eval` (r * (u - 3) + 0.2, u the judge's
     # score mapped from judge_range onto [1, 5]); never trained on. Options under reward.options.NAME.
     judge: Optional[str] = None

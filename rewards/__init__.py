@@ -1,7 +1,7 @@
 """Reward functions for flowrl.
 
 A reward is any callable `fn(images, prompts, metadata) -> scores` where `images` is a float
-tensor [N, 3, H, W] in [0, 1], `prompts` a list of N strings, `metadata` a list of N dicts
+tensor [N, 3, H, W] in [0, 1] (videos [N, 3, F, H, W] are scored frame by frame, rewards/video.py), `prompts` a list of N strings, `metadata` a list of N dicts
 (or None), and `scores` a float tensor [N] (one channel) or [N, K] (K named channels). A plain
 function is a reward; `register` puts it in the registry by name. Model-backed rewards are
 registered as factories whose keyword arguments are their options (reward.options.NAME); they
@@ -26,6 +26,7 @@ from rewards import vlm_judge as _vlm_judge  # noqa: F401,E402  (vlm_judge: a VL
 from rewards import ocr as _ocr  # noqa: F401,E402  (ocr: Flow-GRPO's OCR reward; extra ocr)
 from rewards import imagereward as _imagereward  # noqa: F401,E402  (imagereward: BLIP + MLP, weights converted once)
 from rewards import shapes as _shapes  # noqa: F401,E402  (shapes: the verifiable reward of the embedded default)
+from rewards import video as _video  # noqa: F401,E402  (temporal_consistency; image rewards score videos by frame)
 
 __all__ = [
     "RewardSpec",

@@ -15,6 +15,7 @@ import torch
 
 from flowrl.errors import UserError
 from rewards.options import plan_reward
+from rewards.video import strided_frames
 
 ON_INVALID = ("error", "drop")
 log = logging.getLogger("rewards")
@@ -74,15 +75,18 @@ class MultiReward:
         options: dict[str, dict[str, Any]] | None = None,
         on_invalid: str = "error",
         channel_weights: dict[str, float] | None = None,
+        frame_stride: int = 1,
     ):
         if on_invalid not in ON_INVALID:
             raise UserError(f"reward.on_invalid must be one of {', '.join(ON_INVALID)}; got '{on_invalid}'")
         self.weights = dict(weights)
         self.batch_size = batch_size
+        self.frame_stride = frame_stride
         self.on_invalid = on_invalid
         self.fns: dict[str, Callable] = {}
         self.batch_sizes: dict[str, int] = {}
         self.channels: dict[str, tuple[str, ...]] = {}
+        self.scores_videos: dict[str, bool] = {}  # registered with video=True: gets videos, not their frames
         self.channel_names: list[str] = []
         self.breakdowns: dict[str, Callable] = {}  # reward name -> its registered breakdown
         self.bucket_fn: Callable[[str], str] | None = None  # the first reward's prompt -> kind, if one has it
@@ -90,10 +94,12 @@ class MultiReward:
         for name in self.weights:
             if rewards and name in rewards:  # a plain function passed in directly
                 self.fns[name], channels = rewards[name], (name,)
+                self.scores_videos[name] = bool(getattr(rewards[name], "scores_videos", False))
                 self.batch_sizes[name] = batch_size
             else:
                 plan = plan_reward(name, options.get(name))
                 self.fns[name], channels = plan.build()
+                self.scores_videos[name] = plan.spec.video
                 if plan.spec.breakdown is not None:
                     self.breakdowns[name] = plan.spec.breakdown
                 self.bucket_fn = self.bucket_fn or plan.spec.bucket
@@ -106,14 +112,15 @@ class MultiReward:
     def from_config(cls, reward_cfg, rewards: dict[str, Callable] | None = None) -> "MultiReward":
         """Build from a `flowrl.config.RewardConfig`."""
         return cls(reward_cfg.weights, reward_cfg.batch_size, rewards=rewards, options=reward_cfg.options,
-                   on_invalid=reward_cfg.on_invalid, channel_weights=reward_cfg.channel_weights)
+                   on_invalid=reward_cfg.on_invalid, channel_weights=reward_cfg.channel_weights,
+                   frame_stride=reward_cfg.frame_stride)
 
     @classmethod
     def single(cls, name: str, reward_cfg) -> "MultiReward":
         """The registered reward `name` alone (weight 1) with its options from the reward config:
         a judge, or the reward a search looks for."""
         return cls({name: 1.0}, reward_cfg.batch_size, options={k: v for k, v in reward_cfg.options.items() if k == name},
-                   on_invalid=reward_cfg.on_invalid)
+                   on_invalid=reward_cfg.on_invalid, frame_stride=reward_cfg.frame_stride)
 
     def breakdown(self, prompts: Sequence[str], scores: torch.Tensor) -> dict[str, dict[str, float]] | None:
         """The first breakdown among the rewards (the shapes reward's GenEval categories) of scores
@@ -144,32 +151,53 @@ class MultiReward:
         n = images.shape[0]
         if len(prompts) != n or (metadata is not None and len(metadata) != n):
             raise UserError(f"rewards got {n} images, {len(prompts)} prompts and {len(metadata) if metadata is not None else 'no'} metadata entries; they must match")
+        video = images.dim() == 5
+        if video:  # image rewards score every frame_stride-th frame of each video, then average per video
+            frames = strided_frames(images, self.frame_stride)
+            per = frames.shape[1]
+            frames = frames.reshape(n * per, *frames.shape[2:])
+            frame_prompts = [p for p in prompts for _ in range(per)]
+            frame_meta = [m for m in metadata for _ in range(per)] if metadata is not None else None
         valid = torch.ones(n, dtype=torch.bool)
         cols = []
         for name, fn in self.fns.items():
-            k, bs = len(self.channels[name]), self.batch_sizes[name]
-            col = torch.zeros(n, k)
-            for i in range(0, n, bs):
-                j = min(i + bs, n)
-                meta = metadata[i:j] if metadata is not None else None
-                raw = fn(images[i:j], list(prompts[i:j]), meta)
-                try:
-                    part = as_score_matrix(name, raw, j - i, k)
-                except UserError as exc:
-                    if not drop:
-                        raise
-                    log.warning("%s; dropping samples %d..%d", exc, i, j - 1)
-                    valid[i:j] = False
-                    continue
-                finite = torch.isfinite(part).all(1)
-                if not finite.all():
-                    bad = int((~finite).sum())
-                    if not drop:
-                        raise UserError(f"reward '{name}' returned NaN or inf for {bad} of {j - i} images; rewards must be finite")
-                    log.warning("reward '%s' returned NaN or inf for %d of %d images; dropping them", name, bad, j - i)
-                    valid[i:j] &= finite
-                col[i:j] = torch.where(finite[:, None], part, torch.zeros(()))
+            k = len(self.channels[name])
+            if self.scores_videos[name] and not video:
+                raise UserError(f"reward '{name}' scores videos [N, 3, F, H, W]; this model's samples are images")
+            if video and not self.scores_videos[name]:
+                col, ok = self._score_one(name, fn, frames, frame_prompts, frame_meta, k, drop)
+                col, ok = col.view(n, per, k).mean(1), ok.view(n, per).all(1)
+            else:
+                col, ok = self._score_one(name, fn, images, prompts, metadata, k, drop)
+            valid &= ok
             cols.append(col)
         scores = torch.cat(cols, dim=1) if cols else torch.zeros(n, 0)
         scores[~valid] = 0.0
         return scores, valid
+
+    def _score_one(self, name, fn, images, prompts, metadata, k: int, drop: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One reward's scores [N, k] in its batches, invalid rows 0, and which rows are valid [N]."""
+        n, bs = images.shape[0], self.batch_sizes[name]
+        valid = torch.ones(n, dtype=torch.bool)
+        col = torch.zeros(n, k)
+        for i in range(0, n, bs):
+            j = min(i + bs, n)
+            meta = metadata[i:j] if metadata is not None else None
+            raw = fn(images[i:j], list(prompts[i:j]), meta)
+            try:
+                part = as_score_matrix(name, raw, j - i, k)
+            except UserError as exc:
+                if not drop:
+                    raise
+                log.warning("%s; dropping samples %d..%d", exc, i, j - 1)
+                valid[i:j] = False
+                continue
+            finite = torch.isfinite(part).all(1)
+            if not finite.all():
+                bad = int((~finite).sum())
+                if not drop:
+                    raise UserError(f"reward '{name}' returned NaN or inf for {bad} of {j - i} images; rewards must be finite")
+                log.warning("reward '%s' returned NaN or inf for %d of %d images; dropping them", name, bad, j - i)
+                valid[i:j] &= finite
+            col[i:j] = torch.where(finite[:, None], part, torch.zeros(()))
+        return col, valid

@@ -19,6 +19,7 @@ class RewardSpec:
     # breakdown that metrics rows and `flowrl eval` show (the shapes reward: GenEval's categories)
     breakdown: Callable[..., dict] | None = None
     bucket: Callable[[str], str] | None = None  # prompt -> its kind (the same kinds): where the rollouts went, per kind
+    video: bool = False  # scores videos [N, 3, F, H, W] itself; otherwise a video is scored by its frames (rewards/video.py)
 
     def options(self) -> dict[str, object]:
         """The factory's keyword options and their defaults (`REQUIRED` where it has none)."""
@@ -34,16 +35,17 @@ _REGISTRY: dict[str, RewardSpec] = {}
 
 
 def register(name: str, description: str, channels: tuple[str, ...] = (), factory: bool = False,
-             breakdown: Callable[..., dict] | None = None, bucket: Callable[[str], str] | None = None):
+             breakdown: Callable[..., dict] | None = None, bucket: Callable[[str], str] | None = None, video: bool = False):
     """Decorator: register a reward under `name`. A plain function is the reward itself; a
     class, or a function registered with factory=True, builds the reward when first used; its
     keyword arguments are the reward's options (reward.options.NAME in the config). `breakdown`
     (prompts, scores [N, K]) -> {prompt kind: {column: mean}} splits its scores by kind of prompt,
-    `bucket` (prompt) -> kind names one prompt's kind."""
+    `bucket` (prompt) -> kind names one prompt's kind; `video`: it scores videos [N, 3, F, H, W] itself
+    (any other reward scores a video's frames)."""
 
     def wrap(obj):
         make = obj if factory or isinstance(obj, type) else (lambda: obj)
-        _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,), breakdown, bucket)
+        _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,), breakdown, bucket, video)
         return obj
 
     return wrap

@@ -3,6 +3,7 @@
     python scripts/plan_memory.py black-forest-labs/FLUX.1-dev --gpus 8 --nodes 2 --distributed fsdp2 --full \\
         --batch 1 --height 720 --width 720 --gradient-checkpointing
     python scripts/plan_memory.py stabilityai/stable-diffusion-3.5-medium --lora-rank 32 --height 512 --width 512
+    python scripts/plan_memory.py Wan-AI/Wan2.1-T2V-1.3B-Diffusers --lora-rank 64 --height 256 --width 256 --frames 5
 
 MODEL is one of the known ids (their configs ship with flowrl) or a diffusers pipeline directory
 or hub id (only its config files are read). docs/distributed.md states the assumptions.
@@ -31,6 +32,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1, help="samples per training forward (sampling.batch_size)")
     ap.add_argument("--height", type=int, default=1024)
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--frames", type=int, default=1, help="frames per video (model.num_frames; Wan)")
     ap.add_argument("--max-sequence-length", type=int, default=0, help="T5 tokens per prompt; 0: the pipeline's default")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--no-ema", action="store_true")
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             if value < 1:
                 raise UserError(f"{flag} must be at least 1; got {value}")
         launch = Launch(gpus_per_node=a.gpus, nodes=a.nodes, distributed=a.distributed, lora_rank=0 if a.full else a.lora_rank,
-                        lora_targets=a.lora_targets, dtype=a.dtype, batch=a.batch, height=a.height, width=a.width,
+                        lora_targets=a.lora_targets, dtype=a.dtype, batch=a.batch, height=a.height, width=a.width, frames=a.frames,
                         gradient_checkpointing=a.gradient_checkpointing, ema=not a.no_ema, kl=not a.no_kl,
                         max_sequence_length=a.max_sequence_length)
         model = load_model(a.model)

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image and SANA pipelines saved once per session and loaded back
+"""Shared fixtures: tiny SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines saved once per session and loaded back
 through the real `from_pretrained` path."""
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ tiny_flux2_klein_dir = _tiny_pipeline("build_tiny_flux2_klein")
 tiny_qwen_image_dir = _tiny_pipeline("build_tiny_qwen_image")
 tiny_z_image_dir = _tiny_pipeline("build_tiny_z_image")
 tiny_sana_dir = _tiny_pipeline("build_tiny_sana")
+tiny_wan_dir = _tiny_pipeline("build_tiny_wan")
 
 
 @pytest.fixture(autouse=True, scope="session")

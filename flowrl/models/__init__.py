@@ -17,7 +17,9 @@ POLICY_CLASSES = {
     "qwen_image": ("flowrl.models.qwen_image", "QwenImagePolicy"),
     "z_image": ("flowrl.models.z_image", "ZImagePolicy"),
     "sana": ("flowrl.models.sana", "SanaPolicy"),
+    "wan": ("flowrl.models.wan", "WanPolicy"),
 }
+VIDEO_KINDS = ("wan",)  # families whose samples are videos [B, 3, F, H, W] (model.num_frames)
 
 
 def policy_class(kind: str) -> type[FlowPolicy]:
@@ -31,4 +33,4 @@ def load_policy(cfg: ModelConfig, device=None) -> FlowPolicy:
     return policy_class(cfg.kind).from_config(cfg, device)
 
 
-__all__ = ["FlowPolicy", "load_policy", "policy_class"]
+__all__ = ["FlowPolicy", "VIDEO_KINDS", "load_policy", "policy_class"]

@@ -24,7 +24,7 @@ from flowrl.schema import LoraConfig, ModelConfig
 
 BUILTIN_PREFIX = "builtin:"
 # model.path builtin:NAME; each tiny-* is built by flowrl.models.tiny.build_tiny_*
-BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image", "tiny-sana")
+BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image", "tiny-sana", "tiny-wan")
 # sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
 # (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
 # sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
@@ -84,7 +84,8 @@ def absent_components(path: str) -> dict[str, None]:
 
 # model_index.json's class -> model.kind
 PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2KleinPipeline": "flux2_klein",
-                  "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image", "SanaPipeline": "sana"}
+                  "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image", "SanaPipeline": "sana",
+                  "WanPipeline": "wan"}
 
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -108,6 +109,18 @@ def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c // 4, h, w)
 
 
+def euler_scheduler(scheduler):
+    """The Euler flow-matching scheduler flowrl samples with: the pipeline's own where it is one,
+    else one with the shipped multistep solver's flow shift (SANA's DPM-Solver++, Wan's UniPC): flowrl's
+    transitions are one-step Euler (ODE) or Euler-Maruyama (SDE), whose log-probabilities a multistep
+    solver does not have."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return scheduler
+    return FlowMatchEulerDiscreteScheduler(shift=float(scheduler.config.get("flow_shift", 1.0) or 1.0))
+
+
 class FlowPolicy:
     """Shared machinery; subclasses implement encoding, the transformer call and latent layout."""
 
@@ -123,7 +136,8 @@ class FlowPolicy:
         self.transformer = pipe.transformer
         self.transformer_class = type(pipe.transformer)  # before sharding swaps in a subclass (flowrl/train/sharding.py)
         self.vae = pipe.vae  # None: the transformer works in pixel space, images in [-1, 1]
-        self.vae_scale_factor = pipe.vae_scale_factor if self.vae is not None else 1  # the pipeline's own rule
+        # the pipeline's own rule (a video pipeline names its spatial factor apart from the temporal one)
+        self.vae_scale_factor = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial if self.vae is not None else 1
         for module in self._modules():
             module.requires_grad_(False)
             module.to(self.device)  # already loaded in self.dtype
@@ -285,6 +299,14 @@ class FlowPolicy:
         with torch.no_grad():
             image = self.vae.decode(latents, return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
+
+    def per_channel_latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The video VAEs' (Qwen-Image's, Wan's) per-channel latent mean and std, shaped [1, C, 1, 1, 1]
+        like `like`: latents = (posterior mean - mean) / std."""
+        c = self.vae.config
+        shape = (1, c.z_dim, 1, 1, 1)
+        return (torch.tensor(c.latents_mean, device=like.device, dtype=like.dtype).view(shape),
+                torch.tensor(c.latents_std, device=like.device, dtype=like.dtype).view(shape))
 
     # ---- LoRA and the reference policy ----------------------------------------------
     def add_lora(self, lora: LoraConfig, seed: int = 0) -> None:

@@ -65,22 +65,16 @@ class QwenImagePolicy(FlowPolicy):
         return v
 
     # ---- the VAE: a video VAE with one frame, latents normalised per channel ----------------------
-    def _latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.vae.config
-        shape = (1, c.z_dim, 1, 1, 1)
-        return (torch.tensor(c.latents_mean, device=like.device, dtype=like.dtype).view(shape),
-                torch.tensor(c.latents_std, device=like.device, dtype=like.dtype).view(shape))
-
     def encode_images(self, images):
         x = images.to(self.device, torch.float32) * 2 - 1
         with torch.no_grad():
             latents = self.vae.encode(x[:, :, None].to(self.dtype)).latent_dist.mean.float()  # [B, C, 1, h, w]
-        mean, std = self._latent_stats(latents)
+        mean, std = self.per_channel_latent_stats(latents)
         return pack_2x2(((latents - mean) / std)[:, :, 0])
 
     def decode(self, latents):
         unpacked = unpack_2x2(latents, *self._latent_hw())[:, :, None].to(self.device, self.dtype)  # one frame
-        mean, std = self._latent_stats(unpacked)
+        mean, std = self.per_channel_latent_stats(unpacked)
         with torch.no_grad():
             image = self.vae.decode(unpacked * std + mean, return_dict=False)[0][:, :, 0]
         return (image.float() / 2 + 0.5).clamp(0, 1)

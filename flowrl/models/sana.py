@@ -14,18 +14,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline
+from diffusers import SanaPipeline
 
-from flowrl.models.base import FlowPolicy
+from flowrl.models.base import FlowPolicy, euler_scheduler
 from flowrl.models.sd3 import sd3_pipeline_sigmas
-
-
-def euler_scheduler(scheduler) -> FlowMatchEulerDiscreteScheduler:
-    """The Euler flow-matching scheduler flowrl samples with: the pipeline's own where it is one,
-    else one with the shipped scheduler's flow shift (DPM-Solver's `flow_shift`)."""
-    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        return scheduler
-    return FlowMatchEulerDiscreteScheduler(shift=float(scheduler.config.get("flow_shift", 1.0) or 1.0))
 
 
 class SanaPolicy(FlowPolicy):

@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image and SANA pipelines built from configs.
+"""Tiny, randomly initialised SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines built from configs.
 
 They exist so that tests and the built-in default preset exercise the real loading code
 (`from_pretrained` of a local pipeline directory) without downloading anything. The
@@ -320,4 +320,29 @@ def build_tiny_sana(path: str | Path, seed: int = 0) -> Path:
     scheduler = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
     SanaPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
                  scheduler=scheduler).save_pretrained(str(path))
+    return Path(path)
+
+
+def build_tiny_wan(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random `WanPipeline` (Wan2.1 text-to-video) to `path` with the scheduler Wan ships,
+    UniPC on flow sigmas (flow_shift 3): a UMT5 text encoder, the causal 3D Wan VAE (8x in space, 4x in
+    time) with its per-channel latent statistics, and a two-layer 3D transformer with (1, 2, 2) patches."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = _t5_tokenizer()
+    z, text_dim = 4, 16
+    torch.manual_seed(seed)
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z,
+                                        out_channels=z, text_dim=text_dim, freq_dim=32, ffn_dim=32, num_layers=2,
+                                        cross_attn_norm=True, qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLWan(base_dim=3, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+                           latents_mean=[-0.3, 0.1, 0.4, -0.1], latents_std=[1.5, 0.8, 2.0, 1.2])
+    torch.manual_seed(seed + 2)
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(tok), d_model=text_dim, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id))
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    WanPipeline(tokenizer=tok, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                scheduler=scheduler).save_pretrained(str(path))
     return Path(path)

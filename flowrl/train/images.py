@@ -1,4 +1,5 @@
-"""Image grids for sample sheets and `flowrl sample`, each image captioned with its prompt."""
+"""Image grids for sample sheets and `flowrl sample`, each image captioned with its prompt; for videos,
+an animated grid (WebP) and a frame strip."""
 
 from __future__ import annotations
 
@@ -41,15 +42,50 @@ def image_grid(images: torch.Tensor, columns: int | None = None, pad: int = 2, c
     return grid
 
 
-def save_grid(images: torch.Tensor, path: str | Path, columns: int | None = None, min_side: int = 128,
-              captions: list[str] | None = None) -> Path:
-    """Write the grid as PNG; images smaller than `min_side` are enlarged by an integer factor
-    (nearest neighbour, so pixels stay pixels) to be visible at all, before the captions are
-    written at their normal size."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _enlarged(images: torch.Tensor, min_side: int) -> tuple[torch.Tensor, int]:
+    """Images smaller than `min_side` enlarged by an integer factor (nearest neighbour, so pixels stay
+    pixels) to be visible at all; the factor."""
     factor = math.ceil(min_side / min(images.shape[-2:]))
     if factor > 1:
         images = images.repeat_interleave(factor, dim=-2).repeat_interleave(factor, dim=-1)
+    return images, factor
+
+
+def save_grid(images: torch.Tensor, path: str | Path, columns: int | None = None, min_side: int = 128,
+              captions: list[str] | None = None) -> Path:
+    """Write the grid as PNG, small images enlarged (`_enlarged`) before the captions are written at
+    their normal size. Videos [N, 3, F, H, W] go to `save_video_grid`."""
+    if images.dim() == 5:
+        return save_video_grid(images, path, columns, min_side, captions)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images, factor = _enlarged(images, min_side)
     image_grid(images, columns, pad=2 * factor, captions=captions).save(path)
+    return path
+
+
+STRIP_FRAMES = 8  # frames per video in a frame strip, evenly spaced from the first to the last
+FPS = 16  # Wan2.1's frame rate
+
+
+def strip_frame_indices(frames: int, most: int = STRIP_FRAMES) -> list[int]:
+    return sorted({round(i * (frames - 1) / max(1, most - 1)) for i in range(min(most, frames))})
+
+
+def save_video_grid(videos: torch.Tensor, path: str | Path, columns: int | None = None, min_side: int = 128,
+                    captions: list[str] | None = None, fps: int = FPS) -> Path:
+    """Videos [N, 3, F, H, W] in [0, 1]: an animated WebP beside `path` (the grid of `columns` videos
+    per row, frame by frame, looping) and at `path` a PNG frame strip, one row per video of up to
+    STRIP_FRAMES frames evenly spaced, its caption under the first. Returns the PNG's path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    videos, factor = _enlarged(videos, min_side)
+    n, _, f = videos.shape[:3]
+    grids = [image_grid(videos[:, :, t], columns, pad=2 * factor, captions=captions) for t in range(f)]
+    grids[0].save(path.with_suffix(".webp"), save_all=True, append_images=grids[1:], duration=round(1000 / fps), loop=0,
+                  lossless=True)
+    picked = strip_frame_indices(f)
+    strip = videos[:, :, picked].transpose(1, 2).reshape(n * len(picked), 3, *videos.shape[-2:])
+    labels = None if captions is None else [c if k == 0 else f"frame {t}" for c in captions for k, t in enumerate(picked)]
+    image_grid(strip, len(picked), pad=2 * factor, captions=labels).save(path)
     return path

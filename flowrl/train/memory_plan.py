@@ -54,6 +54,15 @@ KNOWN_MODELS = {
         "transformer": ("ZImageTransformer2DModel", {}),  # the class's defaults are the released model's (dim 3840, 30 layers)
         "text_encoders": [("Qwen3Model", "qwen3_4b")],  # and FLUX.1's VAE
     },
+    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {
+        "kind": "wan",
+        "transformer": ("WanTransformer3DModel", {
+            "attention_head_dim": 128, "cross_attn_norm": True, "eps": 1e-6, "ffn_dim": 8960, "freq_dim": 256, "in_channels": 16,
+            "num_attention_heads": 12, "num_layers": 30, "out_channels": 16, "patch_size": [1, 2, 2],
+            "qk_norm": "rms_norm_across_heads", "text_dim": 4096}),
+        "text_encoders": [("UMT5EncoderModel", "umt5_xxl")],
+        "vae": ("AutoencoderKLWan", {}),  # the class's defaults are Wan2.1's VAE (z_dim 16, 8x spatial, 4x temporal)
+    },
 }
 ENCODER_CONFIGS = {  # transformers config kwargs
     "clip_l": ("CLIPTextConfig", {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
@@ -66,6 +75,8 @@ ENCODER_CONFIGS = {  # transformers config kwargs
         "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
                         "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
         "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584}}),
+    "umt5_xxl": ("UMT5Config", {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
+                                "vocab_size": 256384, "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}),
     "qwen3_4b": ("Qwen3Config", {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
                                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}),
 }
@@ -79,7 +90,7 @@ VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block
 # H200), where 34 would predict 23 GiB of activations against the 36.6 measured. The same value
 # is assumed for FLUX's blocks, unmeasured.
 ACTIVATION_BYTES_PER_HIDDEN = 54
-CFG_KINDS = ("sd3", "qwen_image")  # families whose presets train through classifier-free guidance (not Z-Image-Turbo)
+CFG_KINDS = ("sd3", "qwen_image", "wan")  # families whose presets train through classifier-free guidance (not Z-Image-Turbo)
 
 @dataclass
 class Launch:
@@ -92,6 +103,7 @@ class Launch:
     batch: int = 1  # samples per training forward (sampling.batch_size)
     height: int = 1024
     width: int = 1024
+    frames: int = 1  # model.num_frames (video families)
     gradient_checkpointing: bool = False
     ema: bool = True
     kl: bool = True  # full fine-tuning keeps a frozen reference copy for the KL
@@ -107,7 +119,7 @@ class Launch:
 @dataclass
 class Model:
     name: str
-    kind: str  # sd3 | flux | qwen_image | z_image
+    kind: str  # model.kind
     transformer: torch.nn.Module  # on the meta device
     frozen_params: int  # text encoders and VAE
 
@@ -120,10 +132,11 @@ class Model:
         names = set(self.transformer._no_split_modules or ())
         return [m for m in self.transformer.modules() if type(m).__name__ in names]
 
-    def image_tokens(self, height: int, width: int) -> int:
+    def image_tokens(self, height: int, width: int, frames: int = 1) -> int:
         c = self.transformer.config
-        patch = c.patch_size if self.kind == "sd3" else 2  # FLUX, Qwen-Image and Z-Image make 2x2 latent patches tokens
-        return (height // 8 // patch) * (width // 8 // patch)
+        patch = c.patch_size if self.kind == "sd3" else 2  # FLUX, Qwen-Image, Z-Image and Wan make 2x2 latent patches tokens
+        latent_frames = (frames - 1) // 4 + 1  # Wan's VAE: the first frame, then 4 frames per latent frame
+        return latent_frames * (height // 8 // patch) * (width // 8 // patch)
 
 
 def count(module: torch.nn.Module) -> int:
@@ -224,7 +237,7 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
 
     # prompt tokens: T5's (SD3 256, FLUX 512 by default); Qwen-Image's vary with the prompt, at most 512 by default
     t5 = launch.max_sequence_length or (256 if model.kind == "sd3" else 512)
-    tokens = model.image_tokens(launch.height, launch.width) + t5 + (77 if model.kind == "sd3" else 0)
+    tokens = model.image_tokens(launch.height, launch.width, launch.frames) + t5 + (77 if model.kind == "sd3" else 0)
     rows_per_forward = launch.batch * (2 if model.kind in CFG_KINDS else 1)  # trained with CFG: two halves per sample
     per_block = ACTIVATION_BYTES_PER_HIDDEN * model.hidden * tokens * rows_per_forward
     if launch.gradient_checkpointing:  # each block's 16-bit input kept, one block's activations recomputed at a time

@@ -1,4 +1,4 @@
-"""`flowrl sample --out-dir DIR`: one PNG per image at the model's resolution and a manifest,
+"""`flowrl sample --out-dir DIR`: one PNG per image (an animated WebP per video) at the model's resolution and a manifest,
 `samples.jsonl`, one row per image (its file, prompt, seed, ODE steps, what sampled it, and its
 rewards when scored). Images are written batch by batch, each PNG before its row, so an
 interrupted call keeps what it wrote, and the same call again samples only what is missing.
@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from flowrl.errors import UserError
+from flowrl.train.images import FPS
 from flowrl.train.run_dir import read_json_lines, write_json_lines
 from rewards.simple import to_uint8
 
@@ -21,8 +22,21 @@ MANIFEST = "samples.jsonl"
 SAME_REQUEST = ("prompt", "seed", "steps", "source")  # what a row must repeat to count as already sampled
 
 
-def image_file(index: int) -> str:
-    return f"{index:06d}.png"
+def image_file(index: int, video: bool = False) -> str:
+    return f"{index:06d}.{'webp' if video else 'png'}"
+
+
+def write_sample(pixels: torch.Tensor, path: Path) -> None:
+    """One image [3, H, W] as PNG, or one video [3, F, H, W] as a looping animated WebP at FPS frames
+    per second, written whole under a temporary name, then renamed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    if pixels.dim() == 4:
+        frames = [Image.fromarray(a) for a in to_uint8(pixels.transpose(0, 1))]
+        frames[0].save(tmp, format="WEBP", save_all=True, append_images=frames[1:], duration=round(1000 / FPS), loop=0,
+                       lossless=True)
+    else:
+        Image.fromarray(to_uint8(pixels[None])[0]).save(tmp, format="PNG")
+    os.replace(tmp, path)
 
 
 class SampleDir:
@@ -59,13 +73,11 @@ class SampleDir:
         return [i for i in range(len(self.jobs)) if i not in self.done]
 
     def write(self, indices: list[int], images: torch.Tensor, rewards: dict[str, torch.Tensor] | None = None) -> None:
-        """Each image's PNG (written whole, then renamed), then its manifest row."""
+        """Each image's PNG (each video's animated WebP), written whole, then its manifest row."""
         rows = []
-        for k, (index, pixels) in enumerate(zip(indices, to_uint8(images))):
-            name = image_file(index)
-            tmp = self.path / f".{name}.tmp"
-            Image.fromarray(pixels).save(tmp, format="PNG")
-            os.replace(tmp, self.path / name)
+        for k, (index, pixels) in enumerate(zip(indices, images)):
+            name = image_file(index, video=pixels.dim() == 4)
+            write_sample(pixels, self.path / name)
             row = {"index": index, "file": name, **self.jobs[index]}
             if rewards:
                 row["rewards"] = {channel: float(scores[k]) for channel, scores in rewards.items()}

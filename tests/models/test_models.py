@@ -1,4 +1,4 @@
-"""Every adapter (SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image, SANA): loading, ratio = 1 on fresh samples, KL to the reference, LoRA I/O."""
+"""Every adapter (SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image, SANA, Wan2.1): loading, ratio = 1 on fresh samples, KL to the reference, LoRA I/O."""
 
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ def _spec(steps=4):
     return SamplerSpec(shifted_sigmas(steps), torch.ones(steps, dtype=torch.bool), "flow_grpo", 0.7, "mean")
 
 
-KINDS = ["sd3", "flux", "flux2_klein", "qwen_image", "z_image", "sana"]
+KINDS = ["sd3", "flux", "flux2_klein", "qwen_image", "z_image", "sana", "wan"]
 
 
 @pytest.fixture
-def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_flux2_klein_dir, tiny_qwen_image_dir, tiny_z_image_dir, tiny_sana_dir):
+def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_flux2_klein_dir, tiny_qwen_image_dir, tiny_z_image_dir, tiny_sana_dir,
+              tiny_wan_dir):
     return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "flux2_klein": tiny_flux2_klein_dir, "qwen_image": tiny_qwen_image_dir,
-            "z_image": tiny_z_image_dir, "sana": tiny_sana_dir}
+            "z_image": tiny_z_image_dir, "sana": tiny_sana_dir, "wan": tiny_wan_dir}
 
 
 @pytest.fixture(params=KINDS)
@@ -129,7 +130,7 @@ def test_prompt_embeddings_are_cached(tiny_sd3_dir):
     assert torch.equal(b["embeds"][0], a["embeds"][1]) and torch.equal(b["embeds"][1], a["embeds"][0])
 
 
-@pytest.mark.parametrize("kind", ["flux2_klein", "qwen_image", "z_image"])
+@pytest.mark.parametrize("kind", ["flux2_klein", "qwen_image", "z_image", "wan"])
 def test_the_negative_prompt_is_encoded_once_for_every_prompt(kind, tiny_dirs):
     policy = load_policy(ModelConfig(kind=kind, path=tiny_dirs[kind], guidance_scale=4.5), device="cpu")
     calls = []
@@ -154,7 +155,8 @@ def test_decoded_images_and_reproducible_samples(kind, tiny_dirs):
     c = rollout(policy, PROMPTS[:2], [5, 6], spec, batch_size=2)
     assert torch.allclose(a.latents, c.latents, atol=1e-4)
     images = policy.decode(a.final)
-    assert images.shape == (2, 3, 64, 64) and torch.isfinite(images).all()
+    one_frame = (2, 3, 1, 64, 64) if kind == "wan" else (2, 3, 64, 64)  # a video family: videos of model.num_frames 1
+    assert images.shape == one_frame and torch.isfinite(images).all()
     assert images.min() >= 0 and images.max() <= 1
 
 

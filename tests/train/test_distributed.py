@@ -256,6 +256,22 @@ def test_memory_plan_knows_z_image(tiny_z_image_dir):
     assert rows["activations (estimate)"] == pytest.approx(blocks * 54 * 3840 * (32 * 32 + 64) / GIB)
 
 
+def test_memory_plan_knows_wan_and_counts_video_tokens(tiny_wan_dir):
+    from diffusers import WanTransformer3DModel
+
+    from flowrl.train.memory_plan import GIB, Launch, load_model, plan
+
+    tiny = load_model(tiny_wan_dir)
+    real = WanTransformer3DModel.from_pretrained(tiny_wan_dir, subfolder="transformer")
+    assert tiny.kind == "wan" and sum(p.numel() for p in tiny.transformer.parameters()) == sum(p.numel() for p in real.parameters())
+    model = load_model("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+    n = sum(p.numel() for p in model.transformer.parameters())
+    assert 1.3e9 < n < 1.5e9 and 5.6e9 < model.frozen_params < 6.0e9  # the 1.3B DiT; UMT5-XXL's encoder and the VAE
+    rows = {w: g for w, g, _ in plan(model, Launch(lora_rank=64, height=256, width=256, frames=5, max_sequence_length=512))}
+    # 30 blocks x 54 B x hidden 1536 x (2 latent frames x 16 x 16 patches + 512 prompt tokens) x 2 rows (CFG)
+    assert rows["activations (estimate)"] == pytest.approx(30 * 54 * 1536 * (2 * 16 * 16 + 512) * 2 / GIB)
+
+
 def test_fsdp_memory_bench_runs_its_code_path_on_the_cpu(capsys):
     # the GPU check (scripts/gpu_checks.sh) on a tiny transformer: fsdp2 full fine-tuning with a KL,
     # bf16 and gradient checkpointing through the trainer, and the plan printed beside it
