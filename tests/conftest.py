@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines saved once per session and loaded back
+"""Shared fixtures: tiny SD3, FLUX.1, FLUX.2 [dev] and [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines saved once per session and loaded back
 through the real `from_pretrained` path."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def _tiny_pipeline(builder: str):
 
 tiny_sd3_dir = _tiny_pipeline("build_tiny_sd3")
 tiny_flux_dir = _tiny_pipeline("build_tiny_flux")
+tiny_flux2_dir = _tiny_pipeline("build_tiny_flux2")
 tiny_flux2_klein_dir = _tiny_pipeline("build_tiny_flux2_klein")
 tiny_qwen_image_dir = _tiny_pipeline("build_tiny_qwen_image")
 tiny_z_image_dir = _tiny_pipeline("build_tiny_z_image")

@@ -13,6 +13,7 @@ from flowrl.schema import ModelConfig
 POLICY_CLASSES = {
     "sd3": ("flowrl.models.sd3", "SD3Policy"),
     "flux": ("flowrl.models.flux", "FluxPolicy"),
+    "flux2": ("flowrl.models.flux2", "Flux2Policy"),
     "flux2_klein": ("flowrl.models.flux2", "Flux2KleinPolicy"),
     "qwen_image": ("flowrl.models.qwen_image", "QwenImagePolicy"),
     "z_image": ("flowrl.models.z_image", "ZImagePolicy"),

@@ -24,7 +24,7 @@ from flowrl.schema import LoraConfig, ModelConfig
 
 BUILTIN_PREFIX = "builtin:"
 # model.path builtin:NAME; each tiny-* is built by flowrl.models.tiny.build_tiny_*
-BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image", "tiny-sana", "tiny-wan")
+BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image", "tiny-sana", "tiny-wan")
 # sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
 # (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
 # sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
@@ -83,7 +83,7 @@ def absent_components(path: str) -> dict[str, None]:
 
 
 # model_index.json's class -> model.kind
-PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2KleinPipeline": "flux2_klein",
+PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2Pipeline": "flux2", "Flux2KleinPipeline": "flux2_klein",
                   "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image", "SanaPipeline": "sana",
                   "WanPipeline": "wan"}
 
@@ -167,6 +167,10 @@ class FlowPolicy:
             pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path))
         except (OSError, ValueError) as exc:
             raise UserError(f"model.path '{cfg.path}' could not be loaded as a {cls.pipeline_class.__name__}: {str(exc).splitlines()[0]}") from None
+        except ImportError as exc:  # a component's class needs a package flowrl does not (FLUX.2 [dev]'s processor: torchvision)
+            missing = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise UserError(f"model.path '{cfg.path}' needs a package that is not installed to load its {cls.pipeline_class.__name__}: "
+                            f"{missing}") from None
         return cls(pipe, cfg, device if device is not None else pick_device(cfg.device))
 
     @classmethod

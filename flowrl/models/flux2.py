@@ -1,9 +1,11 @@
-"""FLUX.2 [klein] (`Flux2KleinPipeline` components; the 4B/9B distilled models and their undistilled
-bases): a Qwen3 prompt encoder whose hidden states of three layers are stacked side by side
-(padded to max_sequence_length, no mask), latents patchified 2x2 by the pipeline and kept packed
-as tokens [B, h/2 x w/2, 4C] normalised by the VAE's batch-norm statistics, 4D rotary ids, a grid
-whose shift depends on the step count (`compute_empirical_mu`), and classifier-free guidance on
-the empty prompt for the undistilled bases (none for the distilled models)."""
+"""FLUX.2: [klein] (`Flux2KleinPipeline` components; the 4B/9B distilled models and their undistilled
+bases) and [dev] (`Flux2Pipeline`, the 32B guidance-distilled model). Both stack the hidden states of
+three layers of their prompt encoder side by side (padded to max_sequence_length, no mask): Qwen3's for
+[klein], Mistral Small 3.1's behind its system message for [dev]. Latents are patchified 2x2 by the
+pipeline and kept packed as tokens [B, h/2 x w/2, 4C] normalised by the VAE's batch-norm statistics,
+with 4D rotary ids, on a grid whose shift depends on the step count (`compute_empirical_mu`).
+Guidance: classifier-free on the empty prompt for the undistilled [klein] bases, none for the distilled
+[klein] models, and the guidance embedding (no negative prompt) for [dev]."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import copy
 
 import numpy as np
 import torch
-from diffusers import Flux2KleinPipeline
+from diffusers import Flux2KleinPipeline, Flux2Pipeline
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_timesteps
 
 from flowrl.models.base import FlowPolicy
@@ -50,6 +52,10 @@ class Flux2KleinPolicy(FlowPolicy):
     def guided(self) -> bool:
         return self.guidance_scale > 1.0 and not self.pipe.config.is_distilled
 
+    def guidance_embedding(self, rows: int) -> torch.Tensor | None:
+        """What the transformer's guidance embedder gets: nothing for [klein]."""
+        return None
+
     def _velocity(self, x, sigma, cond):
         b = x.shape[0]
         x_in = x.to(self.device, self.dtype)
@@ -59,14 +65,14 @@ class Flux2KleinPolicy(FlowPolicy):
             embeds, text_ids = torch.cat([embeds, cond["neg_embeds"]]), torch.cat([text_ids, cond["neg_text_ids"]])
         h, w = self._latent_hw()
         rows = x_in.shape[0]
-        img_ids = Flux2KleinPipeline._prepare_latent_ids(x_in.new_empty(rows, 1, h // 2, w // 2)).to(self.device)
+        img_ids = self.pipeline_class._prepare_latent_ids(x_in.new_empty(rows, 1, h // 2, w // 2)).to(self.device)
         v = self.net(
             hidden_states=x_in,
             encoder_hidden_states=embeds.to(self.dtype),
             timestep=self.timestep_rows(sigma, rows),  # the pipeline passes t / 1000: sigma itself
             img_ids=img_ids,
             txt_ids=text_ids,
-            guidance=None,
+            guidance=self.guidance_embedding(rows),
             return_dict=False,
         )[0].float()
         if self.guided:
@@ -97,3 +103,21 @@ class Flux2KleinPolicy(FlowPolicy):
         with torch.no_grad():
             image = self.vae.decode(Flux2KleinPipeline._unpatchify_latents(patches * std + mean), return_dict=False)[0]
         return (image.float() / 2 + 0.5).clamp(0, 1)
+
+
+class Flux2Policy(Flux2KleinPolicy):
+    """FLUX.2 [dev]: guidance-distilled, so model.guidance_scale goes into the transformer's guidance
+    embedding for every row, as `Flux2Pipeline.__call__` passes it, with one forward and no negative
+    prompt (as FLUX.1 [dev])."""
+
+    pipeline_class = Flux2Pipeline
+
+    def _encode_uncached(self, prompts):
+        return self._encode_texts(prompts)
+
+    @property
+    def guided(self) -> bool:
+        return False
+
+    def guidance_embedding(self, rows):
+        return torch.full((rows,), float(self.guidance_scale), device=self.device, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines built from configs.
+"""Tiny, randomly initialised SD3, FLUX.1, FLUX.2 [dev] and [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines built from configs.
 
 They exist so that tests and the built-in default preset exercise the real loading code
 (`from_pretrained` of a local pipeline directory) without downloading anything. The
@@ -184,14 +184,14 @@ _QWEN_TEMPLATE_WORDS = ("system", "Describe", " the", " image", " by", " detaili
                         " background", "user", "assistant")
 
 
-def _qwen_tokenizer():
+def _qwen_tokenizer(extra_specials: tuple[str, ...] = ()):
     """A byte-level BPE Qwen2 tokenizer: single bytes, the template's words, and the chat template's
-    special tokens: every prompt tokenizes, offline."""
+    special tokens (and `extra_specials`): every prompt tokenizes, offline."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                "<|video_pad|>"]
+                "<|video_pad|>", *extra_specials]
     pieces, merges = sorted(ByteLevel.alphabet()), []  # the 256 byte-level characters
     for word in _QWEN_TEMPLATE_WORDS:
         w = word.replace(" ", "\u0120")  # byte-level's space
@@ -263,27 +263,36 @@ def build_tiny_z_image(path: str | Path, seed: int = 0) -> Path:
     return Path(path)
 
 
-def build_tiny_flux2_klein(path: str | Path, seed: int = 0, distilled: bool = False) -> Path:
-    """Save a tiny random `Flux2KleinPipeline` to `path`: a 27-layer Qwen3 (the pipeline stacks the
-    hidden states of layers 9, 18 and 27), the FLUX.2 VAE with its batch-norm latent statistics set
-    away from 0 and 1, and a transformer of one double- and one single-stream block; `distilled`
-    as the 4-step models (no guidance), else as the undistilled bases."""
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def _flux2_transformer_and_vae(seed: int, text_dim: int, guidance_embeds: bool):
+    """FLUX.2's transformer (one double- and one single-stream block) and its VAE with the batch-norm
+    latent statistics set away from 0 and 1."""
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
 
-    tok = _qwen_tokenizer()
-    tok.chat_template = _CHAT_TEMPLATE
-    hidden, z = 8, 4
+    z = 4
     torch.manual_seed(seed)
     transformer = Flux2Transformer2DModel(patch_size=1, in_channels=4 * z, num_layers=1, num_single_layers=1,
-                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=3 * hidden,
-                                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=text_dim,
+                                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance_embeds)
     torch.manual_seed(seed + 1)
     vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 8, 8), layers_per_block=1, latent_channels=z, norm_num_groups=4,
                              sample_size=64)
     with torch.no_grad():
         vae.bn.running_mean.copy_(torch.linspace(-0.2, 0.2, vae.bn.num_features))
         vae.bn.running_var.copy_(torch.linspace(0.5, 1.5, vae.bn.num_features))
+    return transformer, vae
+
+
+def build_tiny_flux2_klein(path: str | Path, seed: int = 0, distilled: bool = False) -> Path:
+    """Save a tiny random `Flux2KleinPipeline` to `path`: a 27-layer Qwen3 (the pipeline stacks the
+    hidden states of layers 9, 18 and 27), the FLUX.2 VAE and transformer (`_flux2_transformer_and_vae`);
+    `distilled` as the 4-step models (no guidance), else as the undistilled bases."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tok = _qwen_tokenizer()
+    tok.chat_template = _CHAT_TEMPLATE
+    hidden = 8
+    transformer, vae = _flux2_transformer_and_vae(seed, 3 * hidden, guidance_embeds=False)
     torch.manual_seed(seed + 2)
     text_encoder = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=16,
                                                 num_hidden_layers=27, num_attention_heads=2, num_key_value_heads=2,
@@ -291,6 +300,38 @@ def build_tiny_flux2_klein(path: str | Path, seed: int = 0, distilled: bool = Fa
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok, transformer=transformer,
                        is_distilled=distilled).save_pretrained(str(path))
+    return Path(path)
+
+
+# Mistral's chat template over content lists, as Flux2Pipeline's `format_input` writes its messages
+_MISTRAL_TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}]{% for c in m['content'] %}{{ c['text'] }}{% endfor %}"
+                     "[/{{ m['role'] | upper }}]{% endfor %}")
+
+
+def build_tiny_flux2(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random `Flux2Pipeline` (FLUX.2 [dev]) to `path`: a 30-layer Mistral 3 (the pipeline
+    stacks the hidden states of layers 10, 20 and 30) with a tiny Pixtral vision tower, the FLUX.2 VAE,
+    and the transformer with its guidance embedder. The real model's tokenizer is a PixtralProcessor,
+    whose image half needs torchvision; text-to-image only calls its chat template and tokenizer, so the
+    tiny pipeline ships the tokenizer alone with Mistral's template."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tok = _qwen_tokenizer(extra_specials=("[IMG]", "[IMG_BREAK]", "[IMG_END]"))
+    tok.chat_template = _MISTRAL_TEMPLATE
+    hidden = 8
+    transformer, vae = _flux2_transformer_and_vae(seed, 3 * hidden, guidance_embeds=True)
+    torch.manual_seed(seed + 2)
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config={"model_type": "mistral", "vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 16,
+                     "num_hidden_layers": 30, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+                     "max_position_embeddings": 1024},
+        vision_config={"model_type": "pixtral", "hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "head_dim": 4, "image_size": 64, "patch_size": 16},
+        image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                  transformer=transformer).save_pretrained(str(path))
     return Path(path)
 
 

@@ -54,6 +54,12 @@ KNOWN_MODELS = {
         "transformer": ("ZImageTransformer2DModel", {}),  # the class's defaults are the released model's (dim 3840, 30 layers)
         "text_encoders": [("Qwen3Model", "qwen3_4b")],  # and FLUX.1's VAE
     },
+    "black-forest-labs/FLUX.2-dev": {
+        "kind": "flux2",
+        "transformer": ("Flux2Transformer2DModel", {}),  # the class's defaults are FLUX.2 [dev]'s (8 + 48 blocks, 6144 wide)
+        "text_encoders": [("Mistral3ForConditionalGeneration", "mistral_small_31")],
+        "vae": ("AutoencoderKLFlux2", {}),
+    },
     "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {
         "kind": "wan",
         "transformer": ("WanTransformer3DModel", {
@@ -75,6 +81,13 @@ ENCODER_CONFIGS = {  # transformers config kwargs
         "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
                         "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
         "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584}}),
+    "mistral_small_31": ("Mistral3Config", {  # Mistral-Small-3.1-24B, the whole model as Flux2Pipeline loads it
+        "text_config": {"model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
+                        "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                        "tie_word_embeddings": False},
+        "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                          "num_attention_heads": 16, "head_dim": 64, "image_size": 1540, "patch_size": 14},
+        "tie_word_embeddings": False}),
     "umt5_xxl": ("UMT5Config", {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
                                 "vocab_size": 256384, "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}),
     "qwen3_4b": ("Qwen3Config", {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,

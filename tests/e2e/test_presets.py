@@ -16,14 +16,16 @@ from flowrl.errors import UserError
 TEXT_PRESETS = ("text_add", "text_add_wide", "qwen25_05b_gsm8k_1gpu", "qwen25_15b_gsm8k_1gpu", "qwen25_05b_gsm8k_8gpu", "qwen25_15b_gsm8k_8gpu")  # task: text, tested in test_text.py
 PRESETS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if p.stem not in TEXT_PRESETS)
 MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8, "qwen_image_pickscore_8gpu": 8,
-             "z_image_turbo_pickscore_8gpu": 8, "flux2_klein_9b_pickscore_8gpu": 8, "wan21_1_3b_pickscore_8gpu": 8}
+             "z_image_turbo_pickscore_8gpu": 8, "flux2_klein_9b_pickscore_8gpu": 8, "wan21_1_3b_pickscore_8gpu": 8,
+             "flux2_dev_pickscore_8gpu": 8}
 SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu")
 FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu", "flux1_dev_g2rpo_1gpu")
 QWEN_IMAGE_PRESETS = ("qwen_image_pickscore_1gpu", "qwen_image_pickscore_8gpu")
 Z_IMAGE_PRESETS = ("z_image_turbo_pickscore_1gpu", "z_image_turbo_pickscore_8gpu")
 FLUX2_PRESETS = ("flux2_klein_9b_pickscore_1gpu", "flux2_klein_9b_pickscore_8gpu")
+FLUX2_DEV_PRESETS = ("flux2_dev_pickscore_8gpu",)
 WAN_PRESETS = ("wan21_1_3b_pickscore_1gpu", "wan21_1_3b_pickscore_8gpu")
-IMAGE_PRESETS = (*SD3_PRESETS, *FLUX_PRESETS, *QWEN_IMAGE_PRESETS, *Z_IMAGE_PRESETS, *FLUX2_PRESETS, *WAN_PRESETS)
+IMAGE_PRESETS = (*SD3_PRESETS, *FLUX_PRESETS, *QWEN_IMAGE_PRESETS, *Z_IMAGE_PRESETS, *FLUX2_PRESETS, *FLUX2_DEV_PRESETS, *WAN_PRESETS)
 GROUP_OBJECTIVE_PRESETS = ("sd35_medium_dgpo_1gpu", "flux1_dev_gdro_1gpu")
 OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu")  # settings checked by their own tests
 
@@ -141,6 +143,20 @@ def test_flux2_klein_presets_keep_flow_factorys_settings(name):
     _assert_flow_factory_batching(name, cfg)
 
 
+@pytest.mark.parametrize("name", FLUX2_DEV_PRESETS)
+def test_flux2_dev_preset_keeps_flow_factorys_settings(name):
+    cfg = load_config(_preset(name), validate_paths=False)
+    m, s, t = cfg.model, cfg.sampling, cfg.trainer
+    assert (m.kind, m.path, m.dtype, m.height, m.guidance_scale) == ("flux2", "black-forest-labs/FLUX.2-dev", "bf16", 512, 4.0)
+    assert (cfg.lora.rank, cfg.lora.alpha, m.gradient_checkpointing, cfg.run.distributed) == (64, 128, False, "fsdp2")
+    assert (s.sampler, s.noise_level, s.num_steps, s.eval_num_steps, s.schedule) == ("flow_grpo", 1.0, 8, 28, "pipeline")
+    assert (s.window.strategy, s.window.size, s.window.choices, s.batch_size) == ("random", 1, [1, 2, 3], 1)
+    assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"clip_score": 1.0, "pickscore": 0.5}
+    assert (cfg.advantage.kind, cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("gdpo", "group", 5.0, 1e-4)
+    assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (3e-4, 1e-4, 0.0, 1.0, True, 0.9)
+    _assert_flow_factory_batching(name, cfg)
+
+
 @pytest.mark.parametrize("name", WAN_PRESETS)
 def test_wan_presets_keep_flow_factorys_settings(name):
     cfg = load_config(_preset(name), validate_paths=False)
@@ -227,10 +243,11 @@ def test_preset_rewards_with_a_missing_model_fail_clearly(name, tmp_path):
 
 
 @pytest.fixture
-def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_qwen_image_dir, tiny_z_image_dir, tiny_flux2_klein_dir, tiny_wan_dir):
+def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_qwen_image_dir, tiny_z_image_dir, tiny_flux2_klein_dir, tiny_wan_dir,
+              tiny_flux2_dir):
     # the session's tiny pipelines (tests/conftest.py), built by flowrl.models.tiny
     return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "qwen_image": tiny_qwen_image_dir, "z_image": tiny_z_image_dir,
-            "flux2_klein": tiny_flux2_klein_dir, "wan": tiny_wan_dir}
+            "flux2_klein": tiny_flux2_klein_dir, "wan": tiny_wan_dir, "flux2": tiny_flux2_dir}
 
 
 def _assert_targets_adapted(policy, targets):

@@ -1,5 +1,5 @@
 """The training checks every model family's tests run (test_qwen_image.py, test_z_image.py,
-test_flux2_klein.py, test_sana.py): Flow-GRPO's SDE trains 2 iterations and its LoRA, loaded into
+test_flux2.py, test_flux2_klein.py, test_sana.py, test_wan.py): Flow-GRPO's SDE trains 2 iterations and its LoRA, loaded into
 the family's own diffusers pipeline with `load_lora_weights`, reproduces `flowrl sample`; and
 DiffusionNFT trains 2 iterations and moves the adapter."""
 
@@ -16,6 +16,12 @@ from run_checks import run_metrics, trainable
 
 PROMPTS = ["a red circle", "two small blue squares on a table"]  # two lengths: variable-length text streams pad
 SEEDS = [3, 4]
+
+
+def flux2_pipeline_latents(packed: torch.Tensor, side: int = 4) -> torch.Tensor:
+    """FLUX.2's packed tokens [B, h/2 x w/2, 4C] in flowrl as its pipelines' `latents` argument [B, 4C, h/2, w/2]."""
+    b, n, c = packed.shape
+    return packed.permute(0, 2, 1).reshape(b, c, side, side)
 
 
 def train_args(kind: str, path: str, guidance: float) -> list[str]:

@@ -1,4 +1,4 @@
-"""Every adapter (SD3, FLUX.1, FLUX.2 [klein], Qwen-Image, Z-Image, SANA, Wan2.1): loading, ratio = 1 on fresh samples, KL to the reference, LoRA I/O."""
+"""Every adapter (SD3, FLUX.1, FLUX.2 [dev] and [klein], Qwen-Image, Z-Image, SANA, Wan2.1): loading, ratio = 1 on fresh samples, KL to the reference, LoRA I/O."""
 
 from __future__ import annotations
 
@@ -24,13 +24,13 @@ def _spec(steps=4):
     return SamplerSpec(shifted_sigmas(steps), torch.ones(steps, dtype=torch.bool), "flow_grpo", 0.7, "mean")
 
 
-KINDS = ["sd3", "flux", "flux2_klein", "qwen_image", "z_image", "sana", "wan"]
+KINDS = ["sd3", "flux", "flux2", "flux2_klein", "qwen_image", "z_image", "sana", "wan"]
 
 
 @pytest.fixture
-def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_flux2_klein_dir, tiny_qwen_image_dir, tiny_z_image_dir, tiny_sana_dir,
+def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_flux2_dir, tiny_flux2_klein_dir, tiny_qwen_image_dir, tiny_z_image_dir, tiny_sana_dir,
               tiny_wan_dir):
-    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "flux2_klein": tiny_flux2_klein_dir, "qwen_image": tiny_qwen_image_dir,
+    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "flux2": tiny_flux2_dir, "flux2_klein": tiny_flux2_klein_dir, "qwen_image": tiny_qwen_image_dir,
             "z_image": tiny_z_image_dir, "sana": tiny_sana_dir, "wan": tiny_wan_dir}
 
 

@@ -256,6 +256,18 @@ def test_memory_plan_knows_z_image(tiny_z_image_dir):
     assert rows["activations (estimate)"] == pytest.approx(blocks * 54 * 3840 * (32 * 32 + 64) / GIB)
 
 
+def test_memory_plan_knows_flux2_dev(tiny_flux2_dir):
+    from flowrl.train.memory_plan import Launch, load_model, plan
+
+    assert load_model(tiny_flux2_dir).kind == "flux2"
+    model = load_model("black-forest-labs/FLUX.2-dev")
+    n = sum(p.numel() for p in model.transformer.parameters())
+    assert 31e9 < n < 33e9 and 23.5e9 < model.frozen_params < 25e9  # the 32B transformer; Mistral Small 3.1 and the VAE
+    one = {w: g for w, g, _ in plan(model, Launch(lora_rank=64, height=512, width=512))}
+    eight = {w: g for w, g, _ in plan(model, Launch(gpus_per_node=8, distributed="fsdp2", lora_rank=64, height=512, width=512))}
+    assert one["weights (frozen base)"] > 55 and eight["weights (frozen base)"] == one["weights (frozen base)"] / 8
+
+
 def test_memory_plan_knows_wan_and_counts_video_tokens(tiny_wan_dir):
     from diffusers import WanTransformer3DModel
 
