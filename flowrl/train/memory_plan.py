@@ -54,6 +54,22 @@ KNOWN_MODELS = {
         "transformer": ("ZImageTransformer2DModel", {}),  # the class's defaults are the released model's (dim 3840, 30 layers)
         "text_encoders": [("Qwen3Model", "qwen3_4b")],  # and FLUX.1's VAE
     },
+    "black-forest-labs/FLUX.2-klein-9B": {
+        "kind": "flux2_klein",
+        "transformer": ("Flux2Transformer2DModel", {
+            "num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32, "attention_head_dim": 128,
+            "joint_attention_dim": 12288, "guidance_embeds": False}),  # the other fields: the class's defaults, as FLUX.2 [dev]'s
+        "text_encoders": [("Qwen3ForCausalLM", "qwen3_8b")],
+        "vae": ("AutoencoderKLFlux2", {}),
+    },
+    "Efficient-Large-Model/Sana_1600M_1024px_diffusers": {
+        "kind": "sana",
+        "transformer": ("SanaTransformer2DModel", {}),  # the class's defaults are SANA 1.6B's (20 layers, 2240 wide)
+        "text_encoders": [("Gemma2Model", "gemma2_2b")],
+        "vae": ("AutoencoderDC", {  # DC-AE f32c32: the class's defaults with linear attention in the three deep stages
+            "encoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
+            "decoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3}),
+    },
     "black-forest-labs/FLUX.2-dev": {
         "kind": "flux2",
         "transformer": ("Flux2Transformer2DModel", {}),  # the class's defaults are FLUX.2 [dev]'s (8 + 48 blocks, 6144 wide)
@@ -88,6 +104,10 @@ ENCODER_CONFIGS = {  # transformers config kwargs
         "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
                           "num_attention_heads": 16, "head_dim": 64, "image_size": 1540, "patch_size": 14},
         "tie_word_embeddings": False}),
+    "qwen3_8b": ("Qwen3Config", {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}),
+    "gemma2_2b": ("Gemma2Config", {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256}),
     "umt5_xxl": ("UMT5Config", {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
                                 "vocab_size": 256384, "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}),
     "qwen3_4b": ("Qwen3Config", {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
@@ -103,7 +123,8 @@ VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block
 # H200), where 34 would predict 23 GiB of activations against the 36.6 measured. The same value
 # is assumed for FLUX's blocks, unmeasured.
 ACTIVATION_BYTES_PER_HIDDEN = 54
-CFG_KINDS = ("sd3", "qwen_image", "wan")  # families whose presets train through classifier-free guidance (not Z-Image-Turbo)
+CFG_KINDS = ("sd3", "qwen_image", "wan", "sana")
+CROSS_ATTENTION_KINDS = ("wan", "sana")  # families whose blocks attend to the prompt rather than carry its tokens  # families whose presets train through classifier-free guidance (not Z-Image-Turbo)
 
 @dataclass
 class Launch:
@@ -142,14 +163,18 @@ class Model:
         return c.dim if "dim" in c else c.num_attention_heads * c.attention_head_dim  # Z-Image names its width `dim`
 
     def blocks(self) -> list[torch.nn.Module]:
-        names = set(self.transformer._no_split_modules or ())
+        # the transformer blocks among the modules FSDP must not split (SANA's list also names its patch embedding)
+        names = {n for n in self.transformer._no_split_modules or () if n.endswith("Block")}
         return [m for m in self.transformer.modules() if type(m).__name__ in names]
 
     def image_tokens(self, height: int, width: int, frames: int = 1) -> int:
         c = self.transformer.config
-        patch = c.patch_size if self.kind == "sd3" else 2  # FLUX, Qwen-Image, Z-Image and Wan make 2x2 latent patches tokens
+        # SD3 and SANA patch by their config (SANA: 1, on the deep-compression autoencoder's 32x latents); FLUX.1,
+        # FLUX.2, Qwen-Image, Z-Image and Wan make 2x2 latent patches tokens
+        patch = c.patch_size if self.kind in ("sd3", "sana") else 2
+        scale = 32 if self.kind == "sana" else 8
         latent_frames = (frames - 1) // 4 + 1  # Wan's VAE: the first frame, then 4 frames per latent frame
-        return latent_frames * (height // 8 // patch) * (width // 8 // patch)
+        return latent_frames * (height // scale // patch) * (width // scale // patch)
 
 
 def count(module: torch.nn.Module) -> int:
@@ -250,6 +275,8 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
 
     # prompt tokens: T5's (SD3 256, FLUX 512 by default); Qwen-Image's vary with the prompt, at most 512 by default
     t5 = launch.max_sequence_length or (256 if model.kind == "sd3" else 512)
+    if model.kind in CROSS_ATTENTION_KINDS:  # the prompt is read by cross-attention, not carried through the blocks
+        t5 = 0
     tokens = model.image_tokens(launch.height, launch.width, launch.frames) + t5 + (77 if model.kind == "sd3" else 0)
     rows_per_forward = launch.batch * (2 if model.kind in CFG_KINDS else 1)  # trained with CFG: two halves per sample
     per_block = ACTIVATION_BYTES_PER_HIDDEN * model.hidden * tokens * rows_per_forward

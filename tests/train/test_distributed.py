@@ -280,8 +280,23 @@ def test_memory_plan_knows_wan_and_counts_video_tokens(tiny_wan_dir):
     n = sum(p.numel() for p in model.transformer.parameters())
     assert 1.3e9 < n < 1.5e9 and 5.6e9 < model.frozen_params < 6.0e9  # the 1.3B DiT; UMT5-XXL's encoder and the VAE
     rows = {w: g for w, g, _ in plan(model, Launch(lora_rank=64, height=256, width=256, frames=5, max_sequence_length=512))}
-    # 30 blocks x 54 B x hidden 1536 x (2 latent frames x 16 x 16 patches + 512 prompt tokens) x 2 rows (CFG)
-    assert rows["activations (estimate)"] == pytest.approx(30 * 54 * 1536 * (2 * 16 * 16 + 512) * 2 / GIB)
+    # 30 blocks x 54 B x hidden 1536 x 2 latent frames x 16 x 16 patches x 2 rows (CFG); the prompt enters by
+    # cross-attention, not as tokens of the sequence
+    assert rows["activations (estimate)"] == pytest.approx(30 * 54 * 1536 * (2 * 16 * 16) * 2 / GIB)
+
+
+def test_memory_plan_knows_flux2_klein_and_sana():
+    from flowrl.train.memory_plan import GIB, Launch, load_model, plan
+
+    klein = load_model("black-forest-labs/FLUX.2-klein-9B")
+    n = sum(p.numel() for p in klein.transformer.parameters())
+    assert klein.kind == "flux2_klein" and 8.5e9 < n < 9.5e9 and 8.0e9 < klein.frozen_params < 8.5e9  # Qwen3-8B and the VAE
+    sana = load_model("Efficient-Large-Model/Sana_1600M_1024px_diffusers")
+    n = sum(p.numel() for p in sana.transformer.parameters())
+    assert sana.kind == "sana" and 1.5e9 < n < 1.7e9 and len(sana.blocks()) == 20  # the patch embedding is not a block
+    rows = {w: g for w, g, _ in plan(sana, Launch(lora_rank=32, height=1024, width=1024))}
+    # 20 blocks x 54 B x hidden 2240 x (1024 / 32)^2 tokens x 2 rows (CFG)
+    assert rows["activations (estimate)"] == pytest.approx(20 * 54 * 2240 * 32 * 32 * 2 / GIB)
 
 
 def test_fsdp_memory_bench_runs_its_code_path_on_the_cpu(capsys):
