@@ -1,4 +1,5 @@
-"""One Flow-GRPO training iteration of each model family at its real size, with random weights:
+"""One Flow-GRPO training iteration of each model family at its real size (Qwen-Image, Z-Image-Turbo,
+Wan2.1 1.3B at the preset's 5 frames), with random weights:
 seconds per iteration and peak memory against scripts/plan_memory.py's plan for the same launch.
 
     python scripts/bench_families.py                          # on a CUDA machine (scripts/gpu_checks.sh)
@@ -27,7 +28,8 @@ import torch
 from flowrl.train.memory_plan import GIB, KNOWN_MODELS, Launch, Model, count, format_plan, on_meta, plan, plan_peak
 
 FAMILIES = {"qwen_image": ("Qwen/Qwen-Image", "qwen_image_pickscore_1gpu"),
-            "z_image": ("Tongyi-MAI/Z-Image-Turbo", "z_image_turbo_pickscore_1gpu")}
+            "z_image": ("Tongyi-MAI/Z-Image-Turbo", "z_image_turbo_pickscore_1gpu"),
+            "wan": ("Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "wan21_1_3b_pickscore_1gpu")}
 
 
 def build_pipeline(kind: str, tiny: bool):
@@ -61,6 +63,22 @@ def build_pipeline(kind: str, tiny: bool):
                                                     base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
                                                     time_shift_type="exponential")
         return QwenImagePipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok)
+    if kind == "wan":
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        from flowrl.models.tiny import _t5_tokenizer
+
+        if tiny:
+            kwargs.update(num_layers=1, num_attention_heads=2, attention_head_dim=12, ffn_dim=32, text_dim=16, freq_dim=32)
+        transformer = WanTransformer3DModel(**kwargs)
+        t5 = _t5_tokenizer()
+        text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(t5), d_model=kwargs["text_dim"], d_kv=8, d_ff=64, num_layers=1,
+                                                   num_heads=2, pad_token_id=t5.pad_token_id, eos_token_id=t5.eos_token_id))
+        vae = AutoencoderKLWan(base_dim=8, z_dim=kwargs["in_channels"], dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True])
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+        return WanPipeline(tokenizer=t5, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler)
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
@@ -116,8 +134,8 @@ def bench(kind: str, cuda: bool, iterations: int, resolution: int) -> dict:
     transformer = on_meta(lambda: trainer.policy.transformer_class.from_config(pipe.transformer.config))
     model = Model(name, kind, transformer, frozen)
     launch = Launch(lora_rank=cfg.lora.rank, lora_targets=list(cfg.lora.target_modules), dtype="bf16", batch=1,
-                    height=resolution, width=resolution, gradient_checkpointing=True, ema=True, kl=False,
-                    max_sequence_length=64)
+                    height=resolution, width=resolution, frames=cfg.model.num_frames, gradient_checkpointing=True, ema=True,
+                    kl=False, max_sequence_length=64)
     rows = plan(model, launch)
     print(format_plan(model, launch, rows))
     out = {"family": kind, "seconds_per_iteration": seconds[-1], "plan_gib": plan_peak(rows)}

@@ -227,6 +227,6 @@ def test_the_families_bench_trains_each_family_through_the_trainer_on_the_cpu(ca
         loop.load_policy = original
         AcceleratorState._reset_state()
     out = capsys.readouterr().out
-    for family in ("qwen_image", "z_image"):
+    for family in ("qwen_image", "z_image", "wan"):
         assert f"{family}: pipeline built" in out
-    assert out.count("iteration 0:") == 2 and "LoRA rank 64" in out and "plan peak" in out
+    assert out.count("iteration 0:") == 3 and "LoRA rank 64" in out and "plan peak" in out
