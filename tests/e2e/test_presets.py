@@ -99,77 +99,49 @@ def _assert_flow_factory_batching(name: str, cfg) -> None:
     assert cfg.data.prompts_per_iteration == (48 if processes == 8 else 6) and cfg.data.group_size == 16
 
 
-@pytest.mark.parametrize("name", QWEN_IMAGE_PRESETS)
-def test_qwen_image_presets_keep_flow_factorys_settings(name):
+# Flow-Factory's LoRA GRPO settings (its examples/grpo/lora/<family> configs), as config paths and values: what
+# every family's presets share, then each family's own
+FLOW_FACTORY_COMMON = {
+    "lora.rank": 64, "lora.alpha": 128, "sampling.sampler": "flow_grpo", "sampling.schedule": "pipeline",
+    "sampling.window.strategy": "random", "sampling.window.size": 1, "sampling.batch_size": 1, "data.group_size": 16,
+    "advantage.std": "group", "advantage.clip": 5.0, "objective.grpo.clip_range": 1e-4, "trainer.weight_decay": 1e-4,
+    "trainer.kl_beta": 0.0, "trainer.max_grad_norm": 1.0, "trainer.ema": True, "trainer.ema_decay": 0.9}
+CLIP_AND_PICKSCORE = {"rewards": {"clip_score": 1.0, "pickscore": 0.5}, "advantage.kind": "gdpo"}
+FLOW_FACTORY = {
+    QWEN_IMAGE_PRESETS: {
+        "model.kind": "qwen_image", "model.path": "Qwen/Qwen-Image", "model.dtype": "bf16", "model.height": 512,
+        "model.guidance_scale": 4.0, "model.gradient_checkpointing": True, "sampling.noise_level": 1.0, "sampling.num_steps": 10,
+        "sampling.eval_num_steps": 28, "sampling.window.choices": [1, 2, 3], "trainer.lr": 3e-4, **CLIP_AND_PICKSCORE},
+    Z_IMAGE_PRESETS: {
+        "model.kind": "z_image", "model.path": "Tongyi-MAI/Z-Image-Turbo", "model.dtype": "fp32", "model.height": 512,
+        "model.guidance_scale": 0.0, "trainer.mixed_precision": "bf16", "sampling.noise_level": 0.7, "sampling.num_steps": 6,
+        "sampling.eval_num_steps": 10, "sampling.window.choices": [1, 2, 3], "trainer.lr": 3e-4, "rewards": {"pickscore": 1.0}},
+    FLUX2_PRESETS: {
+        "model.kind": "flux2_klein", "model.path": "black-forest-labs/FLUX.2-klein-9B", "model.dtype": "bf16", "model.height": 384,
+        "model.guidance_scale": 1.0, "model.gradient_checkpointing": False, "sampling.noise_level": 0.5, "sampling.num_steps": 4,
+        "sampling.eval_num_steps": 10, "sampling.window.choices": [1, 2], "trainer.lr": 3e-4, "rewards": {"pickscore": 1.0}},
+    FLUX2_DEV_PRESETS: {
+        "model.kind": "flux2", "model.path": "black-forest-labs/FLUX.2-dev", "model.dtype": "bf16", "model.height": 512,
+        "model.guidance_scale": 4.0, "model.gradient_checkpointing": False, "run.distributed": "fsdp2", "sampling.noise_level": 1.0,
+        "sampling.num_steps": 8, "sampling.eval_num_steps": 28, "sampling.window.choices": [1, 2, 3], "trainer.lr": 3e-4,
+        **CLIP_AND_PICKSCORE},
+    WAN_PRESETS: {
+        "model.kind": "wan", "model.path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "model.dtype": "bf16", "model.height": 256,
+        "model.num_frames": 5, "model.guidance_scale": 5.0, "model.gradient_checkpointing": False, "sampling.noise_level": 0.9,
+        "sampling.num_steps": 10, "sampling.eval_num_steps": 28, "sampling.window.choices": [1, 2, 3], "trainer.lr": 1e-4,
+        "reward.frame_stride": 1, **CLIP_AND_PICKSCORE},
+}
+
+
+@pytest.mark.parametrize("name,family", [(n, names) for names in FLOW_FACTORY for n in names], ids=lambda v: v if isinstance(v, str) else "")
+def test_family_presets_keep_flow_factorys_settings(name, family):
+    from functools import reduce
+
     cfg = load_config(_preset(name), validate_paths=False)
-    m, s, t = cfg.model, cfg.sampling, cfg.trainer
-    assert (m.kind, m.path, m.dtype, m.height, m.guidance_scale, m.gradient_checkpointing) == (
-        "qwen_image", "Qwen/Qwen-Image", "bf16", 512, 4.0, True)
-    assert (cfg.lora.rank, cfg.lora.alpha, len(cfg.lora.target_modules)) == (64, 128, 12)
-    assert (s.sampler, s.noise_level, s.num_steps, s.eval_num_steps, s.schedule) == ("flow_grpo", 1.0, 10, 28, "pipeline")
-    assert (s.window.strategy, s.window.size, s.window.choices, s.batch_size) == ("random", 1, [1, 2, 3], 1)
-    assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"clip_score": 1.0, "pickscore": 0.5}
-    assert (cfg.advantage.kind, cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("gdpo", "group", 5.0, 1e-4)
-    assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (3e-4, 1e-4, 0.0, 1.0, True, 0.9)
-    _assert_flow_factory_batching(name, cfg)
-
-
-@pytest.mark.parametrize("name", Z_IMAGE_PRESETS)
-def test_z_image_presets_keep_flow_factorys_settings(name):
-    cfg = load_config(_preset(name), validate_paths=False)
-    m, s, t = cfg.model, cfg.sampling, cfg.trainer
-    assert (m.kind, m.path, m.dtype, m.height, m.guidance_scale) == ("z_image", "Tongyi-MAI/Z-Image-Turbo", "fp32", 512, 0.0)
-    assert (cfg.lora.rank, cfg.lora.alpha, t.mixed_precision) == (64, 128, "bf16")
-    assert (s.sampler, s.noise_level, s.num_steps, s.eval_num_steps, s.schedule) == ("flow_grpo", 0.7, 6, 10, "pipeline")
-    assert (s.window.strategy, s.window.size, s.window.choices, s.batch_size) == ("random", 1, [1, 2, 3], 1)
-    assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"pickscore": 1.0}
-    assert (cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("group", 5.0, 1e-4)
-    assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (3e-4, 1e-4, 0.0, 1.0, True, 0.9)
-    _assert_flow_factory_batching(name, cfg)
-
-
-@pytest.mark.parametrize("name", FLUX2_PRESETS)
-def test_flux2_klein_presets_keep_flow_factorys_settings(name):
-    cfg = load_config(_preset(name), validate_paths=False)
-    m, s, t = cfg.model, cfg.sampling, cfg.trainer
-    assert (m.kind, m.path, m.dtype, m.height, m.guidance_scale) == ("flux2_klein", "black-forest-labs/FLUX.2-klein-9B", "bf16",
-                                                                     384, 1.0)
-    assert (cfg.lora.rank, cfg.lora.alpha, m.gradient_checkpointing) == (64, 128, False)
-    assert (s.sampler, s.noise_level, s.num_steps, s.eval_num_steps, s.schedule) == ("flow_grpo", 0.5, 4, 10, "pipeline")
-    assert (s.window.strategy, s.window.size, s.window.choices, s.batch_size) == ("random", 1, [1, 2], 1)
-    assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"pickscore": 1.0}
-    assert (cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("group", 5.0, 1e-4)
-    assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (3e-4, 1e-4, 0.0, 1.0, True, 0.9)
-    _assert_flow_factory_batching(name, cfg)
-
-
-@pytest.mark.parametrize("name", FLUX2_DEV_PRESETS)
-def test_flux2_dev_preset_keeps_flow_factorys_settings(name):
-    cfg = load_config(_preset(name), validate_paths=False)
-    m, s, t = cfg.model, cfg.sampling, cfg.trainer
-    assert (m.kind, m.path, m.dtype, m.height, m.guidance_scale) == ("flux2", "black-forest-labs/FLUX.2-dev", "bf16", 512, 4.0)
-    assert (cfg.lora.rank, cfg.lora.alpha, m.gradient_checkpointing, cfg.run.distributed) == (64, 128, False, "fsdp2")
-    assert (s.sampler, s.noise_level, s.num_steps, s.eval_num_steps, s.schedule) == ("flow_grpo", 1.0, 8, 28, "pipeline")
-    assert (s.window.strategy, s.window.size, s.window.choices, s.batch_size) == ("random", 1, [1, 2, 3], 1)
-    assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"clip_score": 1.0, "pickscore": 0.5}
-    assert (cfg.advantage.kind, cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("gdpo", "group", 5.0, 1e-4)
-    assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (3e-4, 1e-4, 0.0, 1.0, True, 0.9)
-    _assert_flow_factory_batching(name, cfg)
-
-
-@pytest.mark.parametrize("name", WAN_PRESETS)
-def test_wan_presets_keep_flow_factorys_settings(name):
-    cfg = load_config(_preset(name), validate_paths=False)
-    m, s, t = cfg.model, cfg.sampling, cfg.trainer
-    assert (m.kind, m.path, m.dtype, m.height, m.num_frames, m.guidance_scale) == (
-        "wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "bf16", 256, 5, 5.0)
-    assert (cfg.lora.rank, cfg.lora.alpha, m.gradient_checkpointing) == (64, 128, False)
-    assert (s.sampler, s.noise_level, s.num_steps, s.eval_num_steps, s.schedule) == ("flow_grpo", 0.9, 10, 28, "pipeline")
-    assert (s.window.strategy, s.window.size, s.window.choices, s.batch_size) == ("random", 1, [1, 2, 3], 1)
-    assert cfg.data.group_size == 16 and _yaml_reward_weights(name) == {"clip_score": 1.0, "pickscore": 0.5}
-    assert (cfg.advantage.kind, cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == ("gdpo", "group", 5.0, 1e-4)
-    assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay) == (1e-4, 1e-4, 0.0, 1.0, True, 0.9)
-    assert cfg.reward.frame_stride == 1
+    expected = {**FLOW_FACTORY_COMMON, **FLOW_FACTORY[family]}
+    assert _yaml_reward_weights(name) == expected.pop("rewards")
+    got = {path: reduce(getattr, path.split("."), cfg) for path in expected}
+    assert got == expected
     _assert_flow_factory_batching(name, cfg)
 
 
