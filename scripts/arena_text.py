@@ -213,21 +213,25 @@ def diagnostics(lines: list[dict]) -> str:
     if not cells:
         return "no run directories with metrics"
     mean = statistics.mean
-    buckets = sorted({k.split("/")[1] for runs in cells.values() for rows in runs for k in rows[0] if k.startswith("rollouts/")},
-                     key=int)
-    out = ["| cell | runs | s / iteration | samples drawn / trained | nonzero-advantage samples | prompts trained | "
-           f"rollout share, buckets {', '.join(buckets)} | zero-variance fraction, same buckets | pool covered at the end |",
-           "|---|---|---|---|---|---|---|---|---|"]
-    for cell, runs in sorted(cells.items()):
-        def avg(key, runs=runs):
-            return mean(mean(r[key] for r in rows if key in r) for rows in runs if any(key in r for r in rows))
-        share = [mean(mean(r.get(f"rollouts/{b}", 0) / r["samples"] for r in rows) for rows in runs) for b in buckets]
-        dead = [mean(mean(r[f"zero_variance/{b}"] for r in rows if f"zero_variance/{b}" in r) for rows in runs
-                     if any(f"zero_variance/{b}" in r for r in rows)) for b in buckets]
-        out.append(f"| {cell} | {len(runs)} | {avg('time_iteration'):.2f} | {avg('samples'):.0f} / {avg('samples_trained'):.0f} | "
-                   f"{avg('nonzero_advantage_samples'):.0f} | {avg('prompts_trained'):.1f} | "
-                   f"{' / '.join(f'{x:.2f}' for x in share)} | {' / '.join(f'{x:.2f}' for x in dead)} | "
-                   f"{mean(rows[-1].get('pool_covered', float('nan')) for rows in runs):.2f} |")
+    out = []
+    for pool in sorted({c.split("/")[0] for c in cells}):  # one table per pool: each has its own buckets
+        pool_cells = {c: runs for c, runs in cells.items() if c.split("/")[0] == pool}
+        buckets = sorted({k.split("/")[1] for runs in pool_cells.values() for rows in runs for k in rows[0]
+                          if k.startswith("rollouts/")}, key=int)
+        out += ["" if out else None, "| cell | runs | s / iteration | samples drawn / trained | nonzero-advantage samples | "
+                f"prompts trained | rollout share, buckets {', '.join(buckets)} | zero-variance fraction, same buckets | "
+                "pool covered at the end |", "|---|---|---|---|---|---|---|---|---|"]
+        for cell, runs in sorted(pool_cells.items()):
+            def avg(key, runs=runs):
+                return mean(mean(r[key] for r in rows if key in r) for rows in runs if any(key in r for r in rows))
+            share = [mean(mean(r.get(f"rollouts/{b}", 0) / r["samples"] for r in rows) for rows in runs) for b in buckets]
+            dead = [mean(mean(r[f"zero_variance/{b}"] for r in rows if f"zero_variance/{b}" in r) for rows in runs
+                         if any(f"zero_variance/{b}" in r for r in rows)) for b in buckets]
+            out.append(f"| {cell} | {len(runs)} | {avg('time_iteration'):.2f} | {avg('samples'):.0f} / {avg('samples_trained'):.0f} | "
+                       f"{avg('nonzero_advantage_samples'):.0f} | {avg('prompts_trained'):.1f} | "
+                       f"{' / '.join(f'{x:.2f}' for x in share)} | {' / '.join(f'{x:.2f}' for x in dead)} | "
+                       f"{mean(rows[-1].get('pool_covered', float('nan')) for rows in runs):.2f} |")
+    out = [line for line in out if line is not None]
     return "\n".join(out)
 
 
