@@ -41,6 +41,8 @@ run fsdp_memory 240 python3 scripts/bench_fsdp_memory.py
 # of the 2.24B-parameter transformer did not finish both copies in 380 s (2026-11-26), so the bench
 # compiles per transformer block (regional compilation); the log keeps whatever finished.
 run two_stage_compile 330 python3 scripts/bench_two_stage.py --gpu --fidelity-prompts 0 --compile
-# One Flow-GRPO iteration of Qwen-Image (20B) and Z-Image-Turbo (6B) at their real sizes with random
-# weights (LoRA r64, 512x512, batch 1): seconds per iteration and peak memory against the plan.
-run families 240 python3 scripts/bench_families.py
+# One Flow-GRPO iteration of Qwen-Image (20B), Z-Image-Turbo (6B) and Wan2.1 (1.3B, 5 frames) at their
+# real sizes with random weights (LoRA r64, 512x512, batch 1): seconds per iteration and peak memory
+# against the plan; `scripts/gpu_checks.sh families families_video` fits one device call (570 s at most).
+run families 420 python3 scripts/bench_families.py --families qwen_image z_image
+run families_video 150 python3 scripts/bench_families.py --families wan
