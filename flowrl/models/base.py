@@ -137,7 +137,8 @@ class FlowPolicy:
         self.transformer_class = type(pipe.transformer)  # before sharding swaps in a subclass (flowrl/train/sharding.py)
         self.vae = pipe.vae  # None: the transformer works in pixel space, images in [-1, 1]
         # the pipeline's own rule (a video pipeline names its spatial factor apart from the temporal one)
-        self.vae_scale_factor = getattr(pipe, "vae_scale_factor", None) or pipe.vae_scale_factor_spatial if self.vae is not None else 1
+        spatial = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
+        self.vae_scale_factor = spatial if self.vae is not None else 1
         for module in self._modules():
             module.requires_grad_(False)
             module.to(self.device)  # already loaded in self.dtype

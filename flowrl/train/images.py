@@ -68,6 +68,12 @@ STRIP_FRAMES = 8  # frames per video in a frame strip, evenly spaced from the fi
 FPS = 16  # Wan2.1's frame rate
 
 
+def save_animation(frames: list[Image.Image], path: str | Path, fps: int = FPS) -> None:
+    """Frames as one looping, lossless animated WebP at `fps` frames per second."""
+    frames[0].save(path, format="WEBP", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0,
+                   lossless=True)
+
+
 def strip_frame_indices(frames: int, most: int = STRIP_FRAMES) -> list[int]:
     return sorted({round(i * (frames - 1) / max(1, most - 1)) for i in range(min(most, frames))})
 
@@ -82,8 +88,7 @@ def save_video_grid(videos: torch.Tensor, path: str | Path, columns: int | None 
     videos, factor = _enlarged(videos, min_side)
     n, _, f = videos.shape[:3]
     grids = [image_grid(videos[:, :, t], columns, pad=2 * factor, captions=captions) for t in range(f)]
-    grids[0].save(path.with_suffix(".webp"), save_all=True, append_images=grids[1:], duration=round(1000 / fps), loop=0,
-                  lossless=True)
+    save_animation(grids, path.with_suffix(".webp"), fps)
     picked = strip_frame_indices(f)
     strip = videos[:, :, picked].transpose(1, 2).reshape(n * len(picked), 3, *videos.shape[-2:])
     labels = None if captions is None else [c if k == 0 else f"frame {t}" for c in captions for k, t in enumerate(picked)]

@@ -123,8 +123,8 @@ VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block
 # H200), where 34 would predict 23 GiB of activations against the 36.6 measured. The same value
 # is assumed for FLUX's blocks, unmeasured.
 ACTIVATION_BYTES_PER_HIDDEN = 54
-CFG_KINDS = ("sd3", "qwen_image", "wan", "sana")
-CROSS_ATTENTION_KINDS = ("wan", "sana")  # families whose blocks attend to the prompt rather than carry its tokens  # families whose presets train through classifier-free guidance (not Z-Image-Turbo)
+CFG_KINDS = ("sd3", "qwen_image", "wan", "sana")  # families whose presets train through classifier-free guidance
+CROSS_ATTENTION_KINDS = ("wan", "sana")  # families whose blocks attend to the prompt rather than carry its tokens
 
 @dataclass
 class Launch:

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from flowrl.errors import UserError
-from flowrl.train.images import FPS
+from flowrl.train.images import save_animation
 from flowrl.train.run_dir import read_json_lines, write_json_lines
 from rewards.simple import to_uint8
 
@@ -27,13 +27,11 @@ def image_file(index: int, video: bool = False) -> str:
 
 
 def write_sample(pixels: torch.Tensor, path: Path) -> None:
-    """One image [3, H, W] as PNG, or one video [3, F, H, W] as a looping animated WebP at FPS frames
-    per second, written whole under a temporary name, then renamed."""
+    """One image [3, H, W] as PNG, or one video [3, F, H, W] as an animated WebP (`save_animation`),
+    written whole under a temporary name, then renamed."""
     tmp = path.with_name(f".{path.name}.tmp")
     if pixels.dim() == 4:
-        frames = [Image.fromarray(a) for a in to_uint8(pixels.transpose(0, 1))]
-        frames[0].save(tmp, format="WEBP", save_all=True, append_images=frames[1:], duration=round(1000 / FPS), loop=0,
-                       lossless=True)
+        save_animation([Image.fromarray(a) for a in to_uint8(pixels.transpose(0, 1))], tmp)
     else:
         Image.fromarray(to_uint8(pixels[None])[0]).save(tmp, format="PNG")
     os.replace(tmp, path)
