@@ -380,8 +380,11 @@ def test_two_cpu_processes_train_as_one_process_on_the_same_batch(tmp_path):
     for a, b in zip(one, two):
         for key in ("samples", "reward_mean", "completion_length", "truncated_fraction", "zero_variance_fraction"):
             assert a[key] == b[key], key  # the same completions: every draw is keyed by its sample, not its process
-        for key in ("loss", "kl", "grad_norm", "entropy"):  # measured within 2e-4 relative
-            assert b[key] == pytest.approx(a[key], rel=1e-3, abs=1e-6), key
+        # after the first step Adam moves a weight whose gradient sits at float noise by up to lr either way,
+        # so later iterations agree only loosely: measured within 2e-4 relative on an AMD EPYC family 25,
+        # 1.2e-3 (the KL of iteration 2) on a family 26; the first iteration's gradient is held to 1e-5 below
+        for key in ("loss", "kl", "grad_norm", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=5e-3, abs=1e-6), key
     # the same weights give the same summed gradient (an average over the processes would halve it)
     assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-5)
     assert one[-1]["kl"] > 0 and one[-1]["grad_norm"] > 0
