@@ -151,6 +151,7 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "run.sample_every": ">= 0",
     "run.checkpoint_every": ">= 0",
     "run.cpu_processes": ">= 1",
+    "trainer.threads": ">= 0",
     "rollout.granular.clip": "> 0",
     "search.budget": ">= 0",
     "search.num_steps": ">= 0",
@@ -211,6 +212,21 @@ def _validate_search(cfg: Config) -> None:
         raise ConfigError(f"search.budget must be at least one sample's worth ({steps} network evaluations, one per step); got {q.budget}")
     if q.reward:
         check_choice("search.reward", q.reward, tuple(available_rewards()))
+
+
+def _validate_async(cfg: Config) -> None:
+    r, w = cfg.run, cfg.sampling.window
+    if r.max_staleness < 0:
+        raise ConfigError(f"run.max_staleness must be >= 0 (0: every batch sampled with the newest weights); got {r.max_staleness}")
+    if not r.async_rollouts:
+        return
+    if r.cpu_processes > 1 or r.distributed != "ddp":
+        raise ConfigError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1 and "
+                          f"run.distributed: ddp (got {r.cpu_processes} and {r.distributed})")
+    if cfg.trainer.budget_minutes > 0 and w.strategy == "progressive":
+        # the window moves on the trainer's re-planned clock, which the producer does not see
+        raise ConfigError("run.async_rollouts cannot follow a progressive sampling.window on a trainer.budget_minutes plan; "
+                          "set trainer.budget_minutes: 0 or another sampling.window.strategy")
 
 
 def validate(cfg: Config, validate_paths: bool = True) -> None:
@@ -300,6 +316,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     if any(m <= 0 for m in cfg.run.checkpoint_at_minutes):
         raise ConfigError(f"run.checkpoint_at_minutes must hold positive minutes from the trainer's start; "
                           f"got {list(cfg.run.checkpoint_at_minutes)}")
+    _validate_async(cfg)
     if cfg.run.distributed == "fsdp2" and t.mixed_precision == "fp16":
         raise ConfigError("run.distributed fsdp2 computes in bf16 or fp32: trainer.mixed_precision must be no, bf16 or auto, "
                           "not fp16 (its loss scaler does not take sharded gradients)")

@@ -296,6 +296,13 @@ class GRPOConfig:
     # divides each step's loss by its dt. Flow-GRPO's SDE (sampling.sampler flow_grpo) on flat rollouts only
     ratio_norm: bool = False
     step_reweight: bool = False
+    # with run.async_rollouts, batches up to run.max_staleness updates old (docs/usage.md, "Asynchronous rollouts"):
+    # decoupled (AReaL's PPO: the clip against the weights at the update's start, times the behaviour weight) | m2po
+    # (M2PO's second-moment mask over the transitions, no clip)
+    off_policy: str = "decoupled"
+    behaviour_weight: str = "none"  # decoupled's weight exp(proximal - behaviour): none (as it is) | truncate (TIS) | mask (rejection)
+    behaviour_cap: float = 2.0  # truncate and mask: the cap on the behaviour weight (TIS: 2)
+    m2po_tau: float = 0.04  # m2po: the bound on the mean squared log-ratio of the kept transitions
 
 
 @dataclass
@@ -427,6 +434,9 @@ class TrainerConfig:
     ema: bool = True
     ema_decay: float = 0.9
     seed: int = 0
+    # torch threads on the CPU (the trainer's, and with run.async_rollouts the producer's too); 0: torch's default, or with
+    # run.async_rollouts half the cores each
+    threads: int = 0
     mixed_precision: str = "no"  # accelerate autocast: no | bf16 | fp16 | auto (bf16 where the device computes it natively)
 
     def __post_init__(self):
@@ -451,6 +461,10 @@ class RunConfig:
     # how the trained network is laid out over processes (docs/distributed.md): ddp (whole on every process,
     # gradients all-reduced) | fsdp2 (weights, gradients, optimizer state and EMA sharded per transformer block)
     distributed: str = "ddp"
+    # a producer process samples batches ahead of the trainer with the newest weights it has received
+    # (docs/usage.md, "Asynchronous rollouts"; flat rollouts, one trainer process)
+    async_rollouts: bool = False
+    max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
 
 
 SEARCH_METHOD_NAMES = ("bon", "smc", "dts", "dts_star")  # flowrl.search.SEARCH_METHODS, named without importing torch

@@ -27,6 +27,7 @@ import torch
 
 from flowrl.core.token_losses import TokenPolicyLoss, aggregate
 
+OFF_POLICY_LOSSES = ("decoupled", "m2po")  # AReaL's decoupled PPO, or M2PO's second-moment mask
 WEIGHT_MODES = ("none", "truncate", "mask")  # the behaviour weight: as it is, capped (TIS), or a rejection mask
 WEIGHT_LEVELS = ("token", "sequence")  # sequence: the geometric mean of the sequence's token weights, on each token
 
@@ -55,6 +56,17 @@ def behaviour_weights(prox_log_prob: torch.Tensor, behav_log_prob: torch.Tensor,
     elif mode == "mask":
         keep = keep & (w <= cap)
     return w, keep
+
+
+def behaviour_weight_stats(prox_log_prob: torch.Tensor, behav_log_prob: torch.Tensor, mask: torch.Tensor, cap: float) -> dict:
+    """The behaviour weights' effective sample size over the masked entries as a fraction of them,
+    (sum w)^2 / (n sum w^2) (1 when nothing is stale), and the fraction of weights past `cap`."""
+    w, _ = behaviour_weights(prox_log_prob, behav_log_prob, mask)
+    w = w[mask.bool()].double()
+    if w.numel() == 0:
+        return {}
+    return {"off_policy/ess": float(w.sum() ** 2 / (w.numel() * w.square().sum())),
+            "off_policy/over_cap_fraction": float((w > cap).double().mean())}
 
 
 def decoupled_policy_loss(log_prob: torch.Tensor, prox_log_prob: torch.Tensor, behav_log_prob: torch.Tensor,

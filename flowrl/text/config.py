@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.lr_schedule import LR_SCHEDULES
-from flowrl.core.off_policy import WEIGHT_LEVELS, WEIGHT_MODES
+from flowrl.core.off_policy import OFF_POLICY_LOSSES, WEIGHT_LEVELS, WEIGHT_MODES
 from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
 from flowrl.errors import ConfigError, check_choice
 from flowrl.schema import AllocatorConfig
@@ -22,7 +22,6 @@ TASK = "text"
 # keys that moved to the image config's names for the same concept: the old name is refused with a sentence naming the new one
 TEXT_MOVED_KEYS = {"loss.kl_beta": "trainer.kl_beta", "loss.advantage": "advantage.kind", "loss.scale_rewards": "advantage.std"}
 BUILTIN_TEXT_MODELS = ("add",)  # model.path builtin:NAME, shipped in the package
-OFF_POLICY_LOSSES = ("decoupled", "m2po")
 
 
 @dataclass
@@ -115,7 +114,7 @@ class TextTrainerConfig:
     # an optimizer step whose gradient norm is NaN or inf is skipped (counted in skipped_steps); this many in a row stop the run
     max_skipped_steps: int = 3
     seed: int = 0
-    threads: int = 0  # torch threads on the CPU; 0: torch's default
+    threads: int = 0  # torch threads on the CPU (the producer's too); 0: torch's default, or with run.async_rollouts half the cores each
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from flowrl.core.allocation import spending_by_bucket
-from flowrl.core.off_policy import behaviour_weights, decoupled_policy_loss, m2po_mask, m2po_policy_loss
+from flowrl.core.off_policy import behaviour_weight_stats, decoupled_policy_loss, m2po_mask, m2po_policy_loss
 from flowrl.core.token_losses import aggregate, k3_kl, overlong_mask, token_policy_loss
 from flowrl.errors import UserError
 from flowrl.sampling.noise import Stream, sample_seed
@@ -33,7 +33,6 @@ from flowrl.text.config import TextConfig
 from flowrl.text.data import PromptSet
 from flowrl.text.generate import Generation
 from flowrl.text.policy import CausalLMPolicy
-from flowrl.train.async_rollouts import RolloutProducer
 from flowrl.train.checkpoint import restore_weights, save_checkpoint
 from flowrl.train.processes import plain_accelerator, start_processes
 from flowrl.train.run_dir import RunDir
@@ -75,8 +74,6 @@ class TextTrainer(RunManager):
     def __init__(self, cfg: TextConfig, run_dir: str | Path | None = None, resume: bool = False):
         self.start_clock(cfg.trainer)  # a wall-clock budget counts from here
         self.cfg, t = cfg, cfg.trainer
-        if t.threads:
-            torch.set_num_threads(t.threads)
         cpu, run_dir = start_processes(cfg.model.device, run_dir or default_text_run_dir(cfg))
         self.run = RunDir(run_dir)
         self.accelerator = acc = plain_accelerator(cpu, "the text trainer replicates the model on every process", mixed_precision="no")
@@ -87,36 +84,23 @@ class TextTrainer(RunManager):
         # the training forwards go through DDP when there are several processes (it sums the
         # gradients at the last micro-batch); generation and the reference use the bare model
         self.train_model = acc.prepare_model(self.policy.model) if acc.num_processes > 1 else self.policy.model
-        self.producer: RolloutProducer | None = None  # run.async_rollouts: started with the loop
         if cfg.run.async_rollouts and acc.num_processes > 1:
             raise UserError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1 "
                             "and launch without accelerate's multi-process launcher")
         self.start_run(resume)
 
-    def train(self) -> list[dict]:
-        """The run manager's loop; with run.async_rollouts, beside a producer that collects ahead."""
-        if self.cfg.run.async_rollouts:
-            build = functools.partial(producer_collector, self.cfg, self.allocator.state_dict())
-            self.producer = RolloutProducer(build, self.params, self.cfg.run.max_staleness, self.iteration, self.cfg.trainer.threads)
-        try:
-            return super().train()
-        finally:
-            if self.producer is not None:
-                self.producer.close()
-                self.producer = None
+    def producer_start(self):
+        """run.async_rollouts: the producer collects with a copy of the policy and the allocator as they are now."""
+        return functools.partial(producer_collector, self.cfg, self.allocator.state_dict()), self.params
 
     def next_batch(self) -> tuple[TextExperience, StepProximal | None, dict]:
         """This iteration's experience, the proximal log-probs of its completions when it came from
         the producer (None when synchronous), and what the producer's timing adds to the row."""
         if self.producer is None:
             return self.collector.collect(self.iteration), None, {}
-        batch = self.producer.take(self.iteration)
-        self.allocator.load_state_dict(batch.state)  # the checkpoints hold the allocator as the producer left it
-        exp, staleness = batch.experience, self.iteration - batch.version
+        exp, staleness, timing = self.take_batch()
         # AReaL's proximal policy: the weights at the start of this update; fresh samples' own log-probs are it
-        proximal = StepProximal(exp.gen, known=staleness == 0)
-        return exp, proximal, {"staleness": staleness, "time_producer_idle": batch.producer_idle_s,
-                               "time_producer_busy": batch.producer_busy_s, "time_trainer_wait": batch.trainer_wait_s}
+        return exp, StepProximal(exp.gen, known=staleness == 0), timing
 
     def update(self, exp: TextExperience, proximal: StepProximal | None = None) -> dict:
         """One optimizer step per inner epoch over every completion; micro-batches weighted so the
@@ -162,18 +146,8 @@ class TextTrainer(RunManager):
                      lr=self.optimizer.param_groups[0]["lr"],
                      skipped_steps=sum(not math.isfinite(g) for g in grad_norms))
         if proximal is not None:
-            stats.update(self.off_policy_metrics(proximal.log_probs, gen.log_probs, mask))
+            stats.update(behaviour_weight_stats(proximal.log_probs, gen.log_probs, mask, l.behaviour_cap))
         return stats
-
-    def off_policy_metrics(self, proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor) -> dict:
-        """The behaviour weights' effective sample size over the tokens, as a fraction of them
-        ((sum w)^2 / (n sum w^2), 1 when nothing is stale), and the fraction past loss.behaviour_cap."""
-        w, _ = behaviour_weights(proximal, behaviour, mask)
-        w = w[mask.bool()].double()
-        if w.numel() == 0:
-            return {}
-        return {"off_policy/ess": float(w.sum() ** 2 / (w.numel() * w.square().sum())),
-                "off_policy/over_cap_fraction": float((w > self.cfg.loss.behaviour_cap).double().mean())}
 
     def _micro_batch(self, gen: Generation, rows: torch.Tensor, m: torch.Tensor, advantages: torch.Tensor,
                      step_proximal: StepProximal | None):

@@ -71,7 +71,8 @@ class RolloutProducer:
         self.version = ctx.Value("q", start_iteration, lock=False)
         self.lock = ctx.Lock()
         self.queue = ctx.Queue()
-        self.stop = ctx.Event()
+        # a flag, not an Event: setting an Event waits for its sleepers to wake, and a killed producer never does
+        self.stop = ctx.Value("b", 0, lock=False)
         self.process = ctx.Process(target=produce, daemon=True, name="flowrl-rollout-producer",
                                    args=(build, self.shared, self.version, self.lock, self.queue, self.stop, self.spool,
                                          start_iteration, max_staleness, threads))
@@ -118,7 +119,7 @@ class RolloutProducer:
 
     def close(self) -> None:
         """Stop the producer; what it had collected ahead of the trainer is dropped."""
-        self.stop.set()
+        self.stop.value = 1
         self.process.join(timeout=10)
         if self.process.is_alive():
             self.process.terminate()
@@ -143,10 +144,11 @@ def produce(build, shared, version, lock, out, stop, spool: str, iteration: int,
             torch.set_num_threads(threads)
         collector = build()
         weights, have = collector.weights(), None
-        while not stop.is_set():
+        while not stop.value:
             t0 = time.perf_counter()
             while version.value < iteration - max_staleness:
-                if stop.wait(0.002):
+                time.sleep(0.002)
+                if stop.value:
                     return
             t1 = time.perf_counter()
             with lock, torch.no_grad():

@@ -78,6 +78,8 @@ class Experience:
     samples: list[SampleBatch] | None = None
     metrics: dict = field(default_factory=dict)  # the rollout's own columns of the metrics row
     reward_totals: torch.Tensor | None = None  # [N] the channel-weighted rewards the advantages came from
+    # updates between the weights that sampled it and the trainer's (run.async_rollouts; 0: on-policy)
+    staleness: int = 0
 
     def advantages_at(self, index: torch.Tensor) -> torch.Tensor:
         return advantages_at(self.advantages, index)

@@ -12,6 +12,7 @@ uninterrupted one exactly.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.schema import Config
 from flowrl.train.budget import cross_marks, pending_marks
 from flowrl.train.ema import EMA
+from flowrl.train.experience import Experience
+from flowrl.train.image_producer import image_producer
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
 from flowrl.train.parts import TrainContext
@@ -58,7 +61,7 @@ def flat_config(cfg: Config) -> dict:
 class Trainer(RunManager):
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
         self.start_clock(cfg.trainer)  # a wall-clock budget counts from here
-        self.cfg, t = cfg, cfg.trainer
+        self.cfg, t, self.rewards = cfg, cfg.trainer, rewards
         self.grid_every = cfg.run.sample_every
         self.accelerator, self.run, self.mixed_precision, self.layout = launch_image_run(cfg, run_dir or default_run_dir(cfg))
         acc = self.accelerator
@@ -100,21 +103,41 @@ class Trainer(RunManager):
     def train_iteration(self) -> dict:
         t0 = time.perf_counter()
         self.policy.transformer.eval()
-        with self.objective.behaviour_weights(), self.layout.gathered():  # behaviour weights first: they swap shards
-            experience = self.rollout.collect(self.iteration)
+        experience, timing = self.next_experience()
         t_collected = time.perf_counter()
         self.skipped_steps = 0
         stats = self.objective.update(experience)
+        if self.producer is not None:  # the producer's next batches sample with what this update left
+            with self.objective.behaviour_weights():
+                self.producer.publish(self.params, self.iteration + 1)
         t_updated = time.perf_counter()
         row = iteration_row(experience, stats, self.reward_fn, self.prompts)
         row["skipped_steps"] = self.skipped_steps
-        row.update(time_sampling=t_collected - t0, time_training=t_updated - t_collected)
+        row.update(time_sampling=t_collected - t0, time_training=t_updated - t_collected, **timing)
         self.iteration += 1
         row["time_iteration"] = time.perf_counter() - t0
         if self.compile_watch is not None:  # graphs compiled in this iteration: 0 after the first, or one warning line
             say = tqdm.write if self.accelerator.is_main_process else None
             row["compiled_graphs"] = self.compile_watch.after_iteration(self.iteration - 1, say)
         return row
+
+    def next_experience(self) -> tuple[Experience, dict]:
+        """This iteration's experience, sampled here or taken from the producer (run.async_rollouts,
+        with the metrics columns of its timing)."""
+        if self.producer is None:
+            with self.objective.behaviour_weights(), self.layout.gathered():  # behaviour weights first: they swap shards
+                return self.rollout.collect(self.iteration), {}
+        batch, staleness, timing = self.take_batch()
+        experience = self.rollout.experience(batch)
+        experience.staleness = staleness
+        return experience, timing
+
+    def producer_start(self):
+        """run.async_rollouts: the producer builds the policy as this trainer did and samples with
+        the objective's behaviour weights (NFT's and DGPO's old copies where they sample)."""
+        with self.objective.behaviour_weights():
+            weights = {k: v.detach().clone() for k, v in self.params.items()}
+        return functools.partial(image_producer, self.cfg, self.allocator.state_dict(), self.rewards), weights
 
     # ---- what the run manager asks of the image trainer (flowrl/train/run_manager.py) ------
     def clip_grad_norm(self) -> float:

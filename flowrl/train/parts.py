@@ -61,6 +61,10 @@ class Rollout:
     # runs under run.distributed fsdp2: its no-grad forwards stay inside collect() (the loop gathers the
     # weights around it) and every process gets the same number of training batches (tested with it)
     shards: ClassVar[bool] = False
+    # runs under run.async_rollouts: `sample(iteration)` draws a batch with no reference to the trainer (it
+    # travels from a producer process) and `experience(batch)` builds the Experience from it on the trainer's
+    # policy; `collect` is then `experience(sample(iteration))`
+    runs_ahead: ClassVar[bool] = False
 
     def __init__(self, ctx: TrainContext):
         self.ctx = ctx
@@ -79,6 +83,14 @@ class Rollout:
         """Raise ConfigError for settings this rollout cannot run with."""
 
     def collect(self, iteration: int) -> Experience:
+        raise NotImplementedError
+
+    def sample(self, iteration: int) -> Any:
+        """(runs_ahead rollouts) The iteration's draws and scores, picklable."""
+        raise NotImplementedError
+
+    def experience(self, batch: Any) -> Experience:
+        """(runs_ahead rollouts) The Experience of a `sample` batch, on this process's policy."""
         raise NotImplementedError
 
     def close(self) -> None:

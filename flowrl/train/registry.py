@@ -33,6 +33,10 @@ def check_compatible(cfg: "Config") -> None:
             if not part.shards:
                 able = ", ".join(sorted(n for n, c in registry.items() if c.shards))
                 raise ConfigError(f"run.distributed fsdp2 runs {key} {able}, not '{part.name}'; use run.distributed=ddp for it")
+    if cfg.run.async_rollouts and not rollout.runs_ahead:
+        ahead = ", ".join(sorted(n for n, c in ROLLOUTS.items() if c.runs_ahead))
+        raise ConfigError(f"run.async_rollouts needs a rollout that a producer process samples ahead of the trainer: rollout.kind "
+                          f"{ahead}, not '{rollout.name}'")
     provided = rollout.provides(cfg)
     if objective.needs not in provided:
         able = sorted(name for name, o in OBJECTIVES.items() if o.needs in provided)

@@ -20,14 +20,18 @@ the checkpoint's state), and may fill the loop's hooks (the image trainer's mark
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
+import torch
 from tqdm.auto import tqdm
 
 from flowrl.core.lr_schedule import lr_factor, warmup_factor
 from flowrl.errors import UserError
+from flowrl.train.async_rollouts import RolloutProducer
 from flowrl.train.budget import Measured, SchedulePlan, replan, write_plan
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng
 from flowrl.train.processes import rank0
@@ -43,6 +47,8 @@ class RunManager:
         at the start without a budget; with one, after the probe iterations (or from the
         checkpoint), then planned again at every checkpoint from what `measured` holds."""
         t = trainer_cfg
+        if t.threads:
+            torch.set_num_threads(t.threads)
         self.started = self.now()
         self.plan = SchedulePlan(nominal=t.iterations, planned=t.iterations, fixed=not t.budget_minutes,
                                  budget_minutes=t.budget_minutes)
@@ -72,6 +78,17 @@ class RunManager:
         return self.plan.planned
 
     def train(self) -> list[dict]:
+        """The loop; with run.async_rollouts, beside a producer process that samples ahead."""
+        if self.cfg.run.async_rollouts:
+            self.start_producer()
+        try:
+            return self.loop()
+        finally:
+            if self.producer is not None:
+                self.producer.close()
+                self.producer = None
+
+    def loop(self) -> list[dict]:
         acc, r, t = self.accelerator, self.cfg.run, self.cfg.trainer
         self.bar = bar = tqdm(total=self.planned_iterations(), initial=self.iteration, desc=self.progress_label, unit="iter",
                               disable=not (r.progress and acc.is_local_main_process))
@@ -98,6 +115,33 @@ class RunManager:
         bar.close()
         self.finish()
         return self.history
+
+    # ---- run.async_rollouts (flowrl/train/async_rollouts.py) ------------------------------
+    producer: RolloutProducer | None = None
+
+    def producer_start(self) -> tuple[Callable[[], object], dict]:
+        """What a producer process builds its collector with (called there), and the weights it
+        samples with now, by name."""
+        raise NotImplementedError
+
+    def start_producer(self) -> None:
+        """A producer from this iteration, the weights as they are now, the allocator as it is now. On
+        a CPU each side takes trainer.threads threads, or half the cores when that is 0."""
+        threads = self.cfg.trainer.threads
+        if not threads and self.accelerator.device.type == "cpu":
+            threads = max(1, (os.cpu_count() or 2) // 2)
+            torch.set_num_threads(threads)
+        build, weights = self.producer_start()
+        self.producer = RolloutProducer(build, weights, self.cfg.run.max_staleness, self.iteration, threads)
+
+    def take_batch(self) -> tuple[object, int, dict]:
+        """This iteration's batch from the producer, its staleness (updates since the weights that
+        drew it) and the metrics columns of its timing; the allocator takes the producer's state."""
+        batch = self.producer.take(self.iteration)
+        self.allocator.load_state_dict(batch.state)  # the checkpoints hold the allocator as the producer left it
+        staleness = self.iteration - batch.version
+        return batch.experience, staleness, {"staleness": staleness, "time_producer_idle": batch.producer_idle_s,
+                                             "time_producer_busy": batch.producer_busy_s, "time_trainer_wait": batch.trainer_wait_s}
 
     # the loop's hooks: the image trainer's budget, marks, trackers and sample grids
     def before_loop(self) -> None:

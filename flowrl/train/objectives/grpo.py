@@ -21,7 +21,9 @@ from tqdm.auto import tqdm
 
 from flowrl.core import clipped_policy_loss
 from flowrl.core.losses import PolicyLoss, ratio_norm_log_ratio
-from flowrl.errors import ConfigError, check_positive
+from flowrl.core.off_policy import (OFF_POLICY_LOSSES, WEIGHT_MODES, behaviour_weight_stats, decoupled_policy_loss, m2po_mask,
+                                    m2po_policy_loss)
+from flowrl.errors import ConfigError, check_choice, check_positive
 from flowrl.sampling.noise import Stream, sample_seed
 from flowrl.sampling.precision import check_training_precision
 from flowrl.sampling.rollout import policy_precision
@@ -43,6 +45,13 @@ class GRPO(Objective):
         check_positive("objective.grpo.clip_range", g.clip_range)
         if g.clip_range_high is not None:
             check_positive("objective.grpo.clip_range_high", g.clip_range_high)
+        check_choice("objective.grpo.off_policy", g.off_policy, OFF_POLICY_LOSSES)
+        check_choice("objective.grpo.behaviour_weight", g.behaviour_weight, WEIGHT_MODES)
+        check_positive("objective.grpo.behaviour_cap", g.behaviour_cap)
+        check_positive("objective.grpo.m2po_tau", g.m2po_tau)
+        if cfg.run.async_rollouts and g.ratio_norm:
+            raise ConfigError("objective.grpo.ratio_norm compares with the behaviour step's mean, which a stale batch does not "
+                              "keep; turn it off or set run.async_rollouts: false")
         if g.ratio_norm or g.step_reweight:
             guard = "objective.grpo.ratio_norm" if g.ratio_norm else "objective.grpo.step_reweight"
             if cfg.sampling.sampler != "flow_grpo" or cfg.rollout.kind != "flat" or cfg.sampling.logprob_reduction != "mean":
@@ -61,6 +70,8 @@ class GRPO(Objective):
         sums = dict.fromkeys(STAT_NAMES, 0.0)
         count, grad_norms, first_ratio_dev = 0, [], None
         kept = [[mb.kept() for mb in g] for g in groups]
+        # a stale batch (run.async_rollouts): AReaL's proximal log-probs, these weights' before any step of this update
+        proximal = self.proximal_log_probs(groups) if experience.staleness > 0 else None
         ctx.policy.transformer.train()
         bar = tqdm(total=t.inner_epochs * sum(len(g) for g in groups), desc=f"iter {experience.iteration} training", leave=False,
                    disable=not ctx.progress, unit="step")
@@ -75,7 +86,7 @@ class GRPO(Objective):
                 for k, mb in enumerate(group):
                     sync = closes_step and k == len(group) - 1
                     with contextlib.nullcontext() if sync else ctx.accelerator.no_sync(ctx.policy.net):
-                        loss, pl, kl = self.micro_batch_loss(mb)
+                        loss, pl, kl = self.micro_batch_loss(mb, None if proximal is None else proximal[group_index][k])
                         if pl is None:  # nothing kept: zero gradient, no statistics
                             ctx.accelerator.backward(loss)
                             bar.update(1)
@@ -102,11 +113,27 @@ class GRPO(Objective):
         out = {k: v / max(count, 1) for k, v in zip(STAT_NAMES, totals)}
         out.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), first_ratio_deviation=first_ratio_dev,
                    optimizer_steps=len(grad_norms), trained_transitions=count, lr=ctx.optimizer.param_groups[0]["lr"])
+        if proximal is not None:
+            prox = torch.cat([p for g in proximal for p in g])
+            behaviour = torch.cat([mb.old_log_prob for g in groups for mb in g])
+            out.update(behaviour_weight_stats(prox, behaviour, torch.ones_like(prox, dtype=torch.bool), self.opts.behaviour_cap))
         return out
 
-    def micro_batch_loss(self, mb: TransitionBatch) -> tuple[torch.Tensor, PolicyLoss | None, torch.Tensor]:
+    @property
+    def opts(self):
+        return self.ctx.cfg.objective.grpo
+
+    @torch.no_grad()
+    def proximal_log_probs(self, groups: list[list[TransitionBatch]]) -> list[list[torch.Tensor]]:
+        """Every transition's log-prob under the weights at the start of the update (AReaL's
+        `recompute`): one forward per micro-batch before the first optimizer step."""
+        return [[mb.evaluate().log_prob.detach().float().cpu() for mb in group] for group in groups]
+
+    def micro_batch_loss(self, mb: TransitionBatch, proximal: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, PolicyLoss | None, torch.Tensor]:
         """(loss, policy-loss terms, KL) of one micro-batch over its kept transitions. With
-        nothing kept: (a zero loss that still reaches every weight, None, 0)."""
+        nothing kept: (a zero loss that still reaches every weight, None, 0). `proximal`: the
+        transitions' log-probs at the update's start when the batch is stale (the off-policy loss)."""
         ctx, t, g = self.ctx, self.ctx.cfg.trainer, self.ctx.cfg.objective.grpo
         device = ctx.accelerator.device
         clip_hi = g.clip_range_high if g.clip_range_high is not None else g.clip_range
@@ -124,7 +151,10 @@ class GRPO(Objective):
         if g.ratio_norm:  # GRPO-Guard: the ratio exp(log_prob - old) becomes exp(RatioNorm's log-ratio)
             log_prob = ratio_norm_log_ratio(log_prob, old, out.mean[keep], mb.behaviour_mean()[keep], out.std)
             old = torch.zeros_like(old)
-        pl = clipped_policy_loss(log_prob, old, adv, g.clip_range, clip_hi)
+        if proximal is None:
+            pl = clipped_policy_loss(log_prob, old, adv, g.clip_range, clip_hi)
+        else:
+            pl = off_policy_loss(g, log_prob, proximal.to(device)[keep], old, adv, clip_hi)
         loss = pl.loss / mb.dt if g.step_reweight else pl.loss  # GRPO-Guard's reweighting: the step's loss over its dt
         kl = torch.zeros((), device=device)
         if t.kl_beta > 0:
@@ -133,3 +163,21 @@ class GRPO(Objective):
             kl = mb.kl(out, ref, keep).mean()
             loss = loss + t.kl_beta * kl
         return loss, pl, kl
+
+
+def off_policy_loss(g, log_prob: torch.Tensor, proximal: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
+                    clip_high: float) -> PolicyLoss:
+    """objective.grpo.off_policy on a stale batch, each transition a sequence of one step (the core's
+    token losses with T = 1, whose token mean is the mean over transitions, as Flow-GRPO's): AReaL's
+    decoupled PPO (the clip against the proximal weights, exp(proximal - behaviour) as the detached
+    behaviour weight) or M2PO (the transitions with the largest squared behaviour-proximal log-ratio
+    left out until the mean of the rest is below m2po_tau; no clip). With proximal = behaviour the
+    decoupled loss is Flow-GRPO's clipped surrogate exactly."""
+    lp, prox, behav = log_prob.unsqueeze(1), proximal.unsqueeze(1), behaviour.unsqueeze(1)
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    if g.off_policy == "m2po":
+        tl = m2po_policy_loss(lp, behav, advantages, mask, m2po_mask(prox, behav, mask, g.m2po_tau))
+    else:
+        tl = decoupled_policy_loss(lp, prox, behav, advantages, mask, g.clip_range, clip_high, "token_mean", None,
+                                   g.behaviour_weight, g.behaviour_cap)
+    return PolicyLoss(tl.loss, tl.ratio[:, 0], (tl.clipped_low | tl.clipped_high)[:, 0])

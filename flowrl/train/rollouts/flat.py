@@ -6,6 +6,8 @@ outcomes before the next stage. Advantages are normalised per group (docs/algori
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from flowrl.core.allocation import allocate_in_stages, spending_by_bucket
@@ -21,6 +23,7 @@ from flowrl.train.scoring import Scoring
 class FlatRollout(Rollout):
     name = "flat"
     shards = True
+    runs_ahead = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -71,6 +74,10 @@ class FlatRollout(Rollout):
         return stages
 
     def collect(self, iteration: int) -> Experience:
+        return self.experience(self.sample(iteration))
+
+    def sample(self, iteration: int) -> "FlatBatch":
+        """The iteration's stages, their rewards and advantages; the allocator sees the outcomes."""
         ctx = self.ctx
         spec = training_spec(ctx.cfg, iteration, ctx.policy, ctx.plan)
         weights = ctx.reward_fn.channel_weights
@@ -98,5 +105,24 @@ class FlatRollout(Rollout):
             "time_reward": sum(st.reward_time for st in stages),
             "time_reward_wait": sum(st.reward_wait for st in stages),
         }
-        return stage_experience(self.ctx, iteration, stages, spec, rewards, prompt_ids, valid, advantages, metrics,
-                                with_transitions=TRANSITIONS in self.provides(ctx.cfg))
+        return FlatBatch(iteration, spec, stages, rewards, prompt_ids, valid, advantages, metrics)
+
+    def experience(self, batch: "FlatBatch") -> Experience:
+        b = batch
+        return stage_experience(self.ctx, b.iteration, b.stages, b.spec, b.rewards, b.prompt_ids, b.valid, b.advantages, b.metrics,
+                                with_transitions=TRANSITIONS in self.provides(self.ctx.cfg))
+
+
+@dataclass
+class FlatBatch:
+    """What `FlatRollout.sample` drew: tensors and the sampler's spec only, so that it travels
+    between processes (run.async_rollouts) and any policy can evaluate its transitions."""
+
+    iteration: int
+    spec: SamplerSpec
+    stages: list[Stage]
+    rewards: torch.Tensor
+    prompt_ids: torch.Tensor
+    valid: torch.Tensor
+    advantages: torch.Tensor
+    metrics: dict
