@@ -1,21 +1,28 @@
 #!/usr/bin/env python3
-"""Synchronous against asynchronous rollouts on the text default, at equal wall-clock.
+"""Synchronous against asynchronous rollouts at equal wall-clock, on the text default or the
+shapes default.
 
-    python scripts/bench_async.py --minutes 10 --seeds 0 1 2                 # sync2, async1, async4
-    python scripts/bench_async.py --minutes 2 --seeds 0 --parts async1       # one part, one seed
+    python scripts/bench_async.py --minutes 10 --seeds 0 1 2                        # text: sync2, async1, async4
+    python scripts/bench_async.py --task shapes --minutes 10 --seeds 0 1 2          # the shapes default
+    python scripts/bench_async.py --minutes 2 --seeds 0 --parts async1              # one part, one seed
 
 Parts, each using both cores of the 2-core box:
 - `sync2`: the synchronous trainer as two processes of one thread each (run.cpu_processes=2),
-  the fastest synchronous setting there (docs/text.md, "Several processes");
+  the fastest synchronous setting there (docs/text.md, "Several processes"; the shapes default
+  runs so already);
 - `async1`, `async4`: one trainer process of one thread beside one producer process of one
-  thread (run.async_rollouts), run.max_staleness 1 and 4, AReaL's decoupled loss.
+  thread (run.async_rollouts), run.max_staleness 1 and 4; text trains AReaL's decoupled loss,
+  the shapes default's DGPO trains on the clean samples as they come (it has no behaviour ratio).
 
-Every run is `flowrl train configs/text_add.yaml` from the shipped checkpoint, stopped by
+Text: `flowrl train configs/text_add.yaml` from the shipped checkpoint, stopped by
 trainer.max_minutes (the preset's budget plan off), judged by greedy exact match on the 500
-held-out problems. Each (part, seed) appends a line to --out as it finishes, and a rerun skips
-the pairs already there; the table at the end gives, per part, the held-out gain (mean and
-standard error over seeds), completions per minute of the training loop, iterations, the mean
-staleness and effective sample size, and the trainer's and producer's idle fractions.
+held-out problems. Shapes: `flowrl train` (the default preset) with its wall-clock budget set to
+--minutes (each part plans the iterations that fit at its own speed and ends its cosine decay),
+judged by held-out strict accuracy on the arena's two eval sets of 400 prompts (scripts/arena.py).
+Each (part, seed) appends a line to --out as it finishes, and a rerun skips the pairs already
+there; the table at the end gives, per part, the held-out gain (mean and standard error over
+seeds), samples per minute of the training loop, iterations, the mean staleness and effective
+sample size, and the trainer's and producer's idle fractions.
 """
 
 from __future__ import annotations
@@ -33,9 +40,24 @@ sys.path.insert(0, str(ROOT))
 
 PARTS = {
     "sync2": ["run.cpu_processes=2", "trainer.threads=1"],
-    "async1": ["run.async_rollouts=true", "run.max_staleness=1", "trainer.threads=1"],
-    "async4": ["run.async_rollouts=true", "run.max_staleness=4", "trainer.threads=1"],
+    "async1": ["run.cpu_processes=1", "run.async_rollouts=true", "run.max_staleness=1", "trainer.threads=1"],
+    "async4": ["run.cpu_processes=1", "run.async_rollouts=true", "run.max_staleness=4", "trainer.threads=1"],
 }
+
+
+def held_out_strict(run: Path | None) -> float:
+    """The shapes default's held-out strict accuracy, the mean over the arena's two eval sets."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("arena", ROOT / "scripts" / "arena.py")
+    arena = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arena)
+    judge = arena.Judge(ROOT / "runs" / "bench-async", arena.PER_CATEGORY, smoke=False)
+    if run is None:
+        scores = judge.base(arena.EVAL_SEEDS)
+    else:
+        scores = judge.checkpoint(run, None, arena.EVAL_SEEDS)  # the latest checkpoint, the run's end
+    return statistics.mean(scores.values())
 
 
 def held_out_exact_match(run: Path | None) -> float:
@@ -46,20 +68,30 @@ def held_out_exact_match(run: Path | None) -> float:
     return exact_match_by_bucket(policy.model, policy.tokenizer, held_out())["all"]
 
 
-def train(part: str, seed: int, minutes: float, run: Path) -> dict:
-    args = [sys.executable, "-m", "flowrl.cli", "train", str(ROOT / "configs" / "text_add.yaml"), *PARTS[part],
-            f"trainer.seed={seed}", "trainer.budget_minutes=0", "trainer.iterations=1000000", f"trainer.max_minutes={minutes}",
-            "run.progress=false", "run.checkpoint_every=0", "--run-dir", str(run)]
+TASKS = {
+    # the preset and how long it trains: text stops at max_minutes; the shapes default plans its budget
+    "text": {"train": lambda minutes: [str(ROOT / "configs" / "text_add.yaml"), "trainer.budget_minutes=0",
+                                      "trainer.iterations=1000000", f"trainer.max_minutes={minutes}", "run.checkpoint_every=0"],
+             "judge": held_out_exact_match, "out": "async-text.jsonl", "score": "exact match"},
+    "shapes": {"train": lambda minutes: [f"trainer.budget_minutes={minutes}", f"trainer.max_minutes={minutes + 1.5}",
+                                        "run.sample_every=0", "run.tracker=none"],
+               "judge": held_out_strict, "out": "async-shapes.jsonl", "score": "strict"},
+}
+
+
+def train(task: str, part: str, seed: int, minutes: float, run: Path) -> dict:
+    args = [sys.executable, "-m", "flowrl.cli", "train", *TASKS[task]["train"](minutes), *PARTS[part],
+            f"trainer.seed={seed}", "run.progress=false", "--run-dir", str(run)]
     start = time.perf_counter()
     subprocess.run(args, check=True, cwd=ROOT)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     loop_s = sum(r["time_iteration"] for r in rows)
     out = {"part": part, "seed": seed, "minutes": minutes, "iterations": len(rows), "loop_minutes": loop_s / 60, "wall_minutes": wall / 60,
-           "completions_per_minute": sum(r["samples"] for r in rows) / (loop_s / 60)}
+           "samples_per_minute": sum(r["samples"] for r in rows) / (loop_s / 60)}
     if "staleness" in rows[0]:
-        out.update(staleness=statistics.mean(r["staleness"] for r in rows),
-                   ess=statistics.mean(r["off_policy/ess"] for r in rows),
+        stale = [r["off_policy/ess"] for r in rows if "off_policy/ess" in r]  # the loss's, where it has a behaviour ratio
+        out.update(staleness=statistics.mean(r["staleness"] for r in rows), **({"ess": statistics.mean(stale)} if stale else {}),
                    trainer_idle=sum(r["time_trainer_wait"] for r in rows) / loop_s,
                    producer_idle=sum(r["time_producer_idle"] for r in rows) / sum(r["time_producer_idle"] + r["time_producer_busy"] for r in rows))
     return out
@@ -71,18 +103,19 @@ def mean_se(values: list[float]) -> str:
     return f"{statistics.mean(values):+.3f} ± {statistics.stdev(values) / len(values) ** 0.5:.3f}"
 
 
-def table(results: list[dict], base: float) -> str:
-    lines = [f"base held-out exact match {base:.3f}",
-             f"{'part':<8} {'seeds':>5} {'gain':>15} {'compl/min':>10} {'iters':>6} {'staleness':>9} {'ess':>6} {'trainer idle':>12} {'producer idle':>13}"]
+def table(results: list[dict], base: float, score: str) -> str:
+    lines = [f"base held-out {score} {base:.3f}",
+             f"{'part':<8} {'seeds':>5} {'gain':>15} {'samples/min':>11} {'iters':>6} {'staleness':>9} {'ess':>6} {'trainer idle':>12} {'producer idle':>13}"]
     for part in PARTS:
         rs = [r for r in results if r["part"] == part]
         if not rs:
             continue
 
         def avg(key, fmt):
-            return format(statistics.mean(r[key] for r in rs), fmt) if key in rs[0] else "-"
+            values = [r[key] for r in rs if key in r]
+            return format(statistics.mean(values), fmt) if values else "-"
 
-        lines.append(f"{part:<8} {len(rs):>5} {mean_se([r['held_out'] - base for r in rs]):>15} {avg('completions_per_minute', '.0f'):>10} "
+        lines.append(f"{part:<8} {len(rs):>5} {mean_se([r['held_out'] - base for r in rs]):>15} {avg('samples_per_minute', '.0f'):>11} "
                      f"{avg('iterations', '.0f'):>6} {avg('staleness', '.2f'):>9} {avg('ess', '.3f'):>6} {avg('trainer_idle', '.2f'):>12} "
                      f"{avg('producer_idle', '.2f'):>13}")
     return "\n".join(lines)
@@ -90,18 +123,24 @@ def table(results: list[dict], base: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default="text", choices=list(TASKS))
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS))
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "experiments" / "async-text.jsonl")
+    ap.add_argument("--out", type=Path, default=None, help="default: docs/experiments/async-TASK.jsonl")
     ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-async")
     args = ap.parse_args()
+    task = TASKS[args.task]
+    args.out = args.out or ROOT / "docs" / "experiments" / task["out"]
 
     results = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.is_file() else []
+    for r in results:  # the text records name their samples completions
+        if "completions_per_minute" in r:
+            r["samples_per_minute"] = r.pop("completions_per_minute")
     done = {(r["part"], r["seed"], r["minutes"]) for r in results}
     base = next((r["held_out"] for r in results if r["part"] == "base"), None)
     if base is None:
-        base = held_out_exact_match(None)
+        base = task["judge"](None)
         results.append({"part": "base", "seed": None, "minutes": 0, "held_out": base})
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
@@ -111,13 +150,13 @@ def main() -> int:
             if (part, seed, args.minutes) in done:
                 continue
             run = args.runs / f"{part}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-            result = train(part, seed, args.minutes, run)
-            result["held_out"] = held_out_exact_match(run)
+            result = train(args.task, part, seed, args.minutes, run)
+            result["held_out"] = task["judge"](run)
             print(json.dumps(result), flush=True)
             results.append(result)
             with args.out.open("a") as f:
                 f.write(json.dumps(result) + "\n")
-    print(table([r for r in results if r["part"] != "base" and r["minutes"] == args.minutes], base))
+    print(table([r for r in results if r["part"] != "base" and r["minutes"] == args.minutes], base, task["score"]))
     return 0
 
 
