@@ -46,3 +46,7 @@ run two_stage_compile 330 python3 scripts/bench_two_stage.py --gpu --fidelity-pr
 # against the plan; `scripts/gpu_checks.sh families families_video` fits one device call (570 s at most).
 run families 420 python3 scripts/bench_families.py --families qwen_image z_image
 run families_video 150 python3 scripts/bench_families.py --families wan
+# Asynchronous rollouts on one GPU (issue 49): the shapes default synchronous against a producer sharing the
+# card (staleness 1), 2 minutes each at an equal budget (run.cpu_processes is CPU-only, so sync2 is one process here).
+run async_shapes 420 python3 scripts/bench_async.py --task shapes --minutes 2 --seeds 0 --parts sync2 async1 \
+  --out "$OUT/async-shapes-gpu.jsonl" --runs /tmp/bench-async
