@@ -4,7 +4,9 @@ once: the run directory's start (a fresh run refuses a directory that already ho
 loop (progress bar, metrics rows, trainer.max_minutes on rank 0's clock, a checkpoint every
 run.checkpoint_every iterations and at the end), the learning rate set from the iteration alone,
 and the non-finite step policy (a step whose gradient norm is NaN or inf is skipped;
-trainer.max_skipped_steps of them in a row stop the run).
+trainer.max_skipped_steps of them in a row stop the run). With run.async_rollouts, the producer
+process beside the loop: started from the trainer's `producer_start`, its batches taken with
+their staleness, closed however the loop ends.
 
 And the wall-clock budget (flowrl/train/budget.py): with trainer.budget_minutes the loop times
 its first trainer.budget_probe iterations, plans the iteration count that fits, plans again at
