@@ -152,6 +152,7 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "run.checkpoint_every": ">= 0",
     "run.cpu_processes": ">= 1",
     "trainer.threads": ">= 0",
+    "run.max_staleness": (">= 0", "0: every batch sampled with the newest weights"),
     "rollout.granular.clip": "> 0",
     "search.budget": ">= 0",
     "search.num_steps": ">= 0",
@@ -216,8 +217,6 @@ def _validate_search(cfg: Config) -> None:
 
 def _validate_async(cfg: Config) -> None:
     r, w = cfg.run, cfg.sampling.window
-    if r.max_staleness < 0:
-        raise ConfigError(f"run.max_staleness must be >= 0 (0: every batch sampled with the newest weights); got {r.max_staleness}")
     if not r.async_rollouts:
         return
     if r.cpu_processes > 1 or r.distributed != "ddp":

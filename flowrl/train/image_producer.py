@@ -25,8 +25,8 @@ class ImageCollector:
     """What `RolloutProducer` asks of a collector: the tensors the trainer's updates change, a batch
     per iteration, and the allocator's state after it."""
 
-    def __init__(self, policy, rollout, allocator, reward_runner):
-        self.policy, self.rollout, self.allocator, self.reward_runner = policy, rollout, allocator, reward_runner
+    def __init__(self, policy, rollout, allocator):
+        self.policy, self.rollout, self.allocator = policy, rollout, allocator
 
     def weights(self) -> dict[str, torch.Tensor]:
         return self.policy.named_trainable_parameters()
@@ -62,8 +62,7 @@ def image_producer(cfg: Config, allocator_state: dict, rewards: dict | None = No
     allocator = cfg.allocator.build(len(prompts), d.prompts_per_iteration, d.group_size, cfg.trainer.seed)
     allocator.load_state_dict(allocator_state)
     reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards)
-    runner = AsyncRewardRunner(reward_fn)
     ctx = TrainContext(cfg=cfg, accelerator=acc, policy=policy, params=policy.named_trainable_parameters(), prompts=prompts,
-                       reward_fn=reward_fn, reward_runner=runner, allocator=allocator, optimizer_step=None, optimizer=None,
-                       objective_needs=objective_class(cfg.objective.kind).needs, plan=None)
-    return ImageCollector(policy, rollout_class(cfg.rollout.kind)(ctx), allocator, runner)
+                       reward_fn=reward_fn, reward_runner=AsyncRewardRunner(reward_fn), allocator=allocator, optimizer_step=None,
+                       optimizer=None, objective_needs=objective_class(cfg.objective.kind).needs, plan=None)
+    return ImageCollector(policy, rollout_class(cfg.rollout.kind)(ctx), allocator)

@@ -107,6 +107,7 @@ def _batch(n=64, seed=0):
 
 
 def test_the_off_policy_loss_with_fresh_samples_is_flow_grpos_surrogate():
+    """With proximal = behaviour the loss is the reference's, Flow-GRPO's clipped surrogate, value and gradient."""
     current, _, behaviour, adv = _batch()
     g = GRPOConfig(clip_range=0.2)
     ours = off_policy_loss(g, current, behaviour, behaviour, adv, 0.2)
@@ -118,8 +119,9 @@ def test_the_off_policy_loss_with_fresh_samples_is_flow_grpos_surrogate():
 
 
 def test_the_decoupled_loss_is_areals_formula_per_transition():
-    """AReaL's decoupled PPO (docs/algorithms.md section 13) written out: the mean over transitions
-    of w max(-A u, -A clip(u, 1 - eps, 1 + eps_high)), u = exp(logp - prox), w = min(exp(prox - behav), C)."""
+    """The reference, AReaL's decoupled PPO (its `ppo_actor_loss_fn`; docs/algorithms.md section 13),
+    written out with TIS's truncation (verl's `tis_imp_ratio_cap`): the mean over transitions of
+    w max(-A u, -A clip(u, 1 - eps, 1 + eps_high)), u = exp(logp - prox), w = min(exp(prox - behav), C)."""
     current, proximal, behaviour, adv = _batch()
     g = GRPOConfig(clip_range=0.2, behaviour_weight="truncate", behaviour_cap=1.1)
     ours = off_policy_loss(g, current, proximal, behaviour, adv, 0.3)
@@ -131,6 +133,8 @@ def test_the_decoupled_loss_is_areals_formula_per_transition():
 
 
 def test_m2po_on_transitions_drops_the_largest_log_ratios_until_the_second_moment_fits():
+    """The reference, M2PO as AReaL ports it (`_apply_m2po_masking`), written out: drop the largest
+    (behav - prox)^2 until the mean of the rest is below tau, then -mean(M A exp(logp - behav)), no clip."""
     current, proximal, behaviour, adv = _batch()
     tau = 0.05
     ours = off_policy_loss(GRPOConfig(off_policy="m2po", m2po_tau=tau), current, proximal, behaviour, adv, 0.2)
@@ -149,7 +153,7 @@ def test_m2po_on_transitions_drops_the_largest_log_ratios_until_the_second_momen
     (["run.cpu_processes=2"], "run.cpu_processes: 1"),
     (["objective.grpo.ratio_norm=true"], "objective.grpo.ratio_norm"),
     (["trainer.budget_minutes=5", "sampling.window.strategy=progressive", "sampling.window.size=2"], "progressive"),
-    (["run.max_staleness=-1"], "run.max_staleness must be >= 0"),
+    (["run.max_staleness=-1"], "run.max_staleness must be a finite number >= 0"),
     (["objective.grpo.off_policy=tis"], "objective.grpo.off_policy"),
 ])
 def test_what_async_rollouts_cannot_run_with_is_refused_in_one_sentence(override, named):

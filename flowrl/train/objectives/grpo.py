@@ -116,12 +116,9 @@ class GRPO(Objective):
         if proximal is not None:
             prox = torch.cat([p for g in proximal for p in g])
             behaviour = torch.cat([mb.old_log_prob for g in groups for mb in g])
-            out.update(behaviour_weight_stats(prox, behaviour, torch.ones_like(prox, dtype=torch.bool), self.opts.behaviour_cap))
+            cap = ctx.cfg.objective.grpo.behaviour_cap
+            out.update(behaviour_weight_stats(prox, behaviour, torch.ones_like(prox, dtype=torch.bool), cap))
         return out
-
-    @property
-    def opts(self):
-        return self.ctx.cfg.objective.grpo
 
     @torch.no_grad()
     def proximal_log_probs(self, groups: list[list[TransitionBatch]]) -> list[list[torch.Tensor]]:
