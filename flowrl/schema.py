@@ -123,9 +123,20 @@ class TwoStageConfig:
     # linear layers whose name contains one of these stay unquantised (default: embeddings and output
     # layers; add "norm" for the adaLN modulation linears inside the norm modules)
     high_precision_layers: list[str] = field(default_factory=lambda: list(HIGH_PRECISION_LAYERS))
+    # fp8's scales: row (one per output channel of a weight and per token of an activation, torchao's
+    # PerRow: the accurate FP8 GEMM of the diffusers-torchao recipes) | tensor (one per tensor, PerTensor)
+    fp8_scaling: str = "row"
+    # linears narrower than this (the smaller of in_features and out_features) stay in the compute dtype:
+    # FP8 GEMMs lose to BF16 at small widths (torchao: 0.8x at 1024x2048x1024, 1.39x at 4096x8192x16384).
+    # 0 quantises every eligible linear
+    min_features: int = 0
+    # > 0: diffusers' First Block Cache on the exploration copy, explore only: a step whose first-block residual
+    # changed by less than this (relative mean absolute difference) reuses the previous step's other blocks
+    # (2x on FLUX.1-dev at 0.08). Candidates explored with it are never trained on. 0: off
+    first_block_cache: float = 0.0
     preview_steps: int = 0  # 0: stage 1 runs the training sampler | P > 0: a P-step ODE preview
     # false: train on the selected candidates themselves; only allowed when they already are
-    # training-precision samples of the training sampler (explore_precision = model.dtype, no preview),
+    # training-precision samples of the training sampler (explore_precision = model.dtype, no preview, no cache),
     # or with objective.kind nft, which flow-matches clean samples and takes no log-prob of them
     regenerate: bool = True
     fidelity_every: int = 10  # iterations between regenerating the whole pool to log reward rank correlations (0: never)

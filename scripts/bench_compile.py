@@ -49,15 +49,16 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="default", help="preset name or YAML (default: the default preset)")
     p.add_argument("--iterations", type=int, default=20, help="iterations per run, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first iterations of every run left out of the timing")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="model.compile values to run")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="append one JSON line per mode (scripts/gpu_checks.sh)")
     p.add_argument("overrides", nargs="*", help="key=value overrides for every run")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.iterations <= args.warmup:
         p.error(f"--iterations ({args.iterations}) must exceed --warmup ({args.warmup}): no iteration would be timed")
     if "none" not in args.modes:
@@ -88,6 +89,10 @@ def main() -> None:
               f"{r['sampling_s']:9.2f} {eager['sampling_s'] / r['sampling_s']:5.2f}x {r['training_s']:9.2f} "
               f"{eager['training_s'] / r['training_s']:5.2f}x {'-' if mode == 'none' else r['late_graphs']:>21} "
               f"{r['reward']:12.4f}")
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(json.dumps({"check": "compile", "config": args.config, "mode": mode, **r,
+                                    "vs_eager": eager["iteration_s"] / r["iteration_s"]}) + "\n")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ iteration's time and torch.cuda.max_memory_allocated over both.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -152,13 +153,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny networks on the CPU: the code path, no reading")
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--resolution", type=int, default=512)
+    ap.add_argument("--out", type=Path, default=None, help="append one JSON line per family (scripts/gpu_checks.sh)")
     a = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not a.cpu_smoke
     if not cuda and not a.cpu_smoke:
         print("bench_families needs a CUDA GPU (or --cpu-smoke for the code path); nothing measured")
         return 0
     for kind in a.families:
-        bench(kind, cuda, a.iterations, a.resolution if cuda else 64)
+        result = bench(kind, cuda, a.iterations, a.resolution if cuda else 64)
+        if a.out:
+            with a.out.open("a") as f:
+                f.write(json.dumps({"check": "families", **result, "cpu_smoke": not cuda}) + "\n")
         if cuda:
             torch.cuda.empty_cache()
     return 0

@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The project's pending GPU measurements, run as one command on a CUDA machine.
+# The project's GPU checks in priority order, as one command that ends within 8 minutes.
 #
-# Each line below is a benchmark whose GPU number BENCHMARKS.md still lacks; delete a line once
-# its result is recorded there. Logs go to $OUT (or ./gpu_checks_out) so they come back even when
-# a later check runs out of time.
+#   scripts/gpu_checks.sh                              # the default checks, in order, on a CUDA machine
+#   scripts/gpu_checks.sh presets                      # named checks only (the ones below the default set too)
+#   scripts/gpu_checks.sh --cpu-smoke [NAMES...]       # every check's code path on tiny models on the CPU (a test runs it)
+#
+# Each check runs under its own cap (`timeout`), keeps its log in $OUT/NAME.log and appends its
+# readings to $OUT/results.jsonl, one JSON object per line; after each check the script appends
+# {"check": NAME, "exit": STATUS, "seconds": S} (exit 124: stopped at its cap; what it appended
+# before stays). The summary at the end prints results.jsonl, the rows for BENCHMARKS.md.
+# $OUT defaults to ./gpu_checks_out. Delete a check once BENCHMARKS.md has its GPU number.
 #
 # The GPU machine has torch, transformers, accelerate and peft, but not diffusers, torchao or
 # omegaconf: put their wheels in .whl/ first (python 3.12, manylinux x86_64), e.g.
@@ -11,42 +17,91 @@
 #     --platform manylinux_2_28_x86_64 --platform any -d .whl diffusers==0.42.1 torchao==0.18.0 omegaconf==2.4.0
 set -uo pipefail
 cd "$(dirname "$0")/.."
+SMOKE=0
+if [ "${1:-}" = "--cpu-smoke" ]; then SMOKE=1; shift; fi
+CHECKS=("$@")
 OUT="${OUT:-gpu_checks_out}"
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site:$PWD"
-else
+OUT="$(cd "$OUT" && pwd)"
+RESULTS="$OUT/results.jsonl"
+PY="${PYTHON:-python3}"
+if [ "$SMOKE" = 1 ]; then
   export PYTHONPATH="$PWD"
+  echo "cpu smoke run: the code paths on tiny models, no readings" | tee "$OUT/machine.txt"
+else
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH="/tmp/site:$PWD"
+  else
+    export PYTHONPATH="$PWD"
+  fi
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 fi
 export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
-python3 -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/machine.txt"
+"$PY" -c "import torch, diffusers; print('torch', torch.__version__, 'diffusers', diffusers.__version__)" | tee -a "$OUT/machine.txt"
 
-CHECKS=("$@")  # names to run (scripts/gpu_checks.sh families); none: every check
-run() {  # run NAME SECONDS CMD...: one check, its log in $OUT/NAME.log, stopped after SECONDS
+wanted() {  # wanted NAME DEFAULT: named on the command line, or no names given and NAME is a default check
+  if [ ${#CHECKS[@]} -eq 0 ]; then [ "$2" = default ]; else [[ " ${CHECKS[*]} " == *" $1 "* ]]; fi
+}
+run() {  # run NAME SECONDS CMD...: one check under its cap, its log in $OUT/NAME.log, its status in results.jsonl
   local name=$1 secs=$2; shift 2
-  if [ ${#CHECKS[@]} -gt 0 ] && [[ ! " ${CHECKS[*]} " == *" $name "* ]]; then return; fi
-  echo "=== $name: $*"
+  echo "=== $name (cap ${secs} s): $*"
+  local t0=$SECONDS
   timeout "$secs" "$@" 2>&1 | tee "$OUT/$name.log"
-  echo "=== $name: exit ${PIPESTATUS[0]}"
+  local rc=${PIPESTATUS[0]}
+  echo "{\"check\": \"$name\", \"exit\": $rc, \"seconds\": $((SECONDS - t0)), \"cpu_smoke\": $([ "$SMOKE" = 1 ] && echo true || echo false)}" >> "$RESULTS"
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+}
+SD35="$OUT/random-sd35"
+sd35() {  # the SD3.5-Medium-sized random pipeline, built once for the checks that load it from a directory
+  [ -f "$SD35/model_index.json" ] || "$PY" scripts/random_pipeline.py "$SD35" $([ "$SMOKE" = 1 ] && echo --tiny)
 }
 
-# Each check is capped; fsdp_memory and two_stage_compile together end within 9.5 minutes on an H100
-# or H200, families needs a call of its own (one device call runs at most 10 minutes).
-# FSDP2 smoke run: full fine-tuning of an SD3.5-Medium-sized transformer on one GPU under
-# run.distributed=fsdp2, peak memory against scripts/plan_memory.py's estimate (goal: within 15%).
-run fsdp_memory 240 python3 scripts/bench_fsdp_memory.py
-# FP8 vs BF16 exploration throughput with torch.compile (eager 0.72x; goal 1.6x). A whole-model compile
-# of the 2.24B-parameter transformer did not finish both copies in 380 s (2026-11-26), so the bench
-# compiles per transformer block (regional compilation); the log keeps whatever finished.
-run two_stage_compile 330 python3 scripts/bench_two_stage.py --gpu --fidelity-prompts 0 --compile
-# One Flow-GRPO iteration of Qwen-Image (20B), Z-Image-Turbo (6B) and Wan2.1 (1.3B, 5 frames) at their
-# real sizes with random weights (LoRA r64, 512x512, batch 1): seconds per iteration and peak memory
-# against the plan; `scripts/gpu_checks.sh families families_video` fits one device call (570 s at most).
-run families 420 python3 scripts/bench_families.py --families qwen_image z_image
-run families_video 150 python3 scripts/bench_families.py --families wan
-# Asynchronous rollouts on one GPU (issue 49): the shapes default synchronous against a producer sharing the
-# card (staleness 1), 2 minutes each at an equal budget (run.cpu_processes is CPU-only, so sync2 is one process here).
-run async_shapes 420 python3 scripts/bench_async.py --task shapes --minutes 2 --seeds 0 --parts sync2 async1 \
-  --out "$OUT/async-shapes-gpu.jsonl" --runs /tmp/bench-async
+# ---- the default checks, most wanted first; caps sum to 460 s ----------------------------------
+# 1. Sol-RL's exploration: compiled BF16 against compiled FP8 (per-row, no process-wide Inductor tuning), a 6-of-10
+#    step preview and First Block Cache, each with its error against BF16 (goal: all together at least 1.6x).
+if wanted explore default; then
+  run explore 170 "$PY" scripts/bench_explore.py --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
+fi
+# 2. A Flow-GRPO iteration of the SD3.5-Medium 1-GPU preset (random weights, one prompt, 8 samples) eager against
+#    model.compile blocks (goal: compiled at least 1.3x).
+if wanted grpo_compile default; then
+  sd35
+  if [ "$SMOKE" = 1 ]; then
+    size=(--modes none --iterations 2 --warmup 1 model.device=cpu model.height=64 model.width=64 sampling.num_steps=2
+          sampling.batch_size=2 data.group_size=2)
+  else
+    size=(--modes none blocks --iterations 4 --warmup 2 model.device=cuda sampling.batch_size=8 data.group_size=8)
+  fi
+  run grpo_compile 200 "$PY" scripts/bench_compile.py --config sd35_medium_pickscore_1gpu --out "$RESULTS" "${size[@]}" \
+    "model.path=$SD35" data.prompt_file=null "data.prompts=[a red fox in the snow]" data.prompts_per_iteration=1 \
+    "reward.weights={brightness: 1.0}" trainer.gradient_accumulation_steps=1 sampling.eval_num_steps=2
+fi
+# 3. FSDP2 full fine-tuning of the SD3.5-Medium-sized transformer: peak memory against plan_memory.py (goal: within 15%).
+if wanted fsdp_memory default; then
+  run fsdp_memory 90 "$PY" scripts/bench_fsdp_memory.py --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke --iterations 1)
+fi
+
+# ---- named only: each wants a device call of its own ----------------------------------------------
+# One iteration of each algorithm's 1-GPU preset at its real size with random weights (GRPO, DGPO, NFT and BranchGRPO on
+# SD3.5-Medium, G2RPO and GDRO on FLUX.1-dev): seconds per iteration and peak memory against the plan.
+if wanted presets named; then
+  run presets 560 "$PY" scripts/bench_presets.py --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
+fi
+# One Flow-GRPO iteration of Qwen-Image (20B), Z-Image-Turbo (6B) and Wan2.1 (1.3B, 5 frames) at their real sizes with
+# random weights: seconds per iteration and peak memory against the plan (`families families_video`: 570 s).
+if wanted families named; then
+  run families 420 "$PY" scripts/bench_families.py --families qwen_image z_image --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke --iterations 1)
+fi
+if wanted families_video named; then
+  run families_video 150 "$PY" scripts/bench_families.py --families wan --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke --iterations 1)
+fi
+# Asynchronous rollouts (issue 49): the shapes default synchronous against a producer sharing the card (staleness 1),
+# 2 minutes each at an equal budget (run.cpu_processes is CPU-only, so sync2 is one process here).
+if wanted async_shapes named; then
+  run async_shapes 420 "$PY" scripts/bench_async.py --task shapes --minutes 2 --seeds 0 --parts sync2 async1 \
+    --out "$OUT/async-shapes-gpu.jsonl" --runs /tmp/bench-async
+fi
+
+echo "=== results ($RESULTS)"
+cat "$RESULTS"

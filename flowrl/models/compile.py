@@ -29,6 +29,7 @@ iteration after the first compiled anything (TORCH_LOGS=recompiles then says why
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,9 @@ import torch
 from flowrl.errors import UserError
 
 COMPILE_MODES = ("none", "blocks", "full")  # model.compile
+# Inductor settings that torchao's quantisation configs turn on for the whole process unless built with
+# set_inductor_config=False: coordinate-descent tuning makes compiles 5-10x slower, even from a warm cache
+SLOW_INDUCTOR_FLAGS = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions")
 RECOMPILE_LIMIT = 64  # graphs per compiled code object (dynamo's default, 8, is too few for one run's variants)
 
 
@@ -48,6 +52,13 @@ def configure_dynamo(limit: int = RECOMPILE_LIMIT) -> None:
     setattr(cfg, name, max(getattr(cfg, name), limit))
     if hasattr(cfg, "accumulated_recompile_limit"):
         cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * limit)
+
+
+def slow_inductor_flags() -> list[str]:
+    """The SLOW_INDUCTOR_FLAGS that are on in this process."""
+    import torch._inductor.config as inductor
+
+    return [f for f in SLOW_INDUCTOR_FLAGS if getattr(inductor, f, False)]
 
 
 def block_modules(net: torch.nn.Module) -> list[torch.nn.Module]:
@@ -65,6 +76,9 @@ def compile_network(net: torch.nn.Module, mode: str) -> None:
     if mode == "none":
         return
     configure_dynamo()
+    if slow := slow_inductor_flags():
+        warnings.warn(f"model.compile: Inductor's {' and '.join(slow)} {'is' if len(slow) == 1 else 'are'} on (torchao's quantisation "
+                      "configs set it unless built with set_inductor_config=False), which makes compiling 5-10x slower", stacklevel=2)
     if mode == "full":
         net.compile(dynamic=False)
         return

@@ -149,6 +149,15 @@ class Launch:
     def gpus(self) -> int:
         return self.gpus_per_node * self.nodes
 
+    @classmethod
+    def from_config(cls, cfg, gpus_per_node: int = 1, nodes: int = 1) -> Launch:
+        """The launch an image training config describes (flowrl.schema.Config), on this many GPUs."""
+        return cls(gpus_per_node=gpus_per_node, nodes=nodes, distributed=cfg.run.distributed,
+                   lora_rank=cfg.lora.rank if cfg.lora.enabled else 0, lora_targets=list(cfg.lora.target_modules),
+                   dtype=cfg.model.dtype, batch=cfg.sampling.batch_size, height=cfg.model.height, width=cfg.model.width,
+                   frames=cfg.model.num_frames, gradient_checkpointing=cfg.model.gradient_checkpointing, ema=cfg.trainer.ema,
+                   kl=cfg.trainer.kl_beta > 0, max_sequence_length=cfg.model.max_sequence_length)
+
 
 @dataclass
 class Model:

@@ -140,3 +140,44 @@ def test_training_compiles_only_in_its_first_iteration(tmp_path, one_block_sd3, 
     assert [r["compiled_graphs"] > 0 for r in rows] == [True, False]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows) and rows[-1]["kl"] > 0
     assert "recompiled" not in capsys.readouterr().out
+
+
+def test_the_slow_inductor_settings_of_torchao_are_named_before_compiling():
+    # torchao's quantisation configs turn on coordinate-descent tuning for the whole process unless
+    # built with set_inductor_config=False: compiling warns in one sentence when it finds it on
+    import torch._inductor.config as inductor
+
+    from flowrl.models.compile import compile_network, slow_inductor_flags
+
+    assert slow_inductor_flags() == []
+    with inductor.patch(coordinate_descent_tuning=True):  # torch's own patching: its config module has no plain attributes
+        with pytest.warns(UserWarning, match=r"^model.compile: Inductor's coordinate_descent_tuning is on \(torchao"):
+            compile_network(torch.nn.Sequential(torch.nn.Linear(4, 4)), "full")  # lazy: nothing is built here
+    assert slow_inductor_flags() == []
+
+
+def test_a_compiled_exploration_copy_equals_eager_and_a_resync_compiles_nothing(one_block_sd3):
+    # the two-stage rollout compiles the copy's blocks as model.compile says: the emulated FP8 copy
+    # (per-row scales) samples as its eager twin to 1e-5, and after a resync (new weights, loaded in
+    # place) the next chain builds no graph
+    from flowrl.models.compile import compile_network
+    from flowrl.sampling.precision import ExplorationCopy
+    from flowrl.sampling.rollout import SamplerSpec, rollout
+    from flowrl.sampling.schedules import shifted_sigmas
+
+    policy = lora_policy(one_block_sd3)
+    policy.compiled_rows = ROWS  # as Trainer's policy.compile leaves it; the copy's view inherits it
+    spec = SamplerSpec(shifted_sigmas(2, 3.0), torch.zeros(2, dtype=torch.bool), "ode")
+    prompts, seeds = ["a red circle", "a blue square", "a cat"], [1, 2, 3]
+    eager = rollout(ExplorationCopy(policy, "fp8", backend="emulated").policy, prompts, seeds, spec, ROWS)
+    copy = ExplorationCopy(policy, "fp8", backend="emulated")
+    compile_network(copy.net, "blocks")
+    compiled = rollout(copy.policy, prompts, seeds, spec, ROWS)
+    torch.testing.assert_close(compiled.final, eager.final, atol=1e-5, rtol=1e-5)
+    warm = compiled_graphs()
+    with torch.no_grad():
+        for p in policy.trainable_parameters():
+            p.add_(0.01)
+    copy.resync()
+    moved = rollout(copy.policy, prompts, seeds, spec, ROWS)
+    assert compiled_graphs() == warm and not torch.equal(moved.final, compiled.final)

@@ -299,16 +299,6 @@ def test_memory_plan_knows_flux2_klein_and_sana():
     assert rows["activations (estimate)"] == pytest.approx(20 * 54 * 2240 * 32 * 32 * 2 / GIB)
 
 
-def test_fsdp_memory_bench_runs_its_code_path_on_the_cpu(capsys):
-    # the GPU check (scripts/gpu_checks.sh) on a tiny transformer: fsdp2 full fine-tuning with a KL,
-    # bf16 and gradient checkpointing through the trainer, and the plan printed beside it
-    from script_loader import load_script
-
-    assert load_script("bench_fsdp_memory").main(["--cpu-smoke", "--iterations", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "fsdp2, full fine-tuning" in out and "iteration 0:" in out and "skipped 0" in out
-
-
 @pytest.mark.parametrize("name", ["multi_gpu", "multi_node"])
 def test_shipped_accelerate_configs_load_as_plain_multi_gpu_launches(name):
     from accelerate.commands.config.config_args import load_config_from_file

@@ -17,7 +17,7 @@ from flowrl.core.correlation import kendall_tau, rankdata, spearman
 from flowrl.core.selection import select_per_group
 from flowrl.errors import ConfigError, UserError
 from flowrl.sampling.precision import (E2M1_GRID, ExplorationCopy, fp8_fake_quantize, merged_state, nvfp4_fake_quantize,
-                                       round_to_e2m1)
+                                       quantizable, round_to_e2m1)
 from flowrl.sampling.rollout import rollout
 from flowrl.train.loop import Trainer
 from flowrl.train.rollouts.common import Stage, stage_experience, training_spec
@@ -62,6 +62,23 @@ def test_nvfp4_and_fp8_fake_quantisation_match_torchao_bit_for_bit():
     v = torch.cat([torch.arange(0, 7.0, 0.125), torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 1e-8])])
     v = torch.cat([v, -v])
     assert torch.equal(round_to_e2m1(v), f4_unpacked_to_f32(f32_to_f4_unpacked(v)))
+
+
+def test_fp8_row_scaling_matches_torchao_per_row_bit_for_bit():
+    # rollout.two_stage.fp8_scaling row: one scale per row, as torchao's PerRow (block [1, K]); on rows
+    # of very different magnitudes it errs less than one scale for the whole tensor
+    pytest.importorskip("torchao")
+    from torchao.quantization.quant_primitives import _choose_scale_float8, _dequantize_affine_float8, _quantize_affine_float8
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(32, 64, generator=g) * torch.exp(3 * torch.randn(32, 1, generator=g))
+    scale = _choose_scale_float8(x, [1, x.shape[-1]])
+    assert scale.shape == (32, 1)
+    ref = _dequantize_affine_float8(_quantize_affine_float8(x, scale), scale)
+    assert torch.equal(fp8_fake_quantize(x, "row"), ref)
+    row_err, tensor_err = ((fp8_fake_quantize(x, s) - x).abs() / x.abs().amax(-1, keepdim=True) for s in ("row", "tensor"))
+    assert row_err.max() < 0.07 < tensor_err.max()  # E4M3 keeps 3 mantissa bits of every row; one scale flushes the small rows
+    assert torch.equal(fp8_fake_quantize(torch.zeros(2, 16), "row"), torch.zeros(2, 16))
 
 
 def test_nvfp4_format_holds_e2m1_values_under_e4m3_block_scales():
@@ -143,6 +160,80 @@ def test_exploration_copy_holds_torchao_dequantised_merged_weights(tiny_sd3_dir)
     assert bf16.label == "bfloat16" and rollout(bf16.policy, ["a red circle"], [1], spec, 1).precision == "bfloat16"
     fp32 = ExplorationCopy(policy, "fp32")
     assert fp32.policy is policy and fp32.resync() == 0.0  # the training precision explores itself
+
+
+def test_fp8_copy_scales_per_row_and_keeps_narrow_layers(tiny_sd3_dir):
+    # the default fp8 copy: weights and activations with a scale per row (FakeQuantLinear's product
+    # written out), layers narrower than min_features left in fp32; torchao's config for the GPU is
+    # PerRow without its process-wide Inductor settings
+    cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "lora.rank=4", "lora.alpha=8"])
+    from flowrl.models import load_policy
+
+    policy = load_policy(cfg.model, device="cpu")
+    policy.add_lora(cfg.lora)
+    _randomise_lora(policy)
+    copy = ExplorationCopy(policy, "fp8", backend="emulated")
+    assert copy.label == "fp8-emulated-row" and copy.quantized
+    state = merged_state(policy.transformer)
+    name = copy.quantized[0]
+    layer = copy.net.get_submodule(name)
+    w = state[f"{name}.weight"]
+    assert torch.equal(copy.quantized_weight(name), fp8_fake_quantize(w, "row"))
+    x = torch.randn(2, 5, layer.in_features)
+    xq = fp8_fake_quantize(x.reshape(10, -1), "row")  # one scale per token
+    want = torch.nn.functional.linear(xq, fp8_fake_quantize(w, "row"), state.get(f"{name}.bias")).reshape(2, 5, -1)
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=1e-6)
+
+    # min_features compares the smaller dimension (every linear of the tiny SD3 is 32 wide on one side)
+    assert quantizable("transformer_blocks.0.ff.net.2", torch.nn.Linear(64, 256), min_features=64)
+    assert not quantizable("transformer_blocks.0.ff.net.2", torch.nn.Linear(256, 32), min_features=64)
+    assert ExplorationCopy(policy, "fp8", backend="emulated", min_features=32).quantized == copy.quantized
+    with pytest.raises(UserError, match=r"^rollout.two_stage.explore_precision 'fp8': .* at least rollout.two_stage.min_features \(100000\)"):
+        ExplorationCopy(policy, "fp8", backend="emulated", min_features=100_000)
+
+    pytest.importorskip("torchao")
+    from torchao.quantization import PerRow, PerTensor
+
+    for scaling, granularity in (("row", PerRow), ("tensor", PerTensor)):
+        config = ExplorationCopy(policy, "fp8", backend="emulated", fp8_scaling=scaling).torchao_config()
+        assert config.set_inductor_config is False and all(isinstance(g, granularity) for g in config.granularity)  # activation, weight
+
+
+def test_first_block_cache_reuses_blocks_within_a_chain_and_starts_each_chain_afresh(tmp_path, tiny_sd3_dir):
+    # rollout.two_stage.first_block_cache: with a threshold nothing passes, the copy samples as the policy;
+    # with one everything passes, each chain computes its first step in full and reuses the blocks after
+    # it, and the next chain (its timestep back at the top) starts with an empty cache. SD3's last block
+    # stays outside the cache, so the 2-block tiny SD3 has too few blocks for it
+    from flowrl.models import load_policy
+    from flowrl.models.tiny import build_tiny_sd3
+    from flowrl.sampling.rollout import SamplerSpec
+    from flowrl.sampling.schedules import shifted_sigmas
+
+    two = load_policy(load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}"]).model, device="cpu")
+    with pytest.raises(UserError, match="^rollout.two_stage.first_block_cache needs a transformer with at least two cacheable blocks; "
+                                        "SD3Transformer2DModel has 1: set it to 0$"):
+        ExplorationCopy(two, "fp32", first_block_cache=0.1)
+    three = build_tiny_sd3(tmp_path / "three", num_layers=3)
+    cfg = load_config("tiny_jpeg", [f"model.path={three}", "lora.rank=4", "lora.alpha=8"])
+    policy = load_policy(cfg.model, device="cpu")
+    policy.add_lora(cfg.lora)
+    _randomise_lora(policy)
+    spec = SamplerSpec(shifted_sigmas(3, 3.0), torch.zeros(3, dtype=torch.bool), "ode")
+    prompts, seeds = ["a red circle", "a blue square"], [1, 2]
+    full = rollout(policy, prompts, seeds, spec, 2)
+
+    never = ExplorationCopy(policy, "fp32", first_block_cache=1e-12)
+    assert never.policy is not policy and never.label == "float32+fbc1e-12"
+    torch.testing.assert_close(rollout(never.policy, prompts, seeds, spec, 2).final, full.final, atol=1e-5, rtol=1e-5)
+    assert never.cache_reuse() == (3, 0)
+
+    always = ExplorationCopy(policy, "fp32", first_block_cache=1e9)
+    cached = rollout(always.policy, prompts, seeds, spec, 2)
+    assert always.cache_reuse() == (3, 2) and always.cache_reuse() == (0, 0)
+    assert cached.precision == "float32+fbc1e+09" and not torch.allclose(cached.final, full.final, atol=1e-3)
+    again = rollout(always.policy, prompts, seeds, spec, 1)  # two chains of one: each starts afresh
+    assert always.cache_reuse() == (6, 4)
+    torch.testing.assert_close(again.final, cached.final, atol=1e-5, rtol=1e-5)
 
 
 # ---- regeneration ----------------------------------------------------------------------
@@ -232,6 +323,11 @@ def test_low_precision_candidates_are_replayed_in_the_training_precision(tmp_pat
     (["rollout.two_stage.regenerate=false", "rollout.two_stage.explore_precision=bf16"], "objective.kind 'grpo' trains on transitions"),
     (["rollout.two_stage.regenerate=false", "rollout.two_stage.explore_precision=fp32", "rollout.two_stage.preview_steps=2"],
      "objective.kind 'grpo' trains on transitions"),
+    (["rollout.two_stage.regenerate=false", "rollout.two_stage.explore_precision=fp32", "rollout.two_stage.first_block_cache=0.1"],
+     "objective.kind 'grpo' trains on transitions"),
+    (["rollout.two_stage.fp8_scaling=block"], "rollout.two_stage.fp8_scaling"),
+    (["rollout.two_stage.min_features=-1"], "rollout.two_stage.min_features"),
+    (["rollout.two_stage.first_block_cache=-0.1"], "rollout.two_stage.first_block_cache"),
     (["rollout.tree.split_steps=[0,1]"], "rollout.tree"),  # two_stage + tree
     (["rollout.two_stage.candidates=3"], "rollout.two_stage.candidates"),
     (["rollout.two_stage.explore_precision=int4"], "rollout.two_stage.explore_precision"),
@@ -268,7 +364,7 @@ def test_grpo_refuses_a_low_precision_trajectory(tmp_path, tiny_sd3_dir):
     copy = ExplorationCopy(trainer.policy, "fp8", backend="emulated")
     traj = rollout(copy.policy, ["a red circle"] * 4, [1, 2, 3, 4], spec, 4)
     before = {n: p.detach().clone() for n, p in trainer.params.items()}
-    with pytest.raises(UserError, match="refusing to train on samples drawn in fp8-emulated by a policy trained in float32"):
+    with pytest.raises(UserError, match="refusing to train on samples drawn in fp8-emulated-row by a policy trained in float32"):
         trainer.objective.update(experience(traj, torch.ones(4)))
     assert all(torch.equal(before[n], p) for n, p in trainer.params.items())
     full = rollout(trainer.policy, ["a red circle"] * 4, [1, 2, 3, 4], spec, 4)

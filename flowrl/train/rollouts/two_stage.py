@@ -28,7 +28,8 @@ from flowrl.core.correlation import grouped, kendall_tau, spearman
 from flowrl.core.selection import select_per_group
 from flowrl.errors import ConfigError, check_choice, check_positive
 from flowrl.sampling.noise import Stream, sample_seed
-from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, ExplorationCopy
+from flowrl.models.compile import compile_network
+from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, FP8_SCALINGS, ExplorationCopy
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
 from flowrl.train.parts import Rollout, register_rollout
@@ -95,19 +96,25 @@ class TwoStageRollout(Rollout):
         super().__init__(ctx)
         self.flat = FlatRollout(ctx)  # sampling, scoring and gathering of each stage
         self.ts = ctx.cfg.rollout.two_stage
-        self.explorer = ExplorationCopy(ctx.policy, self.ts.explore_precision, self.ts.backend, self.ts.high_precision_layers)
+        ts = self.ts
+        self.explorer = ExplorationCopy(ctx.policy, ts.explore_precision, ts.backend, ts.high_precision_layers, ts.fp8_scaling,
+                                        ts.min_features, ts.first_block_cache)
+        if self.explorer.net is not None:  # its own network: compiled as model.compile says (the policy's forwards were)
+            compile_network(self.explorer.net, ctx.cfg.model.compile)
 
     @classmethod
     def provides(cls, cfg) -> set[str]:
         ts = cfg.rollout.two_stage
-        candidates_trainable = ts.regenerate or (ts.explore_precision == cfg.model.dtype and not ts.preview_steps)
+        candidates_trainable = ts.regenerate or (ts.explore_precision == cfg.model.dtype and not ts.preview_steps
+                                                 and not ts.first_block_cache)
         return FlatRollout.provides(cfg) if candidates_trainable else {SAMPLES}
 
     @classmethod
     def missing_reason(cls, cfg, data: str) -> str:
         ts = cfg.rollout.two_stage
         if TRANSITIONS in FlatRollout.provides(cfg):
-            return (f"from candidates sampled with explore_precision '{ts.explore_precision}' and preview_steps {ts.preview_steps} "
+            return (f"from candidates sampled with explore_precision '{ts.explore_precision}', preview_steps {ts.preview_steps} "
+                    f"and first_block_cache {ts.first_block_cache:g} "
                     f"unless rollout.two_stage.regenerate is true (a log-prob ratio needs model.dtype '{cfg.model.dtype}' "
                     "samples of the training sampler)")
         return FlatRollout.missing_reason(cfg, data)
@@ -124,6 +131,9 @@ class TwoStageRollout(Rollout):
         check_choice("rollout.two_stage.explore_precision", ts.explore_precision, EXPLORE_PRECISIONS)
         check_choice("rollout.two_stage.backend", ts.backend, BACKENDS)
         check_positive("rollout.two_stage.preview_steps", ts.preview_steps, strict=False)
+        check_choice("rollout.two_stage.fp8_scaling", ts.fp8_scaling, FP8_SCALINGS)
+        check_positive("rollout.two_stage.min_features", ts.min_features, strict=False)
+        check_positive("rollout.two_stage.first_block_cache", ts.first_block_cache, strict=False)
         check_positive("rollout.two_stage.fidelity_every", ts.fidelity_every, strict=False)
         if list(cfg.lora.sigma_range) != [0.0, 1.0]:  # the exploration copy merges the adapter in at every sigma
             raise ConfigError(f"lora.sigma_range must be [0, 1] when rollout.kind is two_stage; got {list(cfg.lora.sigma_range)}")
@@ -152,6 +162,7 @@ class TwoStageRollout(Rollout):
         pool = self.flat.sample_stage(pool_ids, seeds, explore_spec, f"iter {it} exploring ({self.explorer.label or 'policy'})", it,
                                       policy=self.explorer.policy)
         explore_s = time.perf_counter() - t1 - pool.reward_wait
+        cache_calls, cache_reused = self.explorer.cache_reuse()
         explore_total = pool.rewards.float() @ weights
         gen = torch.Generator().manual_seed(sample_seed(cfg.trainer.seed, it, Stream.SELECTION))
         selected = select_per_group(cfg.selection.kind, explore_total, pool.prompt_ids,
@@ -184,6 +195,7 @@ class TwoStageRollout(Rollout):
             "candidates": len(pool_ids),
             "explore_reward_mean": explore_total[ok].mean().item() if ok.any() else math.nan,
             "explore_images_per_s": len(pool_ids) / max(explore_s, 1e-9),
+            **({"explore_cache_reused": cache_reused / cache_calls} if cache_calls else {}),
             "nfe_explore": len(pool_ids) * explore_spec.num_steps,  # transformer calls per sample x samples
             "nfe_regenerate": regenerated * spec.num_steps,
             **selection_spread(explore_total, pool.prompt_ids, ok, selected),

@@ -1,0 +1,56 @@
+"""scripts/gpu_checks.sh --cpu-smoke: every default GPU check's code path on tiny models, end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(["bash", "scripts/gpu_checks.sh", "--cpu-smoke"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    # the shell's status line per check, in priority order, each finished (not stopped at its cap)
+    assert [(r["check"], r["exit"], r["cpu_smoke"]) for r in rows if "exit" in r] == [
+        ("explore", 0, True), ("grpo_compile", 0, True), ("fsdp_memory", 0, True)]
+    explore = {r["variant"]: r for r in rows if r["check"] == "explore" and "variant" in r}
+    assert list(explore) == ["bf16", "fp8+preview+fbc", "fp8", "fp8+preview"]
+    assert explore["fp8"]["label"] == "fp8-emulated-row" and explore["fp8"]["quantized_linears"] > 0
+    assert explore["fp8+preview+fbc"]["label"].startswith("fp8-emulated-row+fbc") and "cache_reused" in explore["fp8+preview+fbc"]
+    assert all(explore[v]["relative_rms_vs_bf16"] > 0 and explore[v]["vs_bf16"] > 0 for v in ("fp8", "fp8+preview", "fp8+preview+fbc"))
+    compiled = [r for r in rows if r["check"] == "compile"]
+    assert [r["mode"] for r in compiled] == ["none"] and compiled[0]["config"] == "sd35_medium_pickscore_1gpu"
+    fsdp = next(r for r in rows if r["check"] == "fsdp_memory" and "plan_gib" in r)
+    assert fsdp["plan_gib"] > 0 and "peak_gib" not in fsdp  # no memory reading on the CPU
+    log = (out / "fsdp_memory.log").read_text()
+    assert "fsdp2, full fine-tuning" in log and "iteration 0:" in log and "skipped 0" in log
+    assert "=== results" in done.stdout
+
+
+@pytest.mark.slow
+def test_bench_presets_trains_every_algorithms_preset_from_a_saved_random_pipeline(tmp_path, capsys):
+    # the `presets` GPU check on tiny transformers: each preset's own objective and rollout (GDRO from the
+    # store it builds first) trains two iterations from a pipeline directory, and its plan is computed
+    from script_loader import load_script
+
+    bench = load_script("bench_presets")
+    out = tmp_path / "results.jsonl"
+    assert bench.main(["--cpu-smoke", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["algorithm"] for r in rows] == list(bench.PRESETS)
+    assert {r["algorithm"]: r["model"] for r in rows} == {"grpo": "sd35", "dgpo": "sd35", "nft": "sd35", "tree": "sd35",
+                                                          "g2rpo": "flux1", "gdro": "flux1"}
+    assert all(r["plan_gib"] > 0 and r["seconds_per_iteration"] > 0 and "peak_gib" not in r for r in rows)
+    printed = capsys.readouterr().out
+    assert all(f"{name} iteration 1:" in printed for name in bench.PRESETS)
