@@ -96,6 +96,10 @@ fi
 if wanted families_video named; then
   run families_video 150 "$PY" scripts/bench_families.py --families wan --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke --iterations 1)
 fi
+# Two iterations of the Qwen2.5-0.5B GSM8K text preset at its real size with random weights (128 new tokens).
+if wanted text_preset named; then
+  run text_preset 90 "$PY" scripts/bench_text_preset.py --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
+fi
 # Asynchronous rollouts (issue 49): the shapes default synchronous against a producer sharing the card (staleness 1),
 # 2 minutes each at an equal budget (run.cpu_processes is CPU-only, so sync2 is one process here).
 if wanted async_shapes named; then

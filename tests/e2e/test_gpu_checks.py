@@ -54,3 +54,15 @@ def test_bench_presets_trains_every_algorithms_preset_from_a_saved_random_pipeli
     assert all(r["plan_gib"] > 0 and r["seconds_per_iteration"] > 0 and "peak_gib" not in r for r in rows)
     printed = capsys.readouterr().out
     assert all(f"{name} iteration 1:" in printed for name in bench.PRESETS)
+
+
+def test_bench_text_preset_trains_the_qwen_preset_from_a_saved_random_model(tmp_path):
+    # the `text_preset` GPU check on a narrow Qwen2 with the real vocabulary: ids the one-character
+    # tokenizer lacks decode to nothing, and the preset trains its two iterations
+    from script_loader import load_script
+
+    out = tmp_path / "results.jsonl"
+    assert load_script("bench_text_preset").main(["--cpu-smoke", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert row["preset"] == "qwen25_05b_gsm8k_1gpu" and row["completions_per_iteration"] == 4 and row["max_new_tokens"] == 4
+    assert row["params"] > 151936 * 32 and row["seconds_per_iteration"] > 0 and "peak_gib" not in row

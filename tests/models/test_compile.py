@@ -158,7 +158,7 @@ def test_the_slow_inductor_settings_of_torchao_are_named_before_compiling():
 
 def test_a_compiled_exploration_copy_equals_eager_and_a_resync_compiles_nothing(one_block_sd3):
     # the two-stage rollout compiles the copy's blocks as model.compile says: the emulated FP8 copy
-    # (per-row scales) samples as its eager twin to 1e-5, and after a resync (new weights, loaded in
+    # (per-row scales) samples as its eager twin, and after a resync (new weights, loaded in
     # place) the next chain builds no graph
     from flowrl.models.compile import compile_network
     from flowrl.sampling.precision import ExplorationCopy
@@ -173,7 +173,9 @@ def test_a_compiled_exploration_copy_equals_eager_and_a_resync_compiles_nothing(
     copy = ExplorationCopy(policy, "fp8", backend="emulated")
     compile_network(copy.net, "blocks")
     compiled = rollout(copy.policy, prompts, seeds, spec, ROWS)
-    torch.testing.assert_close(compiled.final, eager.final, atol=1e-5, rtol=1e-5)
+    # a fused kernel may round x / scale differently in the last bit and flip an FP8 code at a rounding
+    # boundary: eager and compiled agree to the quantisation's resolution, not to fp32's
+    torch.testing.assert_close(compiled.final, eager.final, atol=1e-3, rtol=1e-3)
     warm = compiled_graphs()
     with torch.no_grad():
         for p in policy.trainable_parameters():
