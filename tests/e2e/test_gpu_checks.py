@@ -13,6 +13,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def fresh_accelerate():
+    """The presets train in bf16 autocast and accelerate keeps one precision per process: the in-process
+    benches start from, and leave, a cleared state (as test_training's bf16 run does)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
 @pytest.mark.slow
 def test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it(tmp_path):
     out = tmp_path / "out"
@@ -39,7 +50,7 @@ def test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_presets_trains_every_algorithms_preset_from_a_saved_random_pipeline(tmp_path, capsys):
+def test_bench_presets_trains_every_algorithms_preset_from_a_saved_random_pipeline(tmp_path, capsys, fresh_accelerate):
     # the `presets` GPU check on tiny transformers: each preset's own objective and rollout (GDRO from the
     # store it builds first) trains two iterations from a pipeline directory, and its plan is computed
     from script_loader import load_script
@@ -56,7 +67,7 @@ def test_bench_presets_trains_every_algorithms_preset_from_a_saved_random_pipeli
     assert all(f"{name} iteration 1:" in printed for name in bench.PRESETS)
 
 
-def test_bench_text_preset_trains_the_qwen_preset_from_a_saved_random_model(tmp_path):
+def test_bench_text_preset_trains_the_qwen_preset_from_a_saved_random_model(tmp_path, fresh_accelerate):
     # the `text_preset` GPU check on a narrow Qwen2 with the real vocabulary: ids the one-character
     # tokenizer lacks decode to nothing, and the preset trains its two iterations
     from script_loader import load_script
