@@ -6,7 +6,8 @@ ahead of the trainer (flowrl/train/async_rollouts.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +17,7 @@ from flowrl.errors import UserError
 from flowrl.sampling.noise import sample_seed
 from flowrl.text.config import TextConfig
 from flowrl.text.data import PromptSet, load_prompt_set
-from flowrl.text.generate import Generation, concat
+from flowrl.text.generate import Generation, Partial, concat, continue_generation, partial_generation
 from flowrl.text.policy import CausalLMPolicy, load_text_policy
 from flowrl.train.experience import ProcessShard, gather_real
 from flowrl.train.rollouts.common import successes
@@ -40,6 +41,8 @@ class TextExperience:
     groups: torch.Tensor  # [G]
     gen: Generation  # [n] this process's completions that train
     rows: torch.Tensor  # [n] each one's index among the N, -1 for a padding copy (the processes' shares are padded)
+    oldest_version: int | None = None  # partial rollouts: the weights' version of the batch's oldest token
+    rollout_metrics: dict = field(default_factory=dict)  # what the collector adds to the metrics row
 
     @property
     def local_advantages(self) -> torch.Tensor:
@@ -56,6 +59,8 @@ class TextCollector:
 
     def __init__(self, cfg: TextConfig, accelerator, data: PromptSet, policy: CausalLMPolicy, reward: TextReward, allocator):
         self.cfg, self.accelerator, self.data, self.policy, self.reward, self.allocator = cfg, accelerator, data, policy, reward, allocator
+        self.version = 0  # the weights' version it samples with (a producer sets it before each batch)
+        self.in_flight: list[tuple[int, list[Partial]]] = []  # partial rollouts: (prompt id, its group's rows), oldest first
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The tensors the trainer's updates change (what a producer receives after each update)."""
@@ -68,7 +73,9 @@ class TextCollector:
     def collect(self, iteration: int) -> TextExperience:
         """The allocator's stages: sample, score, let it see the outcomes, repeat. Each process
         samples and scores its slice of a stage; the scores are gathered, so every process sees
-        every outcome."""
+        every outcome. With run.over_provision above 1: APRIL's partial rollouts instead."""
+        if self.cfg.run.over_provision > 1:
+            return self.collect_partial(iteration)
         cfg, acc = self.cfg, self.accelerator
         ids_all, gens, local_rows, rewards, valid, lengths, truncated = [], [], [], [], [], [], []
 
@@ -105,6 +112,78 @@ class TextCollector:
         gen, rows = trained_share(gen, torch.cat(local_rows), trained, acc)
         return TextExperience(iteration, prompt_ids, rewards, valid, advantages, torch.cat(lengths), torch.cat(truncated),
                               trained, out.degenerate, out.group_ids, gen, rows)
+
+
+    def collect_partial(self, iteration: int) -> TextExperience:
+        """APRIL's active partial rollouts (arXiv 2509.18521): ceil(f x P) groups are in flight (f =
+        run.over_provision, P = data.prompts_per_iteration); generation stops as soon as P groups
+        have every completion finished, those P (the oldest first) are the batch, and the others
+        stay in flight with their tokens, behaviour log-probs and generators, continued with the
+        newer weights in the next round. A completion whose first token is older than the next
+        batch may be (iteration - run.max_staleness) starts over, so the staleness bound holds for
+        every token. One process (run.async_rollouts' producer), uniform allocator (validated)."""
+        cfg, d, g = self.cfg, self.cfg.data, self.cfg.generation
+        stop, horizon = tuple(g.stop), g.max_new_tokens
+        restarted = 0
+        for _, rows in self.in_flight:
+            for r in rows:
+                if r.tokens and r.version < iteration - cfg.run.max_staleness:
+                    r.restart(self.version)
+                    restarted += 1
+                elif not r.tokens:
+                    r.version = self.version
+        carried = len(self.in_flight)
+        new = math.ceil(cfg.run.over_provision * d.prompts_per_iteration) - carried
+        if new > 0:  # more groups, drawn uniformly for this iteration (a salt of their own: not the allocator's draw)
+            gen = self.allocator.generator(iteration, salt=APRIL_SALT)
+            pool = len(self.data)
+            ids = torch.randperm(pool, generator=gen)[:new] if new <= pool else torch.randint(pool, (new,), generator=gen)
+            prompts = self.policy.format(self.data.take(ids.tolist())[0])
+            for j, (pid, prompt) in enumerate(zip(ids.tolist(), prompts)):
+                seeds = [sample_seed(cfg.trainer.seed, iteration, j * d.group_size + k) for k in range(d.group_size)]
+                self.in_flight.append((pid, [Partial(prompt, seed, version=self.version) for seed in seeds]))
+        resumed = sum(1 for _, rows in self.in_flight for r in rows if r.tokens and not r.done(horizon))
+        rows = [r for _, group in self.in_flight for r in group]
+        owner = torch.tensor([i for i, (_, group) in enumerate(self.in_flight) for _ in group])
+        pending = [r for r in rows if not r.done(horizon)]
+        pending_owner = torch.tensor([int(owner[i]) for i, r in enumerate(rows) if not r.done(horizon)], dtype=torch.long)
+        waiting = torch.bincount(pending_owner, minlength=len(self.in_flight))
+
+        def enough(done: torch.Tensor) -> bool:  # P groups with every completion finished
+            left = waiting - torch.bincount(pending_owner[done], minlength=len(self.in_flight))
+            return int((left == 0).sum()) >= d.prompts_per_iteration
+
+        was_training = self.policy.model.training
+        self.policy.model.eval()
+        try:
+            if not enough(torch.zeros(len(pending), dtype=torch.bool)):  # the last round may have finished enough already
+                continue_generation(self.policy.model, self.policy.tokenizer, pending, horizon, g.temperature, g.top_p, stop, enough)
+        finally:
+            self.policy.model.train(was_training)
+        finished = [i for i, (_, group) in enumerate(self.in_flight) if all(r.done(horizon) for r in group)][: d.prompts_per_iteration]
+        batch = [self.in_flight[i] for i in finished]
+        self.in_flight = [grp for i, grp in enumerate(self.in_flight) if i not in set(finished)]
+        prompt_ids = torch.tensor([pid for pid, group in batch for _ in group], dtype=torch.long)
+        done_rows = [r for _, group in batch for r in group]
+        gen = partial_generation(self.policy.tokenizer, done_rows, stop)
+        prompts, columns = self.data.take(prompt_ids.tolist())
+        rewards, valid = self.reward(prompts, gen.texts, columns)
+        if not bool(valid.any()):
+            raise UserError(f"every reward of iteration {iteration} was invalid (NaN or inf); see reward.on_invalid")
+        out = estimate_advantages(cfg.advantage.kind, rewards[valid], prompt_ids[valid], self.reward.weights, std=cfg.advantage.std)
+        advantages = torch.zeros(len(prompt_ids))
+        advantages[valid] = out.advantages * out.mask
+        self.allocator.observe(prompt_ids[valid], successes(cfg, self.reward.total(rewards[valid])))
+        n = len(prompt_ids)
+        metrics = {"april/in_flight_groups": carried + max(new, 0), "april/carried_groups": len(self.in_flight),
+                   "april/resumed_rows": resumed, "april/restarted_rows": restarted,
+                   "april/unfinished_rows": sum(1 for _, group in self.in_flight for r in group if not r.done(horizon))}
+        return TextExperience(iteration, prompt_ids, rewards, valid, advantages, gen.lengths, gen.truncated,
+                              torch.ones(n, dtype=torch.bool), out.degenerate, out.group_ids, gen, torch.arange(n),
+                              oldest_version=min(r.version for r in done_rows), rollout_metrics=metrics)
+
+
+APRIL_SALT = 104_729  # the allocator generator's salt for the groups partial rollouts add
 
 
 def trained_share(gen: Generation, rows: torch.Tensor, trained: torch.Tensor, acc) -> tuple[Generation, torch.Tensor]:

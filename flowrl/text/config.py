@@ -127,6 +127,9 @@ class TextRunConfig:
     # a producer process collects batches ahead of the trainer with the newest weights it has received (docs/text.md)
     async_rollouts: bool = False
     max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
+    # > 1, with async_rollouts: APRIL's partial rollouts. ceil(f x data.prompts_per_iteration) groups are in flight; a batch
+    # is the first data.prompts_per_iteration groups to finish, the unfinished completions continue in the next batch
+    over_provision: float = 1.0
 
 
 @dataclass
@@ -185,6 +188,14 @@ def validate_off_policy(cfg: TextConfig) -> None:
         raise ConfigError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1")
     if l.off_policy == "m2po" and l.aggregation != "token_mean":  # its objective is the mean over the batch's tokens
         raise ConfigError(f"loss.off_policy: m2po is a token-mean objective; set loss.aggregation: token_mean (got {l.aggregation})")
+    if not r.over_provision >= 1:
+        raise ConfigError(f"run.over_provision must be >= 1 (1: off); got {r.over_provision}")
+    if r.over_provision > 1:
+        if not r.async_rollouts or r.max_staleness < 1:
+            raise ConfigError("run.over_provision carries unfinished completions into later batches, which needs run.async_rollouts "
+                              f"true and run.max_staleness >= 1; got async_rollouts {r.async_rollouts}, max_staleness {r.max_staleness}")
+        if cfg.allocator.kind != "uniform":
+            raise ConfigError(f"run.over_provision draws its groups uniformly; set allocator.kind: uniform (got {cfg.allocator.kind})")
     if r.async_rollouts and l.ratio_level != "token":
         raise ConfigError("run.async_rollouts trains with a token-level off-policy loss (loss.off_policy); set loss.ratio_level: token")
 

@@ -14,7 +14,7 @@ tokens per group instead of K*(P + T).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -125,25 +125,15 @@ def _generate(model, tokenizer, prompts, seeds, max_new_tokens, temperature, top
     cache, next_logits = prefill_shared(model, distinct_ids, distinct_mask, inverse)
     full_mask = mask
     for t in range(max_new_tokens):
-        logits = next_logits.float().cpu()
-        lp = tempered_log_probs(logits, temperature)
-        if temperature > 0:
-            scores = top_p_filter(logits / temperature, top_p)
-            # the Gumbel-max trick with each row's own noise: argmax(s + g) ~ softmax(s)
-            u = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators]).clamp(1e-20, 1.0)
-            choice = (scores - torch.log(-torch.log(u))).argmax(-1)
-        else:
-            choice = logits.argmax(-1)
+        choice, lp = sample_tokens(next_logits, temperature, top_p, generators)
         choice = torch.where(alive, choice, torch.full_like(choice, pad))
         tokens[:, t] = choice
-        log_probs[:, t] = torch.where(alive, lp.gather(1, choice.unsqueeze(1)).squeeze(1), torch.zeros(n))
+        log_probs[:, t] = torch.where(alive, lp, torch.zeros(n))
         lengths += alive.long()
         finished = alive & (choice == eos)
-        if stop:
-            for i in torch.nonzero(alive & ~finished).flatten().tolist():
-                text = tokenizer.decode(tokens[i, : t + 1], skip_special_tokens=True)
-                if any(s in text for s in stop):
-                    finished[i] = True
+        for i in torch.nonzero(alive & ~finished).flatten().tolist() if stop else ():
+            if hits_stop(tokenizer, tokens[i, : t + 1], stop):
+                finished[i] = True
         ended |= finished
         alive &= ~finished
         if not bool(alive.any()) or t == max_new_tokens - 1:
@@ -155,12 +145,111 @@ def _generate(model, tokenizer, prompts, seeds, max_new_tokens, temperature, top
     width = int(lengths.max()) if n else 0
     tokens, log_probs = tokens[:, :width], log_probs[:, :width]
     completion_mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
-    texts = []
-    for i in range(n):
-        text = tokenizer.decode(tokens[i, : int(lengths[i])], skip_special_tokens=True)
-        cut = min((text.index(s) for s in stop if s in text), default=None)
-        texts.append(text if cut is None else text[:cut])
+    texts = [completion_text(tokenizer, tokens[i, : int(lengths[i])], stop) for i in range(n)]
     return Generation(ids.cpu(), mask.bool().cpu(), tokens, completion_mask, log_probs, ~ended, texts)
+
+
+def sample_tokens(next_logits: torch.Tensor, temperature: float, top_p: float, generators) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from logits [n, V] and its behaviour log-prob (fp32, under the temperature):
+    the Gumbel-max trick with each row's own generator (argmax(s + g) ~ softmax(s)); greedy at T = 0."""
+    logits = next_logits.float().cpu()
+    lp = tempered_log_probs(logits, temperature)
+    if temperature > 0:
+        scores = top_p_filter(logits / temperature, top_p)
+        u = torch.stack([torch.rand(logits.shape[-1], generator=g) for g in generators]).clamp(1e-20, 1.0)
+        choice = (scores - torch.log(-torch.log(u))).argmax(-1)
+    else:
+        choice = logits.argmax(-1)
+    return choice, lp.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+
+def hits_stop(tokenizer, tokens, stop: tuple[str, ...]) -> bool:
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    return any(s in text for s in stop)
+
+
+def completion_text(tokenizer, tokens, stop: tuple[str, ...]) -> str:
+    """A completion's text: special tokens dropped, cut at the first stop string."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    cut = min((text.index(s) for s in stop if s in text), default=None)
+    return text if cut is None else text[:cut]
+
+
+@dataclass
+class Partial:
+    """A completion in progress (APRIL's partial rollouts): its tokens and behaviour log-probs so
+    far, the row's own noise generator where it stopped, and the weights' version that drew its
+    first token (later tokens are newer)."""
+
+    prompt: str  # as the model reads it (chat template applied)
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    version: int = 0
+    ended: bool = False  # an end token or a stop string
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        if self.generator is None:
+            self.generator = torch.Generator().manual_seed(int(self.seed))
+
+    def restart(self, version: int) -> None:
+        """Drop what was drawn: the row starts over from its seed with weights of `version`."""
+        self.tokens, self.log_probs, self.ended, self.version = [], [], False, version
+        self.generator = torch.Generator().manual_seed(int(self.seed))
+
+    def done(self, max_new_tokens: int) -> bool:
+        return self.ended or len(self.tokens) >= max_new_tokens
+
+
+@torch.no_grad()
+def continue_generation(model, tokenizer, rows: list[Partial], max_new_tokens: int, temperature: float, top_p: float,
+                        stop: tuple[str, ...], enough=None) -> None:
+    """Advance the rows that are not done, in lockstep and in place, until each ends or holds
+    max_new_tokens tokens, or until `enough(done)` (done: bool [n], the rows finished so far) says
+    to stop; a stopped row keeps its tokens, log-probs and generator to continue later. Each row's
+    prompt and tokens so far are prefilled together (under the current weights: APRIL recomputes
+    the prefix), each distinct one once."""
+    active = [r for r in rows if not r.done(max_new_tokens)]
+    if not active:
+        return
+    device = next(model.parameters()).device
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    context = [tokenizer(r.prompt, add_special_tokens=False)["input_ids"] + r.tokens for r in active]
+    width = max(len(c) for c in context)
+    ids = torch.tensor([[pad] * (width - len(c)) + c for c in context], dtype=torch.long)
+    mask = torch.tensor([[False] * (width - len(c)) + [True] * len(c) for c in context])
+    first, inverse = distinct_rows(ids, mask)
+    cache, next_logits = prefill_shared(model, ids[first].to(device), mask[first].to(device), inverse)
+    full_mask = mask.to(device)
+    alive = torch.ones(len(active), dtype=torch.bool)
+    while True:
+        choice, lp = sample_tokens(next_logits, temperature, top_p, [r.generator for r in active])
+        for i in torch.nonzero(alive).flatten().tolist():
+            r = active[i]
+            r.tokens.append(int(choice[i]))
+            r.log_probs.append(float(lp[i]))
+            r.ended = int(choice[i]) == eos or bool(stop and hits_stop(tokenizer, r.tokens, stop))
+            alive[i] = not r.done(max_new_tokens)
+        if not bool(alive.any()) or (enough is not None and enough(~alive)):
+            return
+        choice = torch.where(alive, choice, torch.full_like(choice, pad))
+        full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)  # finished rows' pads are never read
+        out = model(input_ids=choice.unsqueeze(1).to(device), attention_mask=full_mask.long(),
+                    position_ids=positions_of(full_mask)[:, -1:], cache=cache, use_cache=True)
+        cache, next_logits = out.cache, out.logits[:, -1]
+
+
+def partial_generation(tokenizer, rows: list[Partial], stop: tuple[str, ...]) -> Generation:
+    """Finished rows as one Generation: prompts left-padded, completions right-padded."""
+    pad = tokenizer.pad_token_id
+    enc = tokenizer([r.prompt for r in rows], return_tensors="pt", padding=True, add_special_tokens=False)
+    width = max(len(r.tokens) for r in rows)
+    completion = torch.tensor([r.tokens + [pad] * (width - len(r.tokens)) for r in rows], dtype=torch.long)
+    log_probs = torch.tensor([r.log_probs + [0.0] * (width - len(r.tokens)) for r in rows], dtype=torch.float32)
+    lengths = torch.tensor([len(r.tokens) for r in rows])
+    return Generation(enc["input_ids"], enc["attention_mask"].bool(), completion, torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1),
+                      log_probs, torch.tensor([not r.ended for r in rows]), [completion_text(tokenizer, r.tokens, stop) for r in rows])
 
 
 def sequence_log_probs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,

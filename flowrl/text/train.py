@@ -198,6 +198,7 @@ class TextTrainer(RunManager):
                "truncated_fraction": float(exp.truncated.float().mean()),
                "zero_variance_fraction": int(exp.degenerate.sum()) / max(len(exp.groups), 1), "invalid": int((~exp.valid).sum())}
         row.update({f"reward/{name}": float(exp.rewards[exp.valid, k].mean()) for k, name in enumerate(self.reward.names)})
+        row.update(exp.rollout_metrics)
         row.update(allocation_diagnostics(exp, self.data.columns.get(self.cfg.data.bucket_column)))
         row.update(self.allocator.coverage())  # after this batch's outcomes (a producer's state, when async)
         return row

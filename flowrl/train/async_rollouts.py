@@ -40,7 +40,7 @@ POLL_S = 0.5  # how often a waiting trainer checks that the producer is alive
 @dataclass
 class ProducedBatch:
     iteration: int
-    version: int  # the weights' version that sampled it
+    version: int  # the weights' version that sampled it (of its oldest token, with partial rollouts)
     experience: Any
     state: dict | None  # the collector's state after this batch (its allocator's)
     producer_idle_s: float  # the producer's wait for weights recent enough to start this batch
@@ -156,8 +156,12 @@ def produce(build, shared, version, lock, out, stop, spool: str, iteration: int,
                     for name, tensor in weights.items():
                         tensor.copy_(shared[name])
                     have = version.value
+            collector.version = have
             experience = collector.collect(iteration)
-            send(out, spool, ProducedBatch(iteration, have, experience, collector.state(), t1 - t0, time.perf_counter() - t1))
+            # partial rollouts (APRIL) carry tokens of older weights: the batch is as old as its oldest token
+            oldest = getattr(experience, "oldest_version", None)
+            send(out, spool, ProducedBatch(iteration, have if oldest is None else min(have, oldest), experience, collector.state(),
+                                           t1 - t0, time.perf_counter() - t1))
             iteration += 1
     except UserError as exc:
         send(out, spool, ProducerFailure(str(exc)))

@@ -145,3 +145,79 @@ def test_m2po_in_the_trainer_is_the_core_objective_on_a_stale_batch(tmp_path, re
     assert 0 < int(keep.sum()) < int(mask.sum())  # stale enough that the mask drops tokens
     stats = trainer.update(exp, StepProximal(gen))
     assert stats["loss"] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
+
+
+# ---- APRIL's partial rollouts (run.over_provision) -------------------------------------------
+def test_a_completion_stopped_and_continued_is_the_one_generated_straight(tmp_path, restore_threads):
+    """continue_generation: a row stopped after two tokens and continued later (its prompt and
+    tokens prefilled again, its generator where it stopped) draws the tokens and behaviour
+    log-probs of one uninterrupted generation with the same weights and seed."""
+    from flowrl.text.config import load_text_config
+    from flowrl.text.generate import Partial, continue_generation, generate
+    from flowrl.text.policy import load_text_policy
+
+    cfg = load_text_config(FAST[0], [*FAST[1:], "generation.max_new_tokens=8"])
+    policy = load_text_policy(cfg, device="cpu")
+    model, tok, g = policy.model.eval(), policy.tokenizer, cfg.generation
+    prompts, seeds = policy.format(["12+34=", "5+6=", "12+34="]), [7, 8, 9]
+    straight = generate(model, tok, prompts, seeds, 8, g.temperature, g.top_p)
+    rows = [Partial(p, s) for p, s in zip(prompts, seeds)]
+    steps = []
+    continue_generation(model, tok, rows, 8, g.temperature, g.top_p, (), enough=lambda done: steps.append(1) or len(steps) == 2)
+    assert [len(r.tokens) for r in rows] == [2, 2, 2] and not any(r.done(8) for r in rows)
+    continue_generation(model, tok, rows, 8, g.temperature, g.top_p, ())
+    for i, r in enumerate(rows):
+        n = int(straight.lengths[i])
+        assert r.tokens == straight.completion_ids[i, :n].tolist() and r.ended == (not bool(straight.truncated[i]))
+        assert torch.allclose(torch.tensor(r.log_probs), straight.log_probs[i, :n], atol=1e-5)
+
+
+def test_partial_rollouts_carry_unfinished_groups_and_restart_what_the_bound_forbids(tmp_path, restore_threads):
+    """The collector with run.over_provision 2: a batch is the first P groups to finish, the other
+    groups stay in flight with their tokens, continued in the next batch with newer weights; a
+    completion whose first token would be staler than run.max_staleness starts over."""
+    from flowrl.text.collect import TextCollector, build_text_collector
+    from flowrl.text.config import load_text_config
+    from flowrl.train.processes import plain_accelerator
+
+    cfg = load_text_config(FAST[0], [*FAST[1:], "run.async_rollouts=true", "run.max_staleness=1", "run.over_provision=2",
+                                     "generation.max_new_tokens=6"])
+    collector: TextCollector = build_text_collector(cfg, plain_accelerator(True, "test", mixed_precision="no"))
+    p, k = cfg.data.prompts_per_iteration, cfg.data.group_size
+    collector.version = 0
+    exp = collector.collect(0)
+    assert len(exp.prompt_ids) == p * k and exp.oldest_version == 0 and bool(exp.gen.completion_mask.any(1).all())
+    assert exp.rollout_metrics["april/in_flight_groups"] == 2 * p and exp.rollout_metrics["april/carried_groups"] == p
+    carried = [(list(r.tokens), r) for _, group in collector.in_flight for r in group]
+    # the next batch, with weights of version 1: what was carried keeps its tokens (as a prefix) and its version 0
+    collector.version = 1
+    exp = collector.collect(1)
+    kept = [r for tokens, r in carried if tokens and r.tokens[: len(tokens)] == tokens and r.version == 0]
+    assert kept and exp.oldest_version >= 0 and exp.rollout_metrics["april/restarted_rows"] == 0
+    # two versions later (batch 3 with max_staleness 1): a version-0 token may not be trained, so those rows start over
+    stale = [r for _, group in collector.in_flight for r in group if r.tokens and r.version == 0]
+    collector.version = 3
+    exp = collector.collect(3)
+    assert exp.oldest_version >= 2 and exp.rollout_metrics["april/restarted_rows"] == len(stale)
+
+
+def test_partial_rollouts_train_within_the_bound_end_to_end(tmp_path, restore_threads):
+    run = tmp_path / "run"
+    assert main(["train", *FAST, "trainer.iterations=4", "run.checkpoint_every=0", "run.async_rollouts=true",
+                 "run.max_staleness=2", "run.over_provision=1.5", "--run-dir", str(run)]) == 0
+    rows = run_metrics(run)
+    assert len(rows) == 4 and all(0 <= r["staleness"] <= 2 for r in rows) and all(r["samples"] == 16 for r in rows)
+    assert all("april/carried_groups" in r for r in rows) and all(r["loss"] == r["loss"] for r in rows)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("run.over_provision=2", "run.over_provision carries unfinished completions into later batches, which needs run.async_rollouts"),
+    ("run.over_provision=2 run.async_rollouts=true run.max_staleness=0", "max_staleness 0"),
+    ("run.over_provision=2 run.async_rollouts=true allocator.kind=vade", "set allocator.kind: uniform"),
+    ("run.over_provision=0.5", "run.over_provision must be >= 1"),
+])
+def test_partial_rollout_settings_that_cannot_work_are_refused(override, message):
+    from flowrl.text.config import load_text_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_text_config("configs/text_add.yaml", override.split())
