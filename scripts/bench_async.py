@@ -10,6 +10,8 @@ Parts, each using both cores of the 2-core box:
 - `sync2`: the synchronous trainer as two processes of one thread each (run.cpu_processes=2),
   the fastest synchronous setting there (docs/text.md, "Several processes"; the shapes default
   runs so already);
+- `async4_april` (text): async4 with run.over_provision 1.5, APRIL's partial rollouts (not in
+  the default --parts);
 - `sync2_compiled`: sync2 with model.compile=blocks (the held-out check before the default
   preset compiles; not in the default --parts);
 - `async1`, `async4`: one trainer process of one thread beside one producer process of one
@@ -44,6 +46,9 @@ PARTS = {
     "sync2": ["run.cpu_processes=2", "trainer.threads=1"],
     "async1": ["run.cpu_processes=1", "run.async_rollouts=true", "run.max_staleness=1", "trainer.threads=1"],
     "async4": ["run.cpu_processes=1", "run.async_rollouts=true", "run.max_staleness=4", "trainer.threads=1"],
+    # async4 with APRIL's partial rollouts (text only): 1.5x the groups in flight, unfinished completions carried over
+    "async4_april": ["run.cpu_processes=1", "run.async_rollouts=true", "run.max_staleness=4", "trainer.threads=1",
+                     "run.over_provision=1.5"],
     # sync2 with the transformer blocks compiled: issue 48's held-out check before the default compiles
     "sync2_compiled": ["run.cpu_processes=2", "trainer.threads=1", "model.compile=blocks"],
 }

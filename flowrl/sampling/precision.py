@@ -34,9 +34,9 @@ large widths).
 
 The copy serves exploration only, so it may also take shortcuts that the training policy may
 not: the two-stage rollout compiles its network as model.compile says (`.net`, in place), and
-`first_block_cache` applies diffusers' First Block Cache (a step whose first block's residual barely changed reuses the
-previous step's other blocks). Candidates from a cached copy carry a label that no training
-precision has, so the GRPO guard refuses them like low-precision ones.
+`first_block_cache` applies diffusers' First Block Cache (a step whose first block's residual
+barely changed reuses the previous step's other blocks). Candidates from a cached copy carry a
+label that no training precision has, so the GRPO guard refuses them like low-precision ones.
 
 torchao is an optional dependency (`pip install flowrl[fp4]`), imported only by the real
 kernel backends.

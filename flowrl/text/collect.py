@@ -113,53 +113,18 @@ class TextCollector:
         return TextExperience(iteration, prompt_ids, rewards, valid, advantages, torch.cat(lengths), torch.cat(truncated),
                               trained, out.degenerate, out.group_ids, gen, rows)
 
-
     def collect_partial(self, iteration: int) -> TextExperience:
         """APRIL's active partial rollouts (arXiv 2509.18521): ceil(f x P) groups are in flight (f =
         run.over_provision, P = data.prompts_per_iteration); generation stops as soon as P groups
         have every completion finished, those P (the oldest first) are the batch, and the others
         stay in flight with their tokens, behaviour log-probs and generators, continued with the
-        newer weights in the next round. A completion whose first token is older than the next
-        batch may be (iteration - run.max_staleness) starts over, so the staleness bound holds for
-        every token. One process (run.async_rollouts' producer), uniform allocator (validated)."""
-        cfg, d, g = self.cfg, self.cfg.data, self.cfg.generation
-        stop, horizon = tuple(g.stop), g.max_new_tokens
-        restarted = 0
-        for _, rows in self.in_flight:
-            for r in rows:
-                if r.tokens and r.version < iteration - cfg.run.max_staleness:
-                    r.restart(self.version)
-                    restarted += 1
-                elif not r.tokens:
-                    r.version = self.version
-        carried = len(self.in_flight)
-        new = math.ceil(cfg.run.over_provision * d.prompts_per_iteration) - carried
-        if new > 0:  # more groups, drawn uniformly for this iteration (a salt of their own: not the allocator's draw)
-            gen = self.allocator.generator(iteration, salt=APRIL_SALT)
-            pool = len(self.data)
-            ids = torch.randperm(pool, generator=gen)[:new] if new <= pool else torch.randint(pool, (new,), generator=gen)
-            prompts = self.policy.format(self.data.take(ids.tolist())[0])
-            for j, (pid, prompt) in enumerate(zip(ids.tolist(), prompts)):
-                seeds = [sample_seed(cfg.trainer.seed, iteration, j * d.group_size + k) for k in range(d.group_size)]
-                self.in_flight.append((pid, [Partial(prompt, seed, version=self.version) for seed in seeds]))
-        resumed = sum(1 for _, rows in self.in_flight for r in rows if r.tokens and not r.done(horizon))
-        rows = [r for _, group in self.in_flight for r in group]
-        owner = torch.tensor([i for i, (_, group) in enumerate(self.in_flight) for _ in group])
-        pending = [r for r in rows if not r.done(horizon)]
-        pending_owner = torch.tensor([int(owner[i]) for i, r in enumerate(rows) if not r.done(horizon)], dtype=torch.long)
-        waiting = torch.bincount(pending_owner, minlength=len(self.in_flight))
-
-        def enough(done: torch.Tensor) -> bool:  # P groups with every completion finished
-            left = waiting - torch.bincount(pending_owner[done], minlength=len(self.in_flight))
-            return int((left == 0).sum()) >= d.prompts_per_iteration
-
-        was_training = self.policy.model.training
-        self.policy.model.eval()
-        try:
-            if not enough(torch.zeros(len(pending), dtype=torch.bool)):  # the last round may have finished enough already
-                continue_generation(self.policy.model, self.policy.tokenizer, pending, horizon, g.temperature, g.top_p, stop, enough)
-        finally:
-            self.policy.model.train(was_training)
+        newer weights in the next round. One process (run.async_rollouts' producer), uniform
+        allocator (validated)."""
+        cfg, d = self.cfg, self.cfg.data
+        stop, horizon = tuple(cfg.generation.stop), cfg.generation.max_new_tokens
+        restarted, added = self._renew_in_flight(iteration)
+        resumed = sum(1 for _, group in self.in_flight for r in group if r.tokens and not r.done(horizon))
+        self._generate_until_enough()
         finished = [i for i, (_, group) in enumerate(self.in_flight) if all(r.done(horizon) for r in group)][: d.prompts_per_iteration]
         batch = [self.in_flight[i] for i in finished]
         self.in_flight = [grp for i, grp in enumerate(self.in_flight) if i not in set(finished)]
@@ -175,12 +140,64 @@ class TextCollector:
         advantages[valid] = out.advantages * out.mask
         self.allocator.observe(prompt_ids[valid], successes(cfg, self.reward.total(rewards[valid])))
         n = len(prompt_ids)
-        metrics = {"april/in_flight_groups": carried + max(new, 0), "april/carried_groups": len(self.in_flight),
-                   "april/resumed_rows": resumed, "april/restarted_rows": restarted,
+        metrics = {"april/in_flight_groups": len(batch) + len(self.in_flight), "april/added_groups": added,
+                   "april/carried_groups": len(self.in_flight), "april/resumed_rows": resumed, "april/restarted_rows": restarted,
                    "april/unfinished_rows": sum(1 for _, group in self.in_flight for r in group if not r.done(horizon))}
         return TextExperience(iteration, prompt_ids, rewards, valid, advantages, gen.lengths, gen.truncated,
                               torch.ones(n, dtype=torch.bool), out.degenerate, out.group_ids, gen, torch.arange(n),
                               oldest_version=min(r.version for r in done_rows), rollout_metrics=metrics)
+
+    def _renew_in_flight(self, iteration: int) -> tuple[int, int]:
+        """Before batch `iteration`: a completion whose first token is older than the batch may be
+        (iteration - run.max_staleness) starts over, so the bound holds for every token; then new
+        groups, drawn uniformly for this iteration, fill the flight up to ceil(f x P). Returns
+        (completions restarted, groups added)."""
+        cfg, d = self.cfg, self.cfg.data
+        restarted = 0
+        for _, group in self.in_flight:
+            for r in group:
+                if r.tokens and r.version < iteration - cfg.run.max_staleness:
+                    r.restart(self.version)
+                    restarted += 1
+                elif not r.tokens:
+                    r.version = self.version
+        new = math.ceil(cfg.run.over_provision * d.prompts_per_iteration) - len(self.in_flight)
+        if new <= 0:
+            return restarted, 0
+        gen = self.allocator.generator(iteration, salt=APRIL_SALT)  # not the allocator's own draw for the iteration
+        pool = len(self.data)
+        ids = torch.randperm(pool, generator=gen)[:new] if new <= pool else torch.randint(pool, (new,), generator=gen)
+        prompts = self.policy.format(self.data.take(ids.tolist())[0])
+        for j, (pid, prompt) in enumerate(zip(ids.tolist(), prompts)):
+            seeds = [sample_seed(cfg.trainer.seed, iteration, j * d.group_size + k) for k in range(d.group_size)]
+            self.in_flight.append((pid, [Partial(prompt, seed, version=self.version) for seed in seeds]))
+        return restarted, new
+
+    def _generate_until_enough(self) -> None:
+        """Continue every unfinished completion in flight until P groups have all theirs finished."""
+        g, per_iteration = self.cfg.generation, self.cfg.data.prompts_per_iteration
+        pending, owner = [], []
+        for i, (_, group) in enumerate(self.in_flight):
+            for r in group:
+                if not r.done(g.max_new_tokens):
+                    pending.append(r)
+                    owner.append(i)
+        owner = torch.tensor(owner, dtype=torch.long)
+        waiting = torch.bincount(owner, minlength=len(self.in_flight))
+
+        def enough(done: torch.Tensor) -> bool:  # P groups with every completion finished
+            left = waiting - torch.bincount(owner[done], minlength=len(self.in_flight))
+            return int((left == 0).sum()) >= per_iteration
+
+        if enough(torch.zeros(len(pending), dtype=torch.bool)):  # the last round may have finished enough already
+            return
+        was_training = self.policy.model.training
+        self.policy.model.eval()
+        try:
+            continue_generation(self.policy.model, self.policy.tokenizer, pending, g.max_new_tokens, g.temperature, g.top_p,
+                                tuple(g.stop), enough)
+        finally:
+            self.policy.model.train(was_training)
 
 
 APRIL_SALT = 104_729  # the allocator generator's salt for the groups partial rollouts add
