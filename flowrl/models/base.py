@@ -361,9 +361,8 @@ class FlowPolicy:
         """model.compile (flowrl/models/compile.py): compile the network in place (and the reference
         copy of full fine-tuning), after the adapter is added; from then on every velocity runs on
         exactly `rows` rows (sampling.batch_size), a short batch padded, so shapes never change."""
-        if mode == "none":
+        if not compile_network(self.transformer, mode):  # none, or no C++ compiler on a CPU (warned)
             return
-        compile_network(self.transformer, mode)
         if self._reference_net is not None:
             compile_network(self._reference_net, mode)
         self.compiled_rows = int(rows)

@@ -29,6 +29,8 @@ iteration after the first compiled anything (TORCH_LOGS=recompiles then says why
 
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from collections.abc import Callable
 
@@ -61,6 +63,11 @@ def slow_inductor_flags() -> list[str]:
     return [f for f in SLOW_INDUCTOR_FLAGS if getattr(inductor, f, False)]
 
 
+def cpu_compiler() -> str | None:
+    """The C++ compiler Inductor would build CPU kernels with ($CXX, else g++, clang++ or c++), or None."""
+    return next((name for name in (os.environ.get("CXX"), "g++", "clang++", "c++") if name and shutil.which(name)), None)
+
+
 def block_modules(net: torch.nn.Module) -> list[torch.nn.Module]:
     """The transformer blocks of a diffusers model: the classes it names in `_repeated_blocks`
     (diffusers' regional compilation), else in `_no_split_modules`; subclasses too (fsdp2's
@@ -69,25 +76,33 @@ def block_modules(net: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in net.modules() if any(c.__name__ in names for c in type(m).__mro__)]
 
 
-def compile_network(net: torch.nn.Module, mode: str) -> None:
-    """Compile `net` in place under `mode` (COMPILE_MODES); none leaves it eager."""
+def compile_network(net: torch.nn.Module, mode: str) -> bool:
+    """Compile `net` in place under `mode` (COMPILE_MODES); none leaves it eager. On a CPU without a
+    C++ compiler (Inductor builds its CPU kernels with one) it warns in one line and stays eager,
+    so the default preset still runs there. Returns whether it compiled."""
     if mode not in COMPILE_MODES:
         raise UserError(f"model.compile must be one of {', '.join(COMPILE_MODES)}; got '{mode}'")
     if mode == "none":
-        return
+        return False
+    on_cpu = next(net.parameters(), torch.empty(0)).device.type == "cpu"
+    if on_cpu and cpu_compiler() is None:
+        warnings.warn(f"model.compile {mode} needs a C++ compiler on the CPU (Inductor builds its kernels with one) and none was "
+                      "found ($CXX, g++, clang++, c++): the transformer runs eager", stacklevel=2)
+        return False
     configure_dynamo()
     if slow := slow_inductor_flags():
         warnings.warn(f"model.compile: Inductor's {' and '.join(slow)} {'is' if len(slow) == 1 else 'are'} on (torchao's quantisation "
                       "configs set it unless built with set_inductor_config=False), which makes compiling 5-10x slower", stacklevel=2)
     if mode == "full":
         net.compile(dynamic=False)
-        return
+        return True
     blocks = block_modules(net)
     if not blocks:
         raise UserError(f"model.compile blocks compiles each transformer block, but {type(net).__name__} names no block "
                         "classes (_repeated_blocks or _no_split_modules); use model.compile=full")
     for block in blocks:
         block.compile(dynamic=False)
+    return True
 
 
 def compiled_graphs() -> int:

@@ -61,7 +61,7 @@ def test_unknown_mode_is_refused_in_one_sentence():
         load_config("tiny_jpeg", ["model.compile=fast"])
     assert str(err.value) == "model.compile must be one of none, blocks, full; got 'fast'"
     assert ModelConfig().compile == "none"
-    assert load_config("default", []).model.compile == "none"  # the default preset stays eager
+    assert load_config("default", []).model.compile == "blocks"  # the default preset compiles (BENCHMARKS.md, bench_compile)
 
 
 def test_a_compile_after_the_first_iteration_prints_one_line():
@@ -183,3 +183,18 @@ def test_a_compiled_exploration_copy_equals_eager_and_a_resync_compiles_nothing(
     copy.resync()
     moved = rollout(copy.policy, prompts, seeds, spec, ROWS)
     assert compiled_graphs() == warm and not torch.equal(moved.final, compiled.final)
+
+
+def test_without_a_cpu_compiler_the_policy_stays_eager_with_one_warning(one_block_sd3, monkeypatch):
+    # Inductor builds CPU kernels with a C++ compiler: where there is none, the default preset (which
+    # compiles its blocks) still trains, eager, after one warning line
+    import flowrl.models.compile as compile_module
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(compile_module.shutil, "which", lambda name: None)
+    assert compile_module.cpu_compiler() is None
+    policy = lora_policy(one_block_sd3)
+    with pytest.warns(UserWarning, match=r"^model.compile blocks needs a C\+\+ compiler on the CPU .*: the transformer runs eager$"):
+        policy.compile("blocks", ROWS)
+    assert policy.compiled_rows == 0
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in policy.transformer.modules())

@@ -140,7 +140,8 @@ def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_pr
     cfg = load_config(None, ["trainer.iterations=12", "trainer.max_minutes=0", "trainer.ema=false", "trainer.lr=1e-3",
                              "trainer.lr_schedule=constant",
                              "data.prompts_per_iteration=2", "data.group_size=8", "sampling.batch_size=16",
-                             "run.progress=false", "run.tracker=none", "run.sample_every=0", "run.checkpoint_every=0"])
+                             "run.progress=false", "run.tracker=none", "run.sample_every=0", "run.checkpoint_every=0",
+                             "model.compile=none"])  # eager, as calibrated (tests/models/test_compile.py covers the compiled network)
     cfg.data.prompts, cfg.data.prompt_file = prompts, None
     trainer = Trainer(cfg, run_dir=tmp_path / "run")
     held = [p for p in prompts for _ in range(16)]
