@@ -61,7 +61,7 @@ def test_training_logs_strict_accuracy_per_category(tmp_path, tiny_shapes_dir):
             "sampling.num_steps=3", "objective.dgpo.timesteps=2", "objective.dgpo.grid_points=3",
             "sampling.window.size=1", "data.prompts_per_iteration=2", "data.group_size=4",
             "sampling.batch_size=8", "lora.rank=2", "lora.alpha=2", "lora.target_modules=[to_q, to_v]", "run.progress=false", "run.tracker=none",
-            "run.sample_every=0", "run.checkpoint_every=0", "data.prompt_file=null",
+            "run.sample_every=0", "run.checkpoint_every=0", "data.prompt_file=null", "model.compile=none",
             "data.prompts=[a red circle, a blue square above a green triangle]"]
     assert main(["train", *args, "--run-dir", str(run)]) == 0
     for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()):
