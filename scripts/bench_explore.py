@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import append_result, use_cuda  # noqa: E402
 from random_pipeline import build_pipeline  # noqa: E402
 
 VARIANTS = {  # name: (precision, preview, first-block-cache)
@@ -85,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per variant")
     a = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.cpu_smoke
-    if not cuda and not a.cpu_smoke:
-        print("bench_explore needs a CUDA GPU (or --cpu-smoke for the code path); nothing measured")
+    cuda = use_cuda("bench_explore", a.cpu_smoke)
+    if cuda is None:
         return 0
     if a.cpu_smoke:
         a.resolution, a.group, a.batch, a.steps, a.preview, a.min_features = 64, 2, 2, 3, 2, 0
@@ -131,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["relative_rms_vs_bf16"] = relative_rms(final, reference[1])
             results.append(row)
             print(json.dumps(row), flush=True)
-            if a.out:
-                with a.out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
+            append_result(a.out, row)
             if cuda:
                 torch.cuda.empty_cache()
     best = next((r for r in results if r["variant"] == "fp8+preview+fbc" and "vs_bf16" in r), None)

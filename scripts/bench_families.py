@@ -19,7 +19,7 @@ iteration's time and torch.cuda.max_memory_allocated over both.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 
 from flowrl.train.memory_plan import GIB, KNOWN_MODELS, Launch, Model, count, format_plan, on_meta, plan, plan_peak
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import append_result, use_cuda  # noqa: E402
 
 FAMILIES = {"qwen_image": ("Qwen/Qwen-Image", "qwen_image_pickscore_1gpu"),
             "z_image": ("Tongyi-MAI/Z-Image-Turbo", "z_image_turbo_pickscore_1gpu"),
@@ -155,15 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resolution", type=int, default=512)
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per family (scripts/gpu_checks.sh)")
     a = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.cpu_smoke
-    if not cuda and not a.cpu_smoke:
-        print("bench_families needs a CUDA GPU (or --cpu-smoke for the code path); nothing measured")
+    cuda = use_cuda("bench_families", a.cpu_smoke)
+    if cuda is None:
         return 0
     for kind in a.families:
         result = bench(kind, cuda, a.iterations, a.resolution if cuda else 64)
-        if a.out:
-            with a.out.open("a") as f:
-                f.write(json.dumps({"check": "families", **result, "cpu_smoke": not cuda}) + "\n")
+        append_result(a.out, {"check": "families", **result, "cpu_smoke": not cuda})
         if cuda:
             torch.cuda.empty_cache()
     return 0

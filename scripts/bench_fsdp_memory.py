@@ -15,7 +15,6 @@ with the encoders' real parameter count replaced by the built ones'.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -26,6 +25,7 @@ import torch
 from flowrl.train.memory_plan import GIB, Launch, format_plan, load_model, plan, plan_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import append_result, use_cuda  # noqa: E402
 from random_pipeline import build_pipeline  # noqa: E402
 
 
@@ -37,9 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iterations", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="append the reading as one JSON line (scripts/gpu_checks.sh)")
     a = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.cpu_smoke
-    if not cuda and not a.cpu_smoke:
-        print("bench_fsdp_memory needs a CUDA GPU (or --cpu-smoke for the code path); nothing measured")
+    cuda = use_cuda("bench_fsdp_memory", a.cpu_smoke)
+    if cuda is None:
         return 0
     resolution = 64 if a.cpu_smoke else a.resolution
     from flowrl.config import load_config
@@ -81,9 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"measured / plan {peak / planned:.3f} (goal 0.85-1.15)")
         else:
             print(f"plan {planned:.4f} GiB; no memory reading on the CPU")
-        if a.out:
-            with a.out.open("a") as f:
-                f.write(json.dumps(result) + "\n")
+        append_result(a.out, result)
     return 0
 
 

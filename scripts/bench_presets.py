@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import append_result, use_cuda  # noqa: E402
 from random_pipeline import build_pipeline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,9 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny transformers on the CPU: the code path, no reading")
     ap.add_argument("--out", type=Path, default=None, help="append one JSON line per preset")
     a = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.cpu_smoke
-    if not cuda and not a.cpu_smoke:
-        print("bench_presets needs a CUDA GPU (or --cpu-smoke for the code path); nothing measured")
+    cuda = use_cuda("bench_presets", a.cpu_smoke)
+    if cuda is None:
         return 0
     with tempfile.TemporaryDirectory(prefix="bench_presets-") as tmp:
         tmp = Path(tmp)
@@ -125,9 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_presets: {model} pipeline built in {time.perf_counter() - t0:.1f} s", flush=True)
             result = bench(name, pipelines[model], cuda, tmp)
             print(json.dumps(result), flush=True)
-            if a.out:
-                with a.out.open("a") as f:
-                    f.write(json.dumps(result) + "\n")
+            append_result(a.out, result)
     return 0
 
 

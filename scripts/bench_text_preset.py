@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_bench import append_result, use_cuda  # noqa: E402
 
 PRESET = "qwen25_05b_gsm8k_1gpu"
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -51,9 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, default=None, help="append the reading as one JSON line")
     a = ap.parse_args(argv)
-    cuda = torch.cuda.is_available() and not a.cpu_smoke
-    if not cuda and not a.cpu_smoke:
-        print("bench_text_preset needs a CUDA GPU (or --cpu-smoke for the code path); nothing measured")
+    cuda = use_cuda("bench_text_preset", a.cpu_smoke)
+    if cuda is None:
         return 0
     from flowrl.cli import main as flowrl
 
@@ -81,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     print(json.dumps(out))
-    if a.out:
-        with a.out.open("a") as f:
-            f.write(json.dumps(out) + "\n")
+    append_result(a.out, out)
     return 0
 
 
