@@ -98,20 +98,25 @@ class TextCollector:
         allocate_in_stages(self.allocator, iteration, sample_stage)
         prompt_ids, rewards, valid = torch.cat(ids_all), torch.cat(rewards), torch.cat(valid)
         gen = concat(gens, self.policy.tokenizer.pad_token_id)
-        if not bool(valid.any()):
-            raise UserError(f"every reward of iteration {iteration} was invalid (NaN or inf); see reward.on_invalid")
         # the advantages' group statistics use every sample drawn, also those the loss leaves out
-        out = estimate_advantages(cfg.advantage.kind, rewards[valid], prompt_ids[valid], self.reward.weights,
-                                  std=cfg.advantage.std)
-        advantages = torch.zeros(len(prompt_ids))
-        advantages[valid] = out.advantages * out.mask
-        won = successes(cfg, self.reward.total(rewards[valid]))
+        out, advantages, won = self.advantages(iteration, prompt_ids, rewards, valid)
         trained = torch.zeros(len(prompt_ids), dtype=torch.bool)
         trained[valid] = self.allocator.keep(prompt_ids[valid], won)
         self.allocator.observe(prompt_ids[valid], won)
         gen, rows = trained_share(gen, torch.cat(local_rows), trained, acc)
         return TextExperience(iteration, prompt_ids, rewards, valid, advantages, torch.cat(lengths), torch.cat(truncated),
                               trained, out.degenerate, out.group_ids, gen, rows)
+
+    def advantages(self, iteration: int, prompt_ids: torch.Tensor, rewards: torch.Tensor, valid: torch.Tensor):
+        """The estimator's output over the valid samples, the advantages of all [N] (0 where invalid)
+        and the valid samples' successes."""
+        if not bool(valid.any()):
+            raise UserError(f"every reward of iteration {iteration} was invalid (NaN or inf); see reward.on_invalid")
+        cfg = self.cfg
+        out = estimate_advantages(cfg.advantage.kind, rewards[valid], prompt_ids[valid], self.reward.weights, std=cfg.advantage.std)
+        advantages = torch.zeros(len(prompt_ids))
+        advantages[valid] = out.advantages * out.mask
+        return out, advantages, successes(cfg, self.reward.total(rewards[valid]))
 
     def collect_partial(self, iteration: int) -> TextExperience:
         """APRIL's active partial rollouts (arXiv 2509.18521): ceil(f x P) groups are in flight (f =
@@ -125,20 +130,17 @@ class TextCollector:
         restarted, added = self._renew_in_flight(iteration)
         resumed = sum(1 for _, group in self.in_flight for r in group if r.tokens and not r.done(horizon))
         self._generate_until_enough()
-        finished = [i for i, (_, group) in enumerate(self.in_flight) if all(r.done(horizon) for r in group)][: d.prompts_per_iteration]
-        batch = [self.in_flight[i] for i in finished]
-        self.in_flight = [grp for i, grp in enumerate(self.in_flight) if i not in set(finished)]
+        finished = {i for i, (_, group) in enumerate(self.in_flight) if all(r.done(horizon) for r in group)}
+        finished = set(sorted(finished)[: d.prompts_per_iteration])  # the oldest first
+        batch = [grp for i, grp in enumerate(self.in_flight) if i in finished]
+        self.in_flight = [grp for i, grp in enumerate(self.in_flight) if i not in finished]
         prompt_ids = torch.tensor([pid for pid, group in batch for _ in group], dtype=torch.long)
         done_rows = [r for _, group in batch for r in group]
         gen = partial_generation(self.policy.tokenizer, done_rows, stop)
         prompts, columns = self.data.take(prompt_ids.tolist())
         rewards, valid = self.reward(prompts, gen.texts, columns)
-        if not bool(valid.any()):
-            raise UserError(f"every reward of iteration {iteration} was invalid (NaN or inf); see reward.on_invalid")
-        out = estimate_advantages(cfg.advantage.kind, rewards[valid], prompt_ids[valid], self.reward.weights, std=cfg.advantage.std)
-        advantages = torch.zeros(len(prompt_ids))
-        advantages[valid] = out.advantages * out.mask
-        self.allocator.observe(prompt_ids[valid], successes(cfg, self.reward.total(rewards[valid])))
+        out, advantages, won = self.advantages(iteration, prompt_ids, rewards, valid)
+        self.allocator.observe(prompt_ids[valid], won)
         n = len(prompt_ids)
         metrics = {"april/in_flight_groups": len(batch) + len(self.in_flight), "april/added_groups": added,
                    "april/carried_groups": len(self.in_flight), "april/resumed_rows": resumed, "april/restarted_rows": restarted,

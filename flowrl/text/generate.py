@@ -138,15 +138,21 @@ def _generate(model, tokenizer, prompts, seeds, max_new_tokens, temperature, top
         alive &= ~finished
         if not bool(alive.any()) or t == max_new_tokens - 1:
             break
-        full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)  # finished rows' pads are never read
-        out = model(input_ids=choice.unsqueeze(1).to(device), attention_mask=full_mask, position_ids=positions_of(full_mask)[:, -1:],
-                    cache=cache, use_cache=True)
-        cache, next_logits = out.cache, out.logits[:, -1]
+        cache, next_logits, full_mask = decode_step(model, choice, full_mask, cache)
     width = int(lengths.max()) if n else 0
     tokens, log_probs = tokens[:, :width], log_probs[:, :width]
     completion_mask = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)
     texts = [completion_text(tokenizer, tokens[i, : int(lengths[i])], stop) for i in range(n)]
     return Generation(ids.cpu(), mask.bool().cpu(), tokens, completion_mask, log_probs, ~ended, texts)
+
+
+def decode_step(model, choice: torch.Tensor, full_mask: torch.Tensor, cache):
+    """One token per row [n] through the network on its cache: the next cache, the next-token logits
+    [n, V] and the attention mask grown by one column (finished rows' pads are never read)."""
+    full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)
+    out = model(input_ids=choice.unsqueeze(1).to(full_mask.device), attention_mask=full_mask,
+                position_ids=positions_of(full_mask)[:, -1:], cache=cache, use_cache=True)
+    return out.cache, out.logits[:, -1], full_mask
 
 
 def sample_tokens(next_logits: torch.Tensor, temperature: float, top_p: float, generators) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +227,7 @@ def continue_generation(model, tokenizer, rows: list[Partial], max_new_tokens: i
     mask = torch.tensor([[False] * (width - len(c)) + [True] * len(c) for c in context])
     first, inverse = distinct_rows(ids, mask)
     cache, next_logits = prefill_shared(model, ids[first].to(device), mask[first].to(device), inverse)
-    full_mask = mask.to(device)
+    full_mask = mask.long().to(device)
     alive = torch.ones(len(active), dtype=torch.bool)
     while True:
         choice, lp = sample_tokens(next_logits, temperature, top_p, [r.generator for r in active])
@@ -234,10 +240,7 @@ def continue_generation(model, tokenizer, rows: list[Partial], max_new_tokens: i
         if not bool(alive.any()) or (enough is not None and enough(~alive)):
             return
         choice = torch.where(alive, choice, torch.full_like(choice, pad))
-        full_mask = torch.cat([full_mask, torch.ones_like(full_mask[:, :1])], 1)  # finished rows' pads are never read
-        out = model(input_ids=choice.unsqueeze(1).to(device), attention_mask=full_mask.long(),
-                    position_ids=positions_of(full_mask)[:, -1:], cache=cache, use_cache=True)
-        cache, next_logits = out.cache, out.logits[:, -1]
+        cache, next_logits, full_mask = decode_step(model, choice, full_mask, cache)
 
 
 def partial_generation(tokenizer, rows: list[Partial], stop: tuple[str, ...]) -> Generation:

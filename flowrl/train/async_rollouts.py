@@ -55,8 +55,11 @@ class ProducerFailure:
 
 class RolloutProducer:
     """`build()` runs in the producer process and returns a collector: `weights()` (the tensors
-    the trainer's updates change, by name), `collect(iteration)` and `state()`. `weights` are the
-    trainer's tensors of the same names, at version `start_iteration`."""
+    the trainer's updates change, by name), `collect(iteration)` and `state()`. Before each batch
+    the producer sets the collector's `version` to the weights' version it holds; a collector whose
+    batches carry older tokens (the text collector's partial rollouts) reports the oldest as the
+    experience's `oldest_version`, and the batch counts as that old. `weights` are the trainer's
+    tensors of the same names, at version `start_iteration`."""
 
     def __init__(self, build: Callable[[], Any], weights: dict[str, torch.Tensor], max_staleness: int, start_iteration: int,
                  threads: int = 0):

@@ -193,7 +193,7 @@ def test_partial_rollouts_carry_unfinished_groups_and_restart_what_the_bound_for
     collector.version = 1
     exp = collector.collect(1)
     kept = [r for tokens, r in carried if tokens and r.tokens[: len(tokens)] == tokens and r.version == 0]
-    assert kept and exp.oldest_version >= 0 and exp.rollout_metrics["april/restarted_rows"] == 0
+    assert kept and exp.oldest_version in (0, 1) and exp.rollout_metrics["april/restarted_rows"] == 0
     # two versions later (batch 3 with max_staleness 1): a version-0 token may not be trained, so those rows start over
     stale = [r for _, group in collector.in_flight for r in group if r.tokens and r.version == 0]
     collector.version = 3
