@@ -12,9 +12,9 @@ from flowrl.cli import main
 
 
 def run_metrics(run: Path) -> list[dict]:
-    """metrics.jsonl rows without the wall-clock timings (which no two runs share)."""
+    """metrics.jsonl rows without the wall-clock timings and rates (which no two runs share)."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("time_")} for r in rows]
+    return [{k: v for k, v in r.items() if not (k.startswith("time_") or k.endswith("_per_s"))} for r in rows]
 
 
 def trainable(run: Path, iteration: int) -> dict[str, torch.Tensor]:

@@ -83,7 +83,10 @@ class Rollout:
         """Raise ConfigError for settings this rollout cannot run with."""
 
     def collect(self, iteration: int) -> Experience:
-        raise NotImplementedError
+        """The iteration's Experience; a rollout that runs ahead builds it from its `sample`."""
+        if not self.runs_ahead:
+            raise NotImplementedError
+        return self.experience(self.sample(iteration))
 
     def sample(self, iteration: int) -> Any:
         """(runs_ahead rollouts) The iteration's draws and scores, picklable."""

@@ -53,6 +53,71 @@ def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, tin
     assert_resume_repeats(async_args, straight, tmp_path / "stopped")
 
 
+# the rollouts other than flat that a producer samples ahead: BranchGRPO's trees, G2RPO's branches, Sol-RL's two stages
+AHEAD = {
+    "tree": ["rollout.kind=tree", "rollout.tree.split_steps=[0,2]", "rollout.tree.branching=[2]", "sampling.batch_size=3"],
+    "granular": ["rollout.kind=granular", "rollout.granular.branch_steps=[0,1]", "data.group_size=2"],
+    "two_stage": ["rollout.kind=two_stage", "rollout.two_stage.candidates=8", "rollout.two_stage.explore_precision=bf16"],
+}
+
+
+@pytest.mark.parametrize("rollout", sorted(AHEAD))
+def test_every_rollout_that_runs_ahead_is_the_synchronous_run_at_staleness_zero(tmp_path, tiny_sd3_dir, rollout, monkeypatch,
+                                                                                 restore_threads):
+    """Its batch drawn in the producer (explorer, allocator and scoring there) and its Experience
+    built in the trainer give the synchronous run, column for column and weight for weight."""
+    from flowrl.sampling.precision import ExplorationCopy
+
+    built, init = [], ExplorationCopy.__init__
+
+    def counted(self, *a, **k):  # the copies built in this (the trainer's) process; the producer is another
+        built.append(1)
+        init(self, *a, **k)
+
+    monkeypatch.setattr(ExplorationCopy, "__init__", counted)
+    args = ["tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", *AHEAD[rollout], "trainer.iterations=2", "run.checkpoint_every=0"]
+    sync, straight = tmp_path / "sync", tmp_path / "async"
+    assert main(["train", *args, "--run-dir", str(sync)]) == 0
+    explorers_sync = len(built)
+    assert main(["train", *args, "run.async_rollouts=true", "run.max_staleness=0", "--run-dir", str(straight)]) == 0
+    assert explorers_sync == (rollout == "two_stage") and len(built) == explorers_sync  # an async trainer explores nothing
+    rows, async_rows = run_metrics(sync), run_metrics(straight)
+    assert [{k: r[k] for k in s} for s, r in zip(rows, async_rows)] == rows
+    assert [r["staleness"] for r in async_rows] == [0, 0]
+    a, b = trainable(sync, 2), trainable(straight, 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_stale_tree_batch_trains_its_kept_edges_with_the_off_policy_loss(tmp_path, tiny_sd3_dir, monkeypatch, restore_threads):
+    """Trees with pruned edges a version or two old: the proximal forward runs and the weight
+    statistics count the kept edges only."""
+    from flowrl.core import off_policy
+    from flowrl.train.objectives.grpo import GRPO
+
+    update, counted = GRPO.update, []
+    stats = off_policy.behaviour_weight_stats
+
+    def slow_update(self, experience):
+        time.sleep(1.0)
+        return update(self, experience)
+
+    def counting_stats(prox, behaviour, mask, cap):
+        counted.append((len(mask), int(mask.sum())))
+        return stats(prox, behaviour, mask, cap)
+
+    monkeypatch.setattr(GRPO, "update", slow_update)
+    monkeypatch.setattr("flowrl.train.objectives.grpo.behaviour_weight_stats", counting_stats)
+    run = tmp_path / "run"
+    assert main(["train", "tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", *AHEAD["tree"], "rollout.tree.width_keep=0.5",
+                 "trainer.iterations=4", "run.checkpoint_every=0", "run.async_rollouts=true", "run.max_staleness=2",
+                 "--run-dir", str(run)]) == 0
+    rows = run_metrics(run)
+    assert [r["staleness"] for r in rows] == [0, 1, 2, 2]
+    stale = [r for r in rows if r["staleness"] > 0]
+    assert all(0 < r["off_policy/ess"] <= 1 for r in stale)
+    assert len(counted) == len(stale) and all(0 < kept < total for total, kept in counted)  # width pruning left edges out
+
+
 def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run(tmp_path, tiny_sd3_dir, capsys, monkeypatch,
                                                                                   restore_threads):
     from flowrl.train.async_rollouts import RolloutProducer
@@ -149,7 +214,7 @@ def test_m2po_on_transitions_drops_the_largest_log_ratios_until_the_second_momen
 
 
 @pytest.mark.parametrize("override, named", [
-    (["rollout.kind=tree", "sampling.num_steps=10", "data.group_size=16"], "rollout.kind flat, not 'tree'"),
+    (["rollout.kind=offline", f"data.offline={os.path.dirname(__file__)}", "objective.kind=gdro"], "not 'offline'"),
     (["run.cpu_processes=2"], "run.cpu_processes: 1"),
     (["objective.grpo.ratio_norm=true"], "objective.grpo.ratio_norm"),
     (["trainer.budget_minutes=5", "sampling.window.strategy=progressive", "sampling.window.size=2"], "progressive"),

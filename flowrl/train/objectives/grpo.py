@@ -116,8 +116,10 @@ class GRPO(Objective):
         if proximal is not None:
             prox = torch.cat([p for g in proximal for p in g])
             behaviour = torch.cat([mb.old_log_prob for g in groups for mb in g])
+            kept_mask = torch.cat([torch.ones_like(mb.old_log_prob, dtype=torch.bool) if mb.keep is None else mb.keep.bool().cpu()
+                                   for g in groups for mb in g])  # pruned tree edges and padding take no part
             cap = ctx.cfg.objective.grpo.behaviour_cap
-            out.update(behaviour_weight_stats(prox, behaviour, torch.ones_like(prox, dtype=torch.bool), cap))
+            out.update(behaviour_weight_stats(prox, behaviour, kept_mask, cap))
         return out
 
     @torch.no_grad()

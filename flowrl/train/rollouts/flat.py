@@ -73,9 +73,6 @@ class FlatRollout(Rollout):
         allocate_in_stages(ctx.allocator, iteration, sample_stage)
         return stages
 
-    def collect(self, iteration: int) -> Experience:
-        return self.experience(self.sample(iteration))
-
     def sample(self, iteration: int) -> "FlatBatch":
         """The iteration's stages, their rewards and advantages; the allocator sees the outcomes."""
         ctx = self.ctx
@@ -108,9 +105,13 @@ class FlatRollout(Rollout):
         return FlatBatch(iteration, spec, stages, rewards, prompt_ids, valid, advantages, metrics)
 
     def experience(self, batch: "FlatBatch") -> Experience:
-        b = batch
-        return stage_experience(self.ctx, b.iteration, b.stages, b.spec, b.rewards, b.prompt_ids, b.valid, b.advantages, b.metrics,
-                                with_transitions=TRANSITIONS in self.provides(self.ctx.cfg))
+        return flat_experience(self.ctx, batch, with_transitions=TRANSITIONS in self.provides(self.ctx.cfg))
+
+
+def flat_experience(ctx, b: "FlatBatch", with_transitions: bool) -> Experience:
+    """The Experience of a FlatBatch on this process's policy (flat and two-stage rollouts)."""
+    return stage_experience(ctx, b.iteration, b.stages, b.spec, b.rewards, b.prompt_ids, b.valid, b.advantages, b.metrics,
+                            with_transitions=with_transitions)
 
 
 @dataclass

@@ -14,6 +14,7 @@ processes), and the branch steps are trained in increasing order, as the referen
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -58,6 +59,7 @@ def granular_advantages(rewards: torch.Tensor, valid: torch.Tensor, n: int, M: i
 @register_rollout
 class GranularRollout(Rollout):
     name = "granular"
+    runs_ahead = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -82,7 +84,9 @@ class GranularRollout(Rollout):
         spec.sde_steps[branch_steps_of(self.ctx.cfg)] = True
         return spec
 
-    def collect(self, iteration: int) -> Experience:
+    def sample(self, iteration: int) -> "GranularSample":
+        """This process's anchors, branches and scored tails of `iteration`, with the multi-granularity
+        advantages; the allocator sees the outcomes."""
         ctx = self.ctx
         cfg, weights = ctx.cfg, ctx.reward_fn.channel_weights
         G, bs, gr = cfg.data.group_size, cfg.sampling.batch_size, cfg.rollout.granular
@@ -111,7 +115,6 @@ class GranularRollout(Rollout):
         local = torch.zeros(P, M, G)
         mine = shard.positions[real]
         local[real] = by_step[mine]
-        groups = self.micro_batches(batch, spec, local, real)
 
         prompt_ids = torch.tensor(ids[:n]).repeat_interleave(M * G)
         mean_rewards = rewards.mean(1)  # [N, K]: each sample's reward averaged over its granularities
@@ -126,16 +129,23 @@ class GranularRollout(Rollout):
             "network_calls": batch.calls,  # batched calls on this process
             "decodes": n * M * L * G,  # = reward calls (rows scored), all processes
             "trained_steps": M,
-            "training_forwards": sum(len(g) for g in groups),  # micro-batches per inner epoch, this process
             "time_reward": scores.reward_time,
             "time_reward_wait": scores.reward_wait,
         }
         for m, k in enumerate(batch.branch_steps):
             metrics[f"adv_abs_mean/step{k}"] = by_step[:, m].abs().mean().item()
             metrics[f"adv_std/step{k}"] = by_step[:, m].std(unbiased=False).item()
-        return Experience(iteration, mean_rewards, prompt_ids, valid, advantages, policy_precision(ctx.policy), transitions=groups,
-                          weigh_by_transition=True, shuffle=gr.step_order == "shuffled", metrics=metrics,
-                          reward_totals=mean_rewards @ weights)
+        return GranularSample(iteration, batch, spec, local, real, mean_rewards, prompt_ids, valid, advantages,
+                              policy_precision(ctx.policy), metrics)
+
+    def experience(self, sample: "GranularSample") -> Experience:
+        """The branch transitions of `sample` in micro-batches over this process's policy."""
+        s, cfg = sample, self.ctx.cfg
+        groups = self.micro_batches(s.batch, s.spec, s.local_advantages, s.real)
+        metrics = {**s.metrics, "training_forwards": sum(len(g) for g in groups)}  # micro-batches per inner epoch, this process
+        return Experience(s.iteration, s.rewards, s.prompt_ids, s.valid, s.advantages, s.precision, transitions=groups,
+                          weigh_by_transition=True, shuffle=cfg.rollout.granular.step_order == "shuffled", metrics=metrics,
+                          reward_totals=s.rewards @ self.ctx.reward_fn.channel_weights)
 
     def micro_batches(self, batch: GranularBatch, spec: SamplerSpec, local_adv: torch.Tensor, real: torch.Tensor):
         """One micro-batch per (branch step, sampling batch of anchors); accumulation groups of one
@@ -154,6 +164,24 @@ class GranularRollout(Rollout):
         if self.ctx.cfg.rollout.granular.step_per_branch:
             return per_step
         return [[mb for step in per_step for mb in step]]
+
+
+@dataclass
+class GranularSample:
+    """What `GranularRollout.sample` drew: tensors and the sampler's spec only, so that it travels
+    between processes (run.async_rollouts)."""
+
+    iteration: int
+    batch: GranularBatch  # this process's anchors, branches and tails
+    spec: SamplerSpec
+    local_advantages: torch.Tensor  # [P, M, G] this process's, 0 on padding prompts
+    real: torch.Tensor  # [P] bool: False for padding copies
+    rewards: torch.Tensor  # [N, K] each sample's reward averaged over its granularities
+    prompt_ids: torch.Tensor  # [N]
+    valid: torch.Tensor  # [N] bool
+    advantages: torch.Tensor  # [N]
+    precision: str
+    metrics: dict
 
 
 def validate_granular(cfg) -> None:

@@ -27,8 +27,10 @@ from flowrl.train.scoring import Scores, Scoring
 
 
 class TreeBatch(NamedTuple):
-    """One iteration's trees on this process and what training needs of them."""
+    """One iteration's trees on this process and what training needs of them: tensors and the
+    sampler's spec only, so that it travels between processes (run.async_rollouts)."""
 
+    iteration: int
     tree: TreeTrajectory  # this process's trees (may end with padding copies)
     scores: Scores  # the leaves' rewards: every process's real leaves in tree order, and this process's
     advantages: list[torch.Tensor]  # per level [n_t]: depth-wise, clipped; 0 on padding trees
@@ -46,6 +48,7 @@ def tree_edge_steps(policy, tree: TreeTrajectory, spec: SamplerSpec, t: int, par
 @register_rollout
 class TreeRollout(Rollout):
     name = "tree"
+    runs_ahead = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -72,9 +75,10 @@ class TreeRollout(Rollout):
         return tree_spec(spec, self.ctx.cfg.rollout.splits())
 
     def sample(self, iteration: int) -> TreeBatch:
-        """This process's trees of `iteration`, their leaves scored, and depth-wise advantages."""
+        """This process's trees of `iteration`, their leaves scored, and depth-wise advantages; the
+        allocator sees the outcomes."""
         ctx = self.ctx
-        cfg, acc = ctx.cfg, ctx.accelerator
+        cfg = ctx.cfg
         g, bs, tr = cfg.data.group_size, cfg.sampling.batch_size, cfg.rollout.tree
         ids, seeds, shard = one_group_per_prompt(ctx, iteration)  # tree k's root noise: the flat group's first sample's
         n = len(ids)
@@ -95,14 +99,17 @@ class TreeRollout(Rollout):
         clip = cfg.advantage.clip
         advantages = [torch.where(real[t_ids], a.clamp(-clip, clip), torch.zeros_like(a))
                       for a, t_ids in zip(depthwise_advantages(values, tree.tree_ids, cfg.advantage.eps, node_valid), tree.tree_ids)]
-        return TreeBatch(tree, scores, advantages, real, torch.tensor(ids[:n]).repeat_interleave(g), n, spec)
+        prompt_ids = torch.tensor(ids[:n]).repeat_interleave(g)
+        weights = ctx.reward_fn.channel_weights
+        ctx.allocator.observe(prompt_ids[scores.valid], successes(cfg, scores.rewards[scores.valid] @ weights))
+        return TreeBatch(iteration, tree, scores, advantages, real, prompt_ids, n, spec)
 
-    def collect(self, iteration: int) -> Experience:
+    def experience(self, batch: TreeBatch) -> Experience:
+        """The trained edges of `batch` (pruning and the depth window applied here, on the trainer's
+        plan) in micro-batches over this process's policy."""
         ctx = self.ctx
         acc, g, weights = ctx.accelerator, ctx.cfg.data.group_size, ctx.reward_fn.channel_weights
-        batch = self.sample(iteration)
-        tree, scores, n = batch.tree, batch.scores, batch.num_trees
-        ctx.allocator.observe(batch.prompt_ids[scores.valid], successes(ctx.cfg, scores.rewards[scores.valid] @ weights))
+        tree, scores, n, iteration = batch.tree, batch.scores, batch.num_trees, batch.iteration
         keep = self.keep(tree, batch.advantages, batch.real, iteration)
         groups = self.micro_batches(tree, batch.spec, batch.advantages, keep)
         leaf_adv = gather_real(acc, batch.advantages[-1], n * g)

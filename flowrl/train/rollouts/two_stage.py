@@ -33,8 +33,8 @@ from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, FP8_SCALINGS
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.common import Stage, group_advantages, stage_experience, successes, training_spec
-from flowrl.train.rollouts.flat import FlatRollout
+from flowrl.train.rollouts.common import Stage, group_advantages, successes, training_spec
+from flowrl.train.rollouts.flat import FlatBatch, FlatRollout, flat_experience
 
 
 def subset_stage(stage: Stage, selected: torch.Tensor, num_processes: int, process_index: int) -> Stage:
@@ -91,16 +91,25 @@ def fidelity(explore: torch.Tensor, train: torch.Tensor, valid: torch.Tensor, gr
 @register_rollout
 class TwoStageRollout(Rollout):
     name = "two_stage"
+    runs_ahead = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
         self.flat = FlatRollout(ctx)  # sampling, scoring and gathering of each stage
         self.ts = ctx.cfg.rollout.two_stage
-        ts = self.ts
-        self.explorer = ExplorationCopy(ctx.policy, ts.explore_precision, ts.backend, ts.high_precision_layers, ts.fp8_scaling,
-                                        ts.min_features, ts.first_block_cache)
-        if self.explorer.net is not None:  # its own network: compiled as model.compile says (the policy's forwards were)
-            compile_network(self.explorer.net, ctx.cfg.model.compile)
+        self._explorer: ExplorationCopy | None = None
+
+    @property
+    def explorer(self) -> ExplorationCopy:
+        """The low-precision copy, built where the first batch is sampled (with run.async_rollouts,
+        in the producer only: a trainer that never explores holds no second copy of the network)."""
+        if self._explorer is None:
+            ts = self.ts
+            self._explorer = ExplorationCopy(self.ctx.policy, ts.explore_precision, ts.backend, ts.high_precision_layers,
+                                             ts.fp8_scaling, ts.min_features, ts.first_block_cache)
+            if self._explorer.net is not None:  # its own network: compiled as model.compile says (the policy's forwards were)
+                compile_network(self._explorer.net, self.ctx.cfg.model.compile)
+        return self._explorer
 
     @classmethod
     def provides(cls, cfg) -> set[str]:
@@ -148,7 +157,9 @@ class TwoStageRollout(Rollout):
         s = self.ctx.cfg.sampling
         return SamplerSpec.ode(self.ctx.policy.sigmas(p, s.schedule, s.shift))
 
-    def collect(self, iteration: int) -> Experience:
+    def sample(self, iteration: int) -> FlatBatch:
+        """Explore the pool in low precision, select, regenerate the selection in the training
+        precision; the regenerated samples with their advantages (the allocator sees them)."""
         ctx, ts, it = self.ctx, self.ts, iteration
         cfg, acc = ctx.cfg, ctx.accelerator
         spec, weights = training_spec(cfg, it, ctx.policy, ctx.plan), ctx.reward_fn.channel_weights
@@ -206,5 +217,7 @@ class TwoStageRollout(Rollout):
             "time_reward": pool.reward_time + (train_stage.reward_time if regenerated else 0.0),
             "time_reward_wait": pool.reward_wait + (train_stage.reward_wait if regenerated else 0.0),
         }
-        return stage_experience(ctx, it, [train_stage], spec, rewards, prompt_ids, valid, advantages, metrics,
-                                with_transitions=TRANSITIONS in self.provides(cfg))
+        return FlatBatch(it, spec, [train_stage], rewards, prompt_ids, valid, advantages, metrics)
+
+    def experience(self, batch: FlatBatch) -> Experience:
+        return flat_experience(self.ctx, batch, with_transitions=TRANSITIONS in self.provides(self.ctx.cfg))
