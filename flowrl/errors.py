@@ -45,3 +45,12 @@ def check_range(key: str, value, spec: str, why: str = "") -> None:
 
 def check_positive(key: str, value, strict: bool = True) -> None:
     check_range(key, value, "> 0" if strict else ">= 0")
+
+
+def check_producer_port(run) -> None:
+    """run.producer_port and run.producer_wait_minutes (both trainers' run sections)."""
+    check_range("run.producer_port", run.producer_port, "[0, 65535]", "0: the producer runs on this machine")
+    check_positive("run.producer_wait_minutes", run.producer_wait_minutes)
+    if run.producer_port and not run.async_rollouts:
+        raise ConfigError(f"run.producer_port {run.producer_port} waits for a producer of asynchronous rollouts; set "
+                          "run.async_rollouts: true, or run.producer_port: 0")

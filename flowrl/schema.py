@@ -473,9 +473,13 @@ class RunConfig:
     # gradients all-reduced) | fsdp2 (weights, gradients, optimizer state and EMA sharded per transformer block)
     distributed: str = "ddp"
     # a producer process samples batches ahead of the trainer with the newest weights it has received
-    # (docs/usage.md, "Asynchronous rollouts"; flat rollouts, one trainer process)
+    # (docs/usage.md, "Asynchronous rollouts"; every rollout but offline, one trainer process)
     async_rollouts: bool = False
     max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
+    # with async_rollouts: 0, the producer is a process on this machine; a port, the trainer listens there for a producer
+    # started on another machine with `flowrl produce TRAINER_HOST:PORT` (weights and batches over a Gloo process group)
+    producer_port: int = 0
+    producer_wait_minutes: float = 10.0  # how long the trainer waits for that producer to join before it stops
 
 
 SEARCH_METHOD_NAMES = ("bon", "smc", "dts", "dts_star")  # flowrl.search.SEARCH_METHODS, named without importing torch

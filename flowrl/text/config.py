@@ -14,7 +14,7 @@ from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.off_policy import OFF_POLICY_LOSSES, WEIGHT_LEVELS, WEIGHT_MODES
 from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
-from flowrl.errors import ConfigError, check_choice
+from flowrl.errors import ConfigError, check_choice, check_producer_port
 from flowrl.schema import AllocatorConfig
 from flowrl.yaml_config import merge_config, preset_path, read_yaml
 
@@ -127,6 +127,10 @@ class TextRunConfig:
     # a producer process collects batches ahead of the trainer with the newest weights it has received (docs/text.md)
     async_rollouts: bool = False
     max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
+    # with async_rollouts: 0, the producer is a process on this machine; a port, the trainer listens there for a producer
+    # started on another machine with `flowrl produce TRAINER_HOST:PORT` (docs/text.md)
+    producer_port: int = 0
+    producer_wait_minutes: float = 10.0  # how long the trainer waits for that producer to join before it stops
     # > 1, with async_rollouts: APRIL's partial rollouts. ceil(f x data.prompts_per_iteration) groups are in flight; a batch
     # is the first data.prompts_per_iteration groups to finish, the unfinished completions continue in the next batch
     over_provision: float = 1.0
@@ -186,6 +190,7 @@ def validate_off_policy(cfg: TextConfig) -> None:
         raise ConfigError(f"run.max_staleness must be >= 0 (0: every batch sampled with the newest weights); got {r.max_staleness}")
     if r.async_rollouts and r.cpu_processes > 1:
         raise ConfigError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1")
+    check_producer_port(r)
     if l.off_policy == "m2po" and l.aggregation != "token_mean":  # its objective is the mean over the batch's tokens
         raise ConfigError(f"loss.off_policy: m2po is a token-mean objective; set loss.aggregation: token_mean (got {l.aggregation})")
     if not r.over_provision >= 1:

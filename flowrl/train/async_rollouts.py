@@ -106,14 +106,7 @@ class RolloutProducer:
         with open(path, "rb") as f:
             item = pickle.load(f)
         os.remove(path)
-        if isinstance(item, ProducerFailure):
-            raise UserError(item.message)
-        staleness = iteration - item.version
-        if item.iteration != iteration or not 0 <= staleness <= self.max_staleness:
-            raise RuntimeError(f"the rollout producer sent batch {item.iteration} of weights version {item.version} when the trainer "
-                               f"expected batch {iteration} within {self.max_staleness} versions")
-        item.trainer_wait_s = time.perf_counter() - t0
-        return item
+        return checked_batch(item, iteration, self.max_staleness, t0)
 
     def _check_alive(self, waiting_for: str) -> None:
         if not self.process.is_alive():
@@ -139,37 +132,81 @@ def send(out, spool: str, item) -> None:
     out.put(name)
 
 
+def checked_batch(item, iteration: int, max_staleness: int, waiting_since: float) -> ProducedBatch:
+    """`item` as the trainer's batch `iteration`: a producer's failure becomes one sentence, and a
+    batch that is not that one or is past the bound stops the run."""
+    if isinstance(item, ProducerFailure):
+        raise UserError(item.message)
+    staleness = iteration - item.version
+    if item.iteration != iteration or not 0 <= staleness <= max_staleness:
+        raise RuntimeError(f"the rollout producer sent batch {item.iteration} of weights version {item.version} when the trainer "
+                           f"expected batch {iteration} within {max_staleness} versions")
+    item.trainer_wait_s = time.perf_counter() - waiting_since
+    return item
+
+
+class SharedMemoryChannel:
+    """The producer's side of a RolloutProducer: weights from shared memory, batches into the spool."""
+
+    gone = False  # the trainer is always there for a process it started
+
+    def __init__(self, shared, version, lock, out, stop, spool: str):
+        self.shared, self.version, self.lock, self.out, self.stop, self.spool = shared, version, lock, out, stop, spool
+
+    def load_weights(self, need: int, have: int | None, weights: dict[str, torch.Tensor]) -> int | None:
+        """Wait for weights of version >= need and load the newest into `weights` unless they are
+        `have`; their version, or None when the trainer asks the producer to stop."""
+        while self.version.value < need:
+            time.sleep(0.002)
+            if self.stop.value:
+                return None
+        if self.stop.value:
+            return None
+        with self.lock, torch.no_grad():
+            if self.version.value != have:
+                for name, tensor in weights.items():
+                    tensor.copy_(self.shared[name])
+            return self.version.value
+
+    def send(self, item) -> None:
+        send(self.out, self.spool, item)
+
+
 def produce(build, shared, version, lock, out, stop, spool: str, iteration: int, max_staleness: int, threads: int) -> None:
-    """The producer process: batch after batch, each started once weights of version >=
-    iteration - max_staleness are at hand (the newest ones, loaded when the version moved)."""
+    """The producer process a RolloutProducer starts."""
+    run_producer(build, SharedMemoryChannel(shared, version, lock, out, stop, spool), iteration, max_staleness, threads)
+
+
+def run_producer(build, channel, iteration: int, max_staleness: int, threads: int = 0) -> int:
+    """Batch after batch, each started once weights of version >= iteration - max_staleness are at
+    hand (the newest ones, loaded when the version moved), until the trainer says stop; returns the
+    next batch's iteration. `channel`: `load_weights(need, have, weights)` and `send(item)`, over
+    shared memory (SharedMemoryChannel) or the network (flowrl/train/remote_rollouts.py)."""
     try:
         if threads:
             torch.set_num_threads(threads)
         collector = build()
         weights, have = collector.weights(), None
-        while not stop.value:
+        while True:
             t0 = time.perf_counter()
-            while version.value < iteration - max_staleness:
-                time.sleep(0.002)
-                if stop.value:
-                    return
+            have = channel.load_weights(iteration - max_staleness, have, weights)
+            if have is None:
+                return iteration
             t1 = time.perf_counter()
-            with lock, torch.no_grad():
-                if version.value != have:
-                    for name, tensor in weights.items():
-                        tensor.copy_(shared[name])
-                    have = version.value
             collector.version = have
             experience = collector.collect(iteration)
             # partial rollouts (APRIL) carry tokens of older weights: the batch is as old as its oldest token
             oldest = getattr(experience, "oldest_version", None)
-            send(out, spool, ProducedBatch(iteration, have if oldest is None else min(have, oldest), experience, collector.state(),
-                                           t1 - t0, time.perf_counter() - t1))
+            channel.send(ProducedBatch(iteration, have if oldest is None else min(have, oldest), experience, collector.state(),
+                                       t1 - t0, time.perf_counter() - t1))
             iteration += 1
     except UserError as exc:
-        send(out, spool, ProducerFailure(str(exc)))
+        channel.send(ProducerFailure(str(exc)))
     except Exception as exc:  # reaches the trainer as one sentence; the traceback stays in the producer's stderr
+        if channel.gone:  # the trainer closed the connection: nobody to tell
+            return iteration
         import traceback
 
         traceback.print_exc()
-        send(out, spool, ProducerFailure(f"the rollout producer failed at batch {iteration}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+        channel.send(ProducerFailure(f"the rollout producer failed at batch {iteration}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+    return iteration

@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from flowrl.core.lr_schedule import lr_factor, warmup_factor
 from flowrl.errors import UserError
 from flowrl.train.async_rollouts import RolloutProducer
+from flowrl.train.remote_rollouts import RemoteProducer
 from flowrl.train.budget import Measured, SchedulePlan, replan, write_plan
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng
 from flowrl.train.processes import rank0
@@ -119,7 +120,7 @@ class RunManager:
         return self.history
 
     # ---- run.async_rollouts (flowrl/train/async_rollouts.py) ------------------------------
-    producer: RolloutProducer | None = None
+    producer: RolloutProducer | RemoteProducer | None = None
 
     def producer_start(self) -> tuple[Callable[[], object], dict]:
         """What a producer process builds its collector with (called there), and the weights it
@@ -127,14 +128,19 @@ class RunManager:
         raise NotImplementedError
 
     def start_producer(self) -> None:
-        """A producer from this iteration, the weights as they are now, the allocator as it is now. On
-        a CPU each side takes trainer.threads threads, or half the cores when that is 0."""
+        """A producer from this iteration, the weights as they are now, the allocator as it is now: a
+        process on this machine, where on a CPU each side takes trainer.threads threads (half the
+        cores when that is 0), or one on another machine (run.producer_port)."""
+        r = self.cfg.run
+        build, weights = self.producer_start()
+        if r.producer_port:
+            self.producer = RemoteProducer(r.producer_port, build, weights, r.max_staleness, self.iteration, r.producer_wait_minutes)
+            return
         threads = self.cfg.trainer.threads
         if not threads and self.accelerator.device.type == "cpu":
             threads = max(1, (os.cpu_count() or 2) // 2)
             torch.set_num_threads(threads)
-        build, weights = self.producer_start()
-        self.producer = RolloutProducer(build, weights, self.cfg.run.max_staleness, self.iteration, threads)
+        self.producer = RolloutProducer(build, weights, r.max_staleness, self.iteration, threads)
 
     def take_batch(self) -> tuple[object, int, dict]:
         """This iteration's batch from the producer, its staleness (updates since the weights that

@@ -1,0 +1,119 @@
+"""run.producer_port: the producer of asynchronous rollouts on another machine (here another
+process of this one, joined over localhost exactly as across machines: a TCPStore and a Gloo
+process group). With max_staleness 0 the run is the synchronous one, column for column and
+weight for weight, on both trainers; a producer that dies, a producer with no trainer and a
+trainer with no producer each stop with one sentence; the settings are checked."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flowrl.cli import main
+from flowrl.config import load_config
+from flowrl.errors import ConfigError
+from flowrl.text.config import load_text_config
+from run_checks import run_metrics, trainable
+
+IMAGE = ["tiny_jpeg", "sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
+         "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8", "run.sample_every=0",
+         "run.checkpoint_every=0", "trainer.threads=1"]
+TEXT = ["configs/text_add.yaml", "data.prompts_per_iteration=4", "data.group_size=4", "run.progress=false", "trainer.micro_batch=8",
+        "trainer.threads=1", "run.checkpoint_every=0"]
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def producer(port: int, *extra: str) -> subprocess.Popen:
+    """`flowrl produce` in a fresh interpreter on one thread (as the trainer's synchronous run samples)."""
+    return subprocess.Popen([sys.executable, "-m", "flowrl.cli", "produce", f"127.0.0.1:{port}", "--threads", "1", *extra],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("task", ["image", "text"])
+def test_a_producer_on_another_machine_at_staleness_zero_is_the_synchronous_run(tmp_path, tiny_sd3_dir, task, restore_threads):
+    args = [*IMAGE, f"model.path={tiny_sd3_dir}"] if task == "image" else TEXT
+    sync, remote = tmp_path / "sync", tmp_path / "remote"
+    assert main(["train", *args, "trainer.iterations=3", "--run-dir", str(sync)]) == 0
+    port = free_port()
+    proc = producer(port)
+    try:
+        assert main(["train", *args, "trainer.iterations=3", "run.async_rollouts=true", "run.max_staleness=0",
+                     f"run.producer_port={port}", "--run-dir", str(remote)]) == 0
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "the trainer stopped the run" in err
+    rows, remote_rows = run_metrics(sync), run_metrics(remote)
+    assert [{k: r[k] for k in s} for s, r in zip(rows, remote_rows)] == rows  # every synchronous column, float for float
+    assert [r["staleness"] for r in remote_rows] == [0, 0, 0]
+    if task == "image":
+        a, b = trainable(sync, 3), trainable(remote, 3)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_producer_that_dies_stops_the_run_in_one_sentence(tmp_path, tiny_sd3_dir, capsys, monkeypatch, restore_threads):
+    from flowrl.train.remote_rollouts import RemoteProducer
+
+    port = free_port()
+    proc = producer(port)
+    take = RemoteProducer.take
+
+    def take_after_kill(self, iteration):
+        if iteration == 2:
+            proc.kill()
+            proc.wait()
+        return take(self, iteration)
+
+    monkeypatch.setattr(RemoteProducer, "take", take_after_kill)
+    run = tmp_path / "run"
+    try:
+        assert main(["train", *IMAGE, f"model.path={tiny_sd3_dir}", "trainer.iterations=4", "run.async_rollouts=true",
+                     "run.max_staleness=0", f"run.producer_port={port}", "--run-dir", str(run)]) == 2
+    finally:
+        proc.kill()
+    err = capsys.readouterr().err
+    assert "the rollout producer on" in err and "disconnected before batch 2 reached the trainer" in err
+    assert "Traceback" not in err
+    assert len(run_metrics(run)) == 2
+
+
+def test_a_producer_with_no_trainer_and_a_trainer_with_no_producer_each_stop_in_one_sentence(tmp_path, capsys):
+    port = free_port()
+    alone = subprocess.run([sys.executable, "-m", "flowrl.cli", "produce", f"127.0.0.1:{port}", "--wait-minutes", "0.01"],
+                           capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and f"no trainer listens on 127.0.0.1:{port}" in alone.stderr
+    assert "Traceback" not in alone.stderr
+    assert main(["train", *TEXT, "trainer.iterations=1", "run.async_rollouts=true", f"run.producer_port={port}",
+                 "run.producer_wait_minutes=0.01", "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"no rollout producer joined on port {port} within 0.01 minutes (run.producer_wait_minutes)" in err
+    assert main(["produce", "trainer-without-port"]) == 2
+    assert "must be HOST:PORT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, message", [
+    (["run.producer_port=29600"], "run.producer_port 29600 waits for a producer of asynchronous rollouts; set run.async_rollouts"),
+    (["run.async_rollouts=true", "run.producer_port=70000"], "run.producer_port must be in [0, 65535]"),
+    (["run.async_rollouts=true", "run.producer_port=29600", "run.producer_wait_minutes=0"], "run.producer_wait_minutes must be"),
+])
+def test_remote_producer_settings_that_cannot_work_are_refused(override, message):
+    for load, base in ((load_config, "tiny_jpeg"), (load_text_config, "configs/text_add.yaml")):
+        with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("[", r"\[").replace("(", r"\(")):
+            load(base, override)
