@@ -23,6 +23,7 @@ network you trust.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import pickle
 import queue
@@ -50,15 +51,15 @@ def _header(kind: int, a: int, b: int) -> torch.Tensor:
     return torch.tensor([kind, a, b], dtype=torch.int64)
 
 
-def _send_bytes(pg, kind: int, payload: bytes) -> None:
+def _send_bytes(pg, kind: int, payload: memoryview) -> None:
     pg.send([_header(kind, len(payload), 0)], 1 - pg.rank(), TAG).wait()
-    pg.send([torch.frombuffer(bytearray(payload), dtype=torch.uint8)], 1 - pg.rank(), TAG).wait()
+    pg.send([torch.frombuffer(payload, dtype=torch.uint8)], 1 - pg.rank(), TAG).wait()  # no copy of the payload
 
 
-def _recv_bytes(pg, size: int) -> bytes:
+def _recv_bytes(pg, size: int) -> memoryview:
     buf = torch.empty(size, dtype=torch.uint8)
     pg.recv([buf], 1 - pg.rank(), TAG).wait()
-    return buf.numpy().tobytes()
+    return memoryview(buf.numpy())  # unpickled in place
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -202,7 +203,9 @@ class RemoteChannel:
         if self.gone:
             return
         try:
-            _send_bytes(self.pg, BATCH, pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
+            out = io.BytesIO()
+            pickle.dump(item, out, protocol=pickle.HIGHEST_PROTOCOL)
+            _send_bytes(self.pg, BATCH, out.getbuffer())
         except RuntimeError:
             self.gone = True
             raise
