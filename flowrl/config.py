@@ -22,7 +22,7 @@ from flowrl.core.search import BACKUPS, POTENTIALS, RESAMPLINGS
 from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.selection import SELECTION_KINDS
 from flowrl.devices import DTYPES
-from flowrl.errors import ConfigError, check_choice, check_producer_port, check_range
+from flowrl.errors import ConfigError, check_choice, check_producers, check_range
 from flowrl.models import POLICY_CLASSES, VIDEO_KINDS
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.models.compile import COMPILE_MODES
@@ -217,7 +217,7 @@ def _validate_search(cfg: Config) -> None:
 
 def _validate_async(cfg: Config) -> None:
     r, w = cfg.run, cfg.sampling.window
-    check_producer_port(r)
+    check_producers(r, cfg.allocator.kind)
     if not r.async_rollouts:
         return
     if r.cpu_processes > 1 or r.distributed != "ddp":

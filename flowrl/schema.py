@@ -480,6 +480,10 @@ class RunConfig:
     # started on another machine with `flowrl produce TRAINER_HOST:PORT` (weights and batches over a Gloo process group)
     producer_port: int = 0
     producer_wait_minutes: float = 10.0  # how long the trainer waits for that producer to join before it stops
+    # with async_rollouts: producers sampling in turn (batch i by producer i mod N; uniform allocator), on this machine
+    # or, with producer_port, as many `flowrl produce` joining; N batches sample at once when max_staleness >= N - 1
+    producers: int = 1
+    producer_devices: list[str] = field(default_factory=list)  # one per producer on this machine (cpu, cuda:N); []: model.device
 
 
 SEARCH_METHOD_NAMES = ("bon", "smc", "dts", "dts_star")  # flowrl.search.SEARCH_METHODS, named without importing torch

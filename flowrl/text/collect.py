@@ -232,11 +232,16 @@ def build_text_collector(cfg: TextConfig, accelerator, allocator_state: dict | N
     return TextCollector(cfg, accelerator, data, policy, reward, allocator)
 
 
-def producer_collector(cfg: TextConfig, allocator_state: dict) -> TextCollector:
+def producer_collector(cfg: TextConfig, allocator_state: dict, device: str = "") -> TextCollector:
     """What a producer process (run.async_rollouts) collects with: one process of its own, the
-    trainer's allocator state; its trainable weights then arrive from the trainer."""
+    trainer's allocator state, on `device` when given (run.producer_devices); its trainable
+    weights then arrive from the trainer."""
+    import dataclasses
+
     from flowrl.devices import pick_device
     from flowrl.train.processes import plain_accelerator
 
+    if device:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device))
     acc = plain_accelerator(pick_device(cfg.model.device).type == "cpu", "the text producer runs as one process", mixed_precision="no")
     return build_text_collector(cfg, acc, allocator_state, reference=False)

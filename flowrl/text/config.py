@@ -14,7 +14,7 @@ from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.off_policy import OFF_POLICY_LOSSES, WEIGHT_LEVELS, WEIGHT_MODES
 from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
-from flowrl.errors import ConfigError, check_choice, check_producer_port
+from flowrl.errors import ConfigError, check_choice, check_producers
 from flowrl.schema import AllocatorConfig
 from flowrl.yaml_config import merge_config, preset_path, read_yaml
 
@@ -131,6 +131,10 @@ class TextRunConfig:
     # started on another machine with `flowrl produce TRAINER_HOST:PORT` (docs/text.md)
     producer_port: int = 0
     producer_wait_minutes: float = 10.0  # how long the trainer waits for that producer to join before it stops
+    # with async_rollouts: producers sampling in turn (batch i by producer i mod N; uniform allocator), on this machine
+    # or, with producer_port, as many `flowrl produce` joining; N batches sample at once when max_staleness >= N - 1
+    producers: int = 1
+    producer_devices: list[str] = field(default_factory=list)  # one per producer on this machine (cpu, cuda:N); []: model.device
     # > 1, with async_rollouts: APRIL's partial rollouts. ceil(f x data.prompts_per_iteration) groups are in flight; a batch
     # is the first data.prompts_per_iteration groups to finish, the unfinished completions continue in the next batch
     over_provision: float = 1.0
@@ -190,7 +194,10 @@ def validate_off_policy(cfg: TextConfig) -> None:
         raise ConfigError(f"run.max_staleness must be >= 0 (0: every batch sampled with the newest weights); got {r.max_staleness}")
     if r.async_rollouts and r.cpu_processes > 1:
         raise ConfigError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1")
-    check_producer_port(r)
+    check_producers(r, cfg.allocator.kind)
+    if r.producers > 1 and r.over_provision > 1:
+        raise ConfigError("run.over_provision carries a producer's unfinished completions into its next batch, which needs one "
+                          f"producer; set run.producers: 1 (got {r.producers})")
     if l.off_policy == "m2po" and l.aggregation != "token_mean":  # its objective is the mean over the batch's tokens
         raise ConfigError(f"loss.off_policy: m2po is a token-mean objective; set loss.aggregation: token_mean (got {l.aggregation})")
     if not r.over_provision >= 1:

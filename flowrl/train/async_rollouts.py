@@ -1,6 +1,7 @@
 """Rollouts that run ahead of the trainer (`run.async_rollouts`): AReaL's staleness-bounded
 asynchronous RL on one machine. A producer process collects batch after batch with the newest
-weights it has received while the trainer updates on the batch before.
+weights it has received while the trainer updates on the batch before (or N producers in turn,
+`run.producers`; on other machines, flowrl/train/remote_rollouts.py).
 
 Versions. The trainer's weights have version v, the number of updates made, which is also the
 iteration of the batch it trains next. After the update on batch i it publishes its trainable
@@ -20,6 +21,7 @@ message for the trainer to block on, and nothing the trainer holds depends on th
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import queue
@@ -28,7 +30,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -55,18 +57,24 @@ class ProducerFailure:
 
 class RolloutProducer:
     """`build()` runs in the producer process and returns a collector: `weights()` (the tensors
-    the trainer's updates change, by name), `collect(iteration)` and `state()`. Before each batch
-    the producer sets the collector's `version` to the weights' version it holds; a collector whose
-    batches carry older tokens (the text collector's partial rollouts) reports the oldest as the
-    experience's `oldest_version`, and the batch counts as that old. `weights` are the trainer's
-    tensors of the same names, at version `start_iteration`."""
+    the trainer's updates change, by name), `collect(iteration)`, `state()` and its `allocator`.
+    Before each batch the producer sets the collector's `version` to the weights' version it holds;
+    a collector whose batches carry older tokens (the text collector's partial rollouts) reports the
+    oldest as the experience's `oldest_version`, and the batch counts as that old. `weights` are the
+    trainer's tensors of the same names, at version `start_iteration`.
+
+    With `producers` N > 1, producer j samples the batches start_iteration + j, + j + N, ... (each
+    once its weights are recent enough), so N batches can be sampled at once when max_staleness
+    >= N - 1; `devices` names each one's device (CUDA_VISIBLE_DEVICES in its process, see
+    `visible_device`). `fork`: whether a producer on one thread may be forked (not once the
+    trainer has started CUDA, which a fork cannot inherit)."""
 
     def __init__(self, build: Callable[[], Any], weights: dict[str, torch.Tensor], max_staleness: int, start_iteration: int,
-                 threads: int = 0):
+                 threads: int = 0, producers: int = 1, devices: Sequence[str] = (), fork: bool = True):
         # a producer on one thread is forked (no second start-up of torch and the model libraries,
         # about 15 s of CPU on a 2-core machine); on several threads it is a fresh interpreter, since
         # OpenMP's threads do not survive a fork (flowrl.train.processes.ForkedProcess)
-        forked = threads == 1 and sys.platform.startswith("linux")
+        forked = fork and threads == 1 and not devices and sys.platform.startswith("linux")
         ctx = torch.multiprocessing.get_context("fork" if forked else "spawn")
         self.max_staleness = max_staleness
         self.spool = tempfile.mkdtemp(prefix="flowrl-rollouts-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -74,12 +82,16 @@ class RolloutProducer:
         self.version = ctx.Value("q", start_iteration, lock=False)
         self.lock = ctx.Lock()
         self.queue = ctx.Queue()
+        self.arrived: dict[int, ProducedBatch | ProducerFailure] = {}  # batches read from the queue ahead of their turn
         # a flag, not an Event: setting an Event waits for its sleepers to wake, and a killed producer never does
         self.stop = ctx.Value("b", 0, lock=False)
-        self.process = ctx.Process(target=produce, daemon=True, name="flowrl-rollout-producer",
-                                   args=(build, self.shared, self.version, self.lock, self.queue, self.stop, self.spool,
-                                         start_iteration, max_staleness, threads))
-        self.process.start()
+        self.processes = [
+            ctx.Process(target=produce, daemon=True, name=f"flowrl-rollout-producer-{j}",
+                        args=(build, self.shared, self.version, self.lock, self.queue, self.stop, self.spool,
+                              start_iteration + j, max_staleness, threads, producers, devices[j] if devices else ""))
+            for j in range(producers)]
+        for process in self.processes:
+            process.start()
 
     def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """The trainer's weights after an update, as `version`, for the producer's next batch."""
@@ -94,32 +106,39 @@ class RolloutProducer:
             self.lock.release()
 
     def take(self, iteration: int) -> ProducedBatch:
-        """Batch `iteration`, waiting for it; checks that it is that batch and within the bound."""
+        """Batch `iteration`, waiting for it; checks that it is that batch and within the bound.
+        Several producers' batches may arrive out of order: the early ones wait for their turn."""
         t0 = time.perf_counter()
-        while True:
+        while iteration not in self.arrived:
             try:
                 name = self.queue.get(timeout=POLL_S)
-                break
             except queue.Empty:
                 self._check_alive(f"batch {iteration} reached the trainer")
-        path = os.path.join(self.spool, name)
-        with open(path, "rb") as f:
-            item = pickle.load(f)
-        os.remove(path)
-        return checked_batch(item, iteration, self.max_staleness, t0)
+                continue
+            path = os.path.join(self.spool, name)
+            with open(path, "rb") as f:
+                item = pickle.load(f)
+            os.remove(path)
+            if isinstance(item, ProducerFailure):
+                raise UserError(item.message)
+            self.arrived[item.iteration] = item
+        return checked_batch(self.arrived.pop(iteration), iteration, self.max_staleness, t0)
 
     def _check_alive(self, waiting_for: str) -> None:
-        if not self.process.is_alive():
-            raise UserError(f"the rollout producer process stopped (exit code {self.process.exitcode}) before {waiting_for}; "
-                            "the run stopped there with its checkpoints intact: `flowrl train --resume RUN` continues it")
+        for process in self.processes:
+            if not process.is_alive():
+                which = f" {process.name.rsplit('-', 1)[1]}" if len(self.processes) > 1 else ""
+                raise UserError(f"the rollout producer process{which} stopped (exit code {process.exitcode}) before {waiting_for}; "
+                                "the run stopped there with its checkpoints intact: `flowrl train --resume RUN` continues it")
 
     def close(self) -> None:
-        """Stop the producer; what it had collected ahead of the trainer is dropped."""
+        """Stop the producers; what they had collected ahead of the trainer is dropped."""
         self.stop.value = 1
-        self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join()
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+                process.join()
         shutil.rmtree(self.spool, ignore_errors=True)
 
 
@@ -172,21 +191,70 @@ class SharedMemoryChannel:
         send(self.out, self.spool, item)
 
 
-def produce(build, shared, version, lock, out, stop, spool: str, iteration: int, max_staleness: int, threads: int) -> None:
-    """The producer process a RolloutProducer starts."""
-    run_producer(build, SharedMemoryChannel(shared, version, lock, out, stop, spool), iteration, max_staleness, threads)
+def produce(build, shared, version, lock, out, stop, spool: str, iteration: int, max_staleness: int, threads: int,
+            stride: int = 1, device: str = "") -> None:
+    """A producer process a RolloutProducer starts."""
+    if device:  # before anything starts CUDA here; the collector then builds on the one device it sees
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        build = functools.partial(build, device="cpu" if device == "cpu" else "cuda")
+    run_producer(build, SharedMemoryChannel(shared, version, lock, out, stop, spool), iteration, max_staleness, threads, stride)
 
 
-def run_producer(build, channel, iteration: int, max_staleness: int, threads: int = 0) -> int:
-    """Batch after batch, each started once weights of version >= iteration - max_staleness are at
-    hand (the newest ones, loaded when the version moved), until the trainer says stop; returns the
-    next batch's iteration. `channel`: `load_weights(need, have, weights)` and `send(item)`, over
-    shared memory (SharedMemoryChannel) or the network (flowrl/train/remote_rollouts.py)."""
+def visible_device(device: str, visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a producer on `device` (run.producer_devices: cpu, cuda or cuda:N,
+    N counted among the trainer's visible devices `visible`): the one GPU it sees as cuda, or
+    none for cpu."""
+    if device == "cpu":
+        return ""
+    index = int(device.partition(":")[2] or 0)
+    listed = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
+    if listed is not None and index >= len(listed):
+        raise UserError(f"run.producer_devices names {device}, but CUDA_VISIBLE_DEVICES shows the trainer {len(listed)} GPU(s)")
+    return listed[index] if listed is not None else str(index)
+
+
+class ObservationLog:
+    """A producer's allocator observations since the last batch (several producers): each producer's
+    allocator sees only its own batches, so the trainer replays every batch's observations on its own
+    allocator, in batch order (`replay`), as the synchronous run's allocator saw them."""
+
+    def __init__(self, allocator):
+        self.entries: list[tuple[torch.Tensor, torch.Tensor]] = []
+        observe = allocator.observe
+
+        def logged(prompt_ids, success):
+            self.entries.append((prompt_ids.clone(), success.clone()))
+            observe(prompt_ids, success)
+
+        allocator.observe = logged
+
+    def take(self) -> dict:
+        entries, self.entries = self.entries, []
+        return {"observations": entries}
+
+
+def replay(allocator, state: dict) -> None:
+    """A batch's collector state onto the trainer's allocator: the producer's whole state, or with
+    several producers the batch's observations."""
+    if "observations" in state:
+        for prompt_ids, success in state["observations"]:
+            allocator.observe(prompt_ids, success)
+    else:
+        allocator.load_state_dict(state)
+
+
+def run_producer(build, channel, iteration: int, max_staleness: int, threads: int = 0, stride: int = 1) -> int:
+    """Batch after batch (every `stride`-th from `iteration`), each started once weights of version >=
+    iteration - max_staleness are at hand (the newest ones, loaded when the version moved), until the
+    trainer says stop; returns the next batch's iteration. `channel`: `load_weights(need, have,
+    weights)` and `send(item)`, over shared memory (SharedMemoryChannel) or the network
+    (flowrl/train/remote_rollouts.py)."""
     try:
         if threads:
             torch.set_num_threads(threads)
         collector = build()
         weights, have = collector.weights(), None
+        log = ObservationLog(collector.allocator) if stride > 1 else None
         while True:
             t0 = time.perf_counter()
             have = channel.load_weights(iteration - max_staleness, have, weights)
@@ -197,9 +265,9 @@ def run_producer(build, channel, iteration: int, max_staleness: int, threads: in
             experience = collector.collect(iteration)
             # partial rollouts (APRIL) carry tokens of older weights: the batch is as old as its oldest token
             oldest = getattr(experience, "oldest_version", None)
-            channel.send(ProducedBatch(iteration, have if oldest is None else min(have, oldest), experience, collector.state(),
-                                       t1 - t0, time.perf_counter() - t1))
-            iteration += 1
+            channel.send(ProducedBatch(iteration, have if oldest is None else min(have, oldest), experience,
+                                       collector.state() if log is None else log.take(), t1 - t0, time.perf_counter() - t1))
+            iteration += stride
     except UserError as exc:
         channel.send(ProducerFailure(str(exc)))
     except Exception as exc:  # reaches the trainer as one sentence; the traceback stays in the producer's stderr

@@ -23,7 +23,7 @@ from rewards import AsyncRewardRunner, MultiReward
 
 class ImageCollector:
     """What `RolloutProducer` asks of a collector: the tensors the trainer's updates change, a batch
-    per iteration, and the allocator's state after it."""
+    per iteration, its allocator and the allocator's state after it."""
 
     def __init__(self, policy, rollout, allocator):
         self.policy, self.rollout, self.allocator = policy, rollout, allocator
@@ -39,14 +39,17 @@ class ImageCollector:
         return self.allocator.state_dict()
 
 
-def image_producer(cfg: Config, allocator_state: dict, rewards: dict | None = None) -> ImageCollector:
+def image_producer(cfg: Config, allocator_state: dict, rewards: dict | None = None, device: str = "") -> ImageCollector:
     """Runs in the producer process: one process of its own, no progress bars, the trainer's
-    allocator state; its trainable weights then arrive from the trainer."""
+    allocator state, on `device` when given (run.producer_devices); its trainable weights then
+    arrive from the trainer."""
     from flowrl.devices import pick_device
     from flowrl.sampling.precision import autocast_precision
     from flowrl.train.processes import plain_accelerator
 
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, progress=False))
+    if device:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device))
     cpu = pick_device(cfg.model.device).type == "cpu"
     acc = plain_accelerator(cpu, "the image producer runs as one process",
                             mixed_precision=autocast_precision(cfg.trainer.mixed_precision, cpu))

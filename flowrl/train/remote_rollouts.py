@@ -1,11 +1,13 @@
-"""Rollouts from another machine (`run.producer_port`): the producer of `run.async_rollouts`
-(flowrl/train/async_rollouts.py) started by hand where it should sample, with
+"""Rollouts from other machines (`run.producer_port`): the producers of `run.async_rollouts`
+(flowrl/train/async_rollouts.py) started by hand where they should sample, with
 `flowrl produce TRAINER_HOST:PORT`, and connected to the trainer over the network.
 
-The trainer listens on the port with a torch.distributed TCPStore and puts there what the producer
+The trainer listens on the port with a torch.distributed TCPStore and puts there what a producer
 builds its collector with (the config, the allocator's state, the iteration to start from, the
-trainable weights' names). Once the producer has joined, the two form a Gloo process group of two
-(trainer rank 0, producer rank 1) and speak in send/recv pairs, the producer always asking first:
+trainable weights' names, run.producers). Each producer takes the next rank as it joins; once
+all have, they and the trainer form a Gloo process group (trainer rank 0, producer r samples
+batches start + r - 1, + r - 1 + N, ...), and each producer speaks with the trainer in send/recv
+pairs, the producer always asking first:
 
 - before each batch the producer asks for weights of version >= iteration - max_staleness, saying
   which version it holds; the trainer answers, when it has them, with the newest version and (if
@@ -13,8 +15,8 @@ trainable weights' names). Once the producer has joined, the two form a Gloo pro
   batch, not once per update;
 - after each batch it sends the batch, pickled, as a byte tensor.
 
-On the trainer one thread serves these while the loop trains; `take` reads the batches it
-received. A producer that dies closes its connection and the trainer hears of it at once (Gloo
+On the trainer one thread per producer serves these while the loop trains; `take` reads the
+batches they received, in iteration order. A producer that dies closes its connection and the trainer hears of it at once (Gloo
 reports the closed peer): the run stops with one sentence, its checkpoints intact. The protocol
 trusts its peer (both sides unpickle what they receive), as torch.distributed does: run it on a
 network you trust.
@@ -51,14 +53,14 @@ def _header(kind: int, a: int, b: int) -> torch.Tensor:
     return torch.tensor([kind, a, b], dtype=torch.int64)
 
 
-def _send_bytes(pg, kind: int, payload: memoryview) -> None:
-    pg.send([_header(kind, len(payload), 0)], 1 - pg.rank(), TAG).wait()
-    pg.send([torch.frombuffer(payload, dtype=torch.uint8)], 1 - pg.rank(), TAG).wait()  # no copy of the payload
+def _send_bytes(pg, peer: int, kind: int, payload: memoryview) -> None:
+    pg.send([_header(kind, len(payload), 0)], peer, TAG).wait()
+    pg.send([torch.frombuffer(payload, dtype=torch.uint8)], peer, TAG).wait()  # no copy of the payload
 
 
-def _recv_bytes(pg, size: int) -> memoryview:
+def _recv_bytes(pg, peer: int, size: int) -> memoryview:
     buf = torch.empty(size, dtype=torch.uint8)
-    pg.recv([buf], 1 - pg.rank(), TAG).wait()
+    pg.recv([buf], peer, TAG).wait()
     return memoryview(buf.numpy())  # unpickled in place
 
 
@@ -71,50 +73,56 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class RemoteProducer:
-    """The trainer's side: what RolloutProducer offers (`publish`, `take`, `close`) for a producer on
-    another machine. Waits up to `wait_minutes` for it to join."""
+    """The trainer's side: what RolloutProducer offers (`publish`, `take`, `close`) for `producers`
+    producers on other machines (producer r, joining r-th, samples the batches start_iteration + r - 1,
+    + r - 1 + N, ...). Waits up to `wait_minutes` for all of them to join."""
 
     def __init__(self, port: int, build: Callable[[], Any], weights: dict[str, torch.Tensor], max_staleness: int,
-                 start_iteration: int, wait_minutes: float):
+                 start_iteration: int, wait_minutes: float, producers: int = 1):
         from torch.distributed import ProcessGroupGloo, TCPStore
 
-        self.max_staleness, self.port = max_staleness, port
+        self.max_staleness, self.port, self.producers = max_staleness, port, producers
         try:
-            message = pickle.dumps((build, start_iteration, max_staleness, sorted(weights)), protocol=pickle.HIGHEST_PROTOCOL)
+            message = pickle.dumps((build, start_iteration, max_staleness, sorted(weights), producers),
+                                   protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as exc:
             raise UserError(f"run.producer_port sends the producer what it builds with, and that could not be pickled "
                             f"({type(exc).__name__}: {exc}); rewards passed as Python objects cannot travel, register them "
                             "in a module instead") from exc
         try:
-            self.store = TCPStore("0.0.0.0", port, 2, is_master=True, wait_for_workers=False, timeout=OPERATION_TIMEOUT)
+            self.store = TCPStore("0.0.0.0", port, producers + 1, is_master=True, wait_for_workers=False, timeout=OPERATION_TIMEOUT)
         except Exception as exc:
             raise UserError(f"run.producer_port {port} could not be listened on ({str(exc).splitlines()[0]}); choose a free port")
         self.store.set(BUILD_KEY, message)
-        self.peer = self._wait_for_producer(wait_minutes)
-        self.pg = ProcessGroupGloo(self.store, 0, 2, OPERATION_TIMEOUT)
+        self.peers = self._wait_for_producers(wait_minutes)
+        self.pg = ProcessGroupGloo(self.store, 0, producers + 1, OPERATION_TIMEOUT)
         self.latest = {k: v.detach().to("cpu", copy=True) for k, v in sorted(weights.items())}
         self.version = start_iteration
         self.closing = False
         self.changed = threading.Condition()
-        self.batches: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._serve, daemon=True, name="flowrl-remote-producer")
-        self.thread.start()
+        self.batches: queue.Queue = queue.Queue()  # what the serving threads receive: batches, failures, a lost rank
+        self.arrived: dict[int, ProducedBatch] = {}  # batches received ahead of their turn
+        self.threads = [threading.Thread(target=self._serve, args=(rank,), daemon=True, name=f"flowrl-remote-producer-{rank}")
+                        for rank in range(1, producers + 1)]
+        for thread in self.threads:
+            thread.start()
 
-    def _wait_for_producer(self, wait_minutes: float) -> str:
-        print(f"flowrl: waiting up to {wait_minutes:g} minutes (run.producer_wait_minutes) for a rollout producer: run "
-              f"`flowrl produce {socket.gethostname()}:{self.port}` on the machine that should sample", file=sys.stderr)
+    def _wait_for_producers(self, wait_minutes: float) -> list[str]:
+        n, where = self.producers, f"{socket.gethostname()}:{self.port}"
+        print(f"flowrl: waiting up to {wait_minutes:g} minutes (run.producer_wait_minutes) for {n} rollout producer(s): run "
+              f"`flowrl produce {where}` on each machine (or GPU) that should sample", file=sys.stderr)
         deadline = time.monotonic() + wait_minutes * 60
-        while not self.store.check([JOINED_KEY]):
+        while (joined := self.store.add(JOINED_KEY, 0)) < n:
             if time.monotonic() > deadline:
-                raise UserError(f"no rollout producer joined on port {self.port} within {wait_minutes:g} minutes "
-                                f"(run.producer_wait_minutes); start one with `flowrl produce {socket.gethostname()}:{self.port}`")
+                raise UserError(f"{joined} of {n} rollout producer(s) joined on port {self.port} within {wait_minutes:g} minutes "
+                                f"(run.producer_wait_minutes); start them with `flowrl produce {where}`")
             time.sleep(POLL_S)
-        peer = self.store.get(JOINED_KEY).decode()
-        print(f"flowrl: the rollout producer on {peer} joined", file=sys.stderr)
-        return peer
+        peers = [self.store.get(f"{JOINED_KEY}/{rank}").decode() for rank in range(1, n + 1)]
+        print(f"flowrl: rollout producer(s) joined: {', '.join(peers)}", file=sys.stderr)
+        return peers
 
     def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        """The trainer's weights after an update, as `version`, for the producer's next request."""
+        """The trainer's weights after an update, as `version`, for the producers' next requests."""
         with self.changed, torch.no_grad():
             for name, tensor in weights.items():
                 self.latest[name].copy_(tensor.detach())
@@ -122,48 +130,54 @@ class RemoteProducer:
             self.changed.notify_all()
 
     def take(self, iteration: int) -> ProducedBatch:
-        """Batch `iteration`, waiting for it; checks that it is that batch and within the bound."""
+        """Batch `iteration`, waiting for it; checks that it is that batch and within the bound.
+        Several producers' batches may arrive out of order: the early ones wait for their turn."""
         t0 = time.perf_counter()
-        item = self.batches.get()
-        if item is None:  # the serving thread lost the producer
-            raise UserError(f"the rollout producer on {self.peer} disconnected before batch {iteration} reached the trainer; the "
-                            "run stopped there with its checkpoints intact: start `flowrl produce` again and `flowrl train "
-                            "--resume RUN` continues it")
-        return checked_batch(item, iteration, self.max_staleness, t0)
+        while iteration not in self.arrived:
+            item = self.batches.get()
+            if isinstance(item, int):  # a serving thread lost its producer
+                raise UserError(f"the rollout producer on {self.peers[item - 1]} disconnected before batch {iteration} reached "
+                                "the trainer; the run stopped there with its checkpoints intact: start `flowrl produce` again "
+                                "and `flowrl train --resume RUN` continues it")
+            if isinstance(item, ProducerFailure):
+                raise UserError(item.message)
+            self.arrived[item.iteration] = item
+        return checked_batch(self.arrived.pop(iteration), iteration, self.max_staleness, t0)
 
-    def _serve(self) -> None:
-        """Answer the producer's requests until it disconnects (None in the batch queue) or the
-        trainer closes (STOP in answer to its next request)."""
+    def _serve(self, rank: int) -> None:
+        """Answer producer `rank`'s requests until it disconnects (its rank in the batch queue) or
+        the trainer closes (STOP in answer to its next request)."""
         header = torch.zeros(3, dtype=torch.int64)
         try:
             while True:
-                self.pg.recv([header], 1, TAG).wait()
+                self.pg.recv([header], rank, TAG).wait()
                 kind, a, b = header.tolist()
                 if kind == BATCH:
-                    self.batches.put(pickle.loads(_recv_bytes(self.pg, a)))
+                    self.batches.put(pickle.loads(_recv_bytes(self.pg, rank, a)))
                     continue
                 need, have = a, b  # WANT
                 with self.changed:
                     self.changed.wait_for(lambda: self.version >= need or self.closing)
                     version = STOP if self.closing else self.version
                     tensors = [t.clone() for t in self.latest.values()] if version not in (STOP, have) else []
-                self.pg.send([torch.tensor([version], dtype=torch.int64)], 1, TAG).wait()
+                self.pg.send([torch.tensor([version], dtype=torch.int64)], rank, TAG).wait()
                 for t in tensors:
-                    self.pg.send([t], 1, TAG).wait()
+                    self.pg.send([t], rank, TAG).wait()
                 if version == STOP:
                     return
         except Exception:
             if not self.closing:
-                self.batches.put(None)
+                self.batches.put(rank)
 
     def close(self) -> None:
-        """Tell the producer to stop at its next request; what it had collected ahead is dropped."""
+        """Tell the producers to stop at their next requests; what they had collected ahead is dropped."""
         with self.changed:
             self.closing = True
             self.changed.notify_all()
         # a producer waiting for weights hears STOP now; one still sampling hears it at its next request
-        # (the serving thread, a daemon, receives and drops its batch meanwhile)
-        self.thread.join(timeout=POLL_S)
+        # (its serving thread, a daemon, receives and drops its batch meanwhile)
+        for thread in self.threads:
+            thread.join(timeout=POLL_S)
 
 
 class RemoteChannel:
@@ -205,7 +219,7 @@ class RemoteChannel:
         try:
             out = io.BytesIO()
             pickle.dump(item, out, protocol=pickle.HIGHEST_PROTOCOL)
-            _send_bytes(self.pg, BATCH, out.getbuffer())
+            _send_bytes(self.pg, 0, BATCH, out.getbuffer())
         except RuntimeError:
             self.gone = True
             raise
@@ -227,17 +241,21 @@ def produce_remote(address: str, wait_minutes: float, threads: int = 0) -> int:
                 raise UserError(f"no trainer listens on {host}:{port} ({exc.strerror or exc}); start `flowrl train` with "
                                 f"run.async_rollouts true and run.producer_port {port} there, or check the address")
             time.sleep(POLL_S)
-    store = TCPStore(host, port, 2, is_master=False, timeout=OPERATION_TIMEOUT)
-    build, iteration, max_staleness, names = pickle.loads(store.get(BUILD_KEY))
-    store.set(JOINED_KEY, f"{socket.gethostname()} (pid {os.getpid()})")
-    pg = ProcessGroupGloo(store, 1, 2, OPERATION_TIMEOUT)
-    print(f"flowrl: producing for the trainer on {host}:{port} from batch {iteration} (max_staleness {max_staleness})",
-          file=sys.stderr)
+    store = TCPStore(host, port, is_master=False, timeout=OPERATION_TIMEOUT)
+    build, start, max_staleness, names, producers = pickle.loads(store.get(BUILD_KEY))
+    rank = store.add(JOINED_KEY, 1)
+    if rank > producers:
+        raise UserError(f"the trainer on {host}:{port} has its {producers} producer(s) (run.producers) already; this one is not needed")
+    store.set(f"{JOINED_KEY}/{rank}", f"{socket.gethostname()} (pid {os.getpid()})")
+    pg = ProcessGroupGloo(store, rank, producers + 1, OPERATION_TIMEOUT)
+    first = start + rank - 1
+    print(f"flowrl: producing for the trainer on {host}:{port} from batch {first}"
+          f"{f', every {producers}th' if producers > 1 else ''} (max_staleness {max_staleness})", file=sys.stderr)
     channel = RemoteChannel(pg, names)
-    last = run_producer(build, channel, iteration, max_staleness, threads)
+    last = run_producer(build, channel, first, max_staleness, threads, stride=producers)
     if channel.failure is not None:
         print(f"flowrl: error: {channel.failure}", file=sys.stderr)
         return 1
     print(f"flowrl: the trainer {'disconnected' if channel.gone else 'stopped the run'}; the producer stops after "
-          f"{last - iteration} batches", file=sys.stderr)
+          f"{(last - first) // producers} batches", file=sys.stderr)
     return 0

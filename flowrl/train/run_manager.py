@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from flowrl.core.lr_schedule import lr_factor, warmup_factor
 from flowrl.errors import UserError
-from flowrl.train.async_rollouts import RolloutProducer
+from flowrl.train.async_rollouts import RolloutProducer, replay
 from flowrl.train.remote_rollouts import RemoteProducer
 from flowrl.train.budget import Measured, SchedulePlan, replan, write_plan
 from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng
@@ -134,19 +134,22 @@ class RunManager:
         r = self.cfg.run
         build, weights = self.producer_start()
         if r.producer_port:
-            self.producer = RemoteProducer(r.producer_port, build, weights, r.max_staleness, self.iteration, r.producer_wait_minutes)
+            self.producer = RemoteProducer(r.producer_port, build, weights, r.max_staleness, self.iteration, r.producer_wait_minutes,
+                                           r.producers)
             return
+        cpu = self.accelerator.device.type == "cpu"
         threads = self.cfg.trainer.threads
-        if not threads and self.accelerator.device.type == "cpu":
+        if not threads and cpu:
             threads = max(1, (os.cpu_count() or 2) // 2)
             torch.set_num_threads(threads)
-        self.producer = RolloutProducer(build, weights, r.max_staleness, self.iteration, threads)
+        self.producer = RolloutProducer(build, weights, r.max_staleness, self.iteration, threads, r.producers, r.producer_devices,
+                                        fork=cpu)
 
     def take_batch(self) -> tuple[object, int, dict]:
         """This iteration's batch from the producer, its staleness (updates since the weights that
         drew it) and the metrics columns of its timing; the allocator takes the producer's state."""
         batch = self.producer.take(self.iteration)
-        self.allocator.load_state_dict(batch.state)  # the checkpoints hold the allocator as the producer left it
+        replay(self.allocator, batch.state)  # the checkpoints hold the allocator as the producer(s) left it
         staleness = self.iteration - batch.version
         return batch.experience, staleness, {"staleness": staleness, "time_producer_idle": batch.producer_idle_s,
                                              "time_producer_busy": batch.producer_busy_s, "time_trainer_wait": batch.trainer_wait_s}

@@ -59,8 +59,8 @@ def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run
 
     def take_then_kill(self, iteration):
         if iteration == 5:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.join()
+            os.kill(self.processes[0].pid, signal.SIGKILL)
+            self.processes[0].join()
             while True:  # what it had collected ahead is lost with it
                 try:
                     self.queue.get(timeout=0.2)
@@ -214,6 +214,7 @@ def test_partial_rollouts_train_within_the_bound_end_to_end(tmp_path, restore_th
     ("run.over_provision=2", "run.over_provision carries unfinished completions into later batches, which needs run.async_rollouts"),
     ("run.over_provision=2 run.async_rollouts=true run.max_staleness=0", "max_staleness 0"),
     ("run.over_provision=2 run.async_rollouts=true allocator.kind=vade", "set allocator.kind: uniform"),
+    ("run.over_provision=2 run.async_rollouts=true run.producers=2", "needs one producer; set run.producers: 1"),
     ("run.over_provision=0.5", "run.over_provision must be >= 1"),
 ])
 def test_partial_rollout_settings_that_cannot_work_are_refused(override, message):

@@ -7,6 +7,7 @@ off-policy loss, which with fresh samples is Flow-GRPO's clipped surrogate exact
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -16,7 +17,7 @@ import torch
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.core import clipped_policy_loss
-from flowrl.errors import ConfigError
+from flowrl.errors import ConfigError, UserError
 from flowrl.schema import GRPOConfig
 from flowrl.train.objectives.grpo import off_policy_loss
 from run_checks import assert_resume_repeats, run_metrics, trainable
@@ -88,6 +89,31 @@ def test_every_rollout_that_runs_ahead_is_the_synchronous_run_at_staleness_zero(
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_two_producers_in_turn_at_staleness_zero_are_the_synchronous_run(tmp_path, tiny_sd3_dir, restore_threads):
+    """Batch i from producer i mod 2, each with its own allocator: the trainer replays both
+    producers' observations in batch order, so even the pool's coverage is the synchronous run's."""
+    args = ["tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=3", "run.checkpoint_every=0"]
+    sync, straight = tmp_path / "sync", tmp_path / "async"
+    assert main(["train", *args, "--run-dir", str(sync)]) == 0
+    assert main(["train", *args, "run.async_rollouts=true", "run.max_staleness=0", "run.producers=2", "--run-dir", str(straight)]) == 0
+    rows, async_rows = run_metrics(sync), run_metrics(straight)
+    assert [{k: r[k] for k in s} for s, r in zip(rows, async_rows)] == rows
+    assert [r["pool_covered"] for r in rows] == sorted(r["pool_covered"] for r in rows) and rows[-1]["pool_covered"] > rows[0]["pool_covered"]
+    a, b = trainable(sync, 3), trainable(straight, 3)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_producer_device_is_the_one_gpu_its_process_sees():
+    from flowrl.train.async_rollouts import visible_device
+
+    assert visible_device("cuda:1", None) == "1"
+    assert visible_device("cuda", None) == "0"
+    assert visible_device("cuda:1", "4,6,7") == "6"  # counted among the trainer's visible GPUs
+    assert visible_device("cpu", "0,1") == ""
+    with pytest.raises(UserError, match="shows the trainer 2 GPU"):
+        visible_device("cuda:2", "0,1")
+
+
 def test_a_stale_tree_batch_trains_its_kept_edges_with_the_off_policy_loss(tmp_path, tiny_sd3_dir, monkeypatch, restore_threads):
     """Trees with pruned edges a version or two old: the proximal forward runs and the weight
     statistics count the kept edges only."""
@@ -140,8 +166,8 @@ def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run
 
     def take_then_kill(self, iteration):
         if iteration == 5:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.join()
+            os.kill(self.processes[0].pid, signal.SIGKILL)
+            self.processes[0].join()
             while not self.queue.empty():  # what it had sampled ahead is lost with it
                 self.queue.get()
         return take(self, iteration)
@@ -220,9 +246,14 @@ def test_m2po_on_transitions_drops_the_largest_log_ratios_until_the_second_momen
     (["trainer.budget_minutes=5", "sampling.window.strategy=progressive", "sampling.window.size=2"], "progressive"),
     (["run.max_staleness=-1"], "run.max_staleness must be a finite number >= 0"),
     (["objective.grpo.off_policy=tis"], "objective.grpo.off_policy"),
+    (["run.producers=2", "allocator.kind=vade"], "which only allocator.kind uniform allows; got 'vade'"),
+    (["run.producers=2", "run.producer_devices=[cuda:1]"], "one device per producer (run.producers 2)"),
+    (["run.producer_devices=[gpu1]"], "cpu, cuda or cuda:N; got 'gpu1'"),
+    (["run.producer_devices=[cuda:1]", "run.producer_port=29600"], "leave it empty"),
+    (["run.producers=0"], "run.producers must be a finite number >= 1"),
 ])
 def test_what_async_rollouts_cannot_run_with_is_refused_in_one_sentence(override, named):
-    with pytest.raises(ConfigError, match=named.replace(".", r"\.").replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(named)):
         load_config("tiny_jpeg", ["run.async_rollouts=true", *override])
 
 
@@ -250,8 +281,8 @@ def test_closing_after_the_producer_was_killed_while_waiting_for_weights_returns
     producer = RolloutProducer(_CountingCollector, {"w": torch.zeros(1)}, max_staleness=0, start_iteration=0, threads=1)
     assert producer.take(0).experience == 0
     time.sleep(0.2)  # now inside its wait for weights of version 1
-    os.kill(producer.process.pid, signal.SIGKILL)
-    producer.process.join()
+    os.kill(producer.processes[0].pid, signal.SIGKILL)
+    producer.processes[0].join()
     t0 = time.perf_counter()
     producer.close()
     assert time.perf_counter() - t0 < 5

@@ -68,6 +68,25 @@ def test_a_producer_on_another_machine_at_staleness_zero_is_the_synchronous_run(
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_two_producers_on_other_machines_take_turns_and_a_third_is_turned_away(tmp_path, tiny_sd3_dir, restore_threads):
+    args = [*IMAGE, f"model.path={tiny_sd3_dir}", "trainer.iterations=3"]
+    sync, remote = tmp_path / "sync", tmp_path / "remote"
+    assert main(["train", *args, "--run-dir", str(sync)]) == 0
+    port = free_port()
+    procs = [producer(port), producer(port)]
+    try:
+        assert main(["train", *args, "run.async_rollouts=true", "run.max_staleness=0", "run.producers=2", f"run.producer_port={port}",
+                     "--run-dir", str(remote)]) == 0
+        errs = [p.communicate(timeout=60)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted("from batch 0, every 2th" in e for e in errs) == [False, True]  # one starts at batch 0, the other at 1
+    rows, remote_rows = run_metrics(sync), run_metrics(remote)
+    assert [{k: r[k] for k in s} for s, r in zip(rows, remote_rows)] == rows and len(remote_rows) == 3
+
+
 def test_a_producer_that_dies_stops_the_run_in_one_sentence(tmp_path, tiny_sd3_dir, capsys, monkeypatch, restore_threads):
     from flowrl.train.remote_rollouts import RemoteProducer
 
@@ -103,7 +122,7 @@ def test_a_producer_with_no_trainer_and_a_trainer_with_no_producer_each_stop_in_
     assert main(["train", *TEXT, "trainer.iterations=1", "run.async_rollouts=true", f"run.producer_port={port}",
                  "run.producer_wait_minutes=0.01", "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert f"no rollout producer joined on port {port} within 0.01 minutes (run.producer_wait_minutes)" in err
+    assert f"0 of 1 rollout producer(s) joined on port {port} within 0.01 minutes (run.producer_wait_minutes)" in err
     assert main(["produce", "trainer-without-port"]) == 2
     assert "must be HOST:PORT" in capsys.readouterr().err
 

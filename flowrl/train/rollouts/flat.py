@@ -90,7 +90,6 @@ class FlatRollout(Rollout):
             **adv_metrics,
             "allocation_stages": len(stages),
             "prompts_trained": len(adv.group_ids),
-            **ctx.allocator.coverage(),
             **(spending_by_bucket(prompt_ids, adv.group_ids, adv.degenerate, self.buckets) if self.buckets else {}),
             "group_size_min": int(sizes.min()),
             "group_size_max": int(sizes.max()),
@@ -105,6 +104,9 @@ class FlatRollout(Rollout):
         return FlatBatch(iteration, spec, stages, rewards, prompt_ids, valid, advantages, metrics)
 
     def experience(self, batch: "FlatBatch") -> Experience:
+        # the pool's coverage after this batch's outcomes, from this process's allocator (which has
+        # taken a producer's state, or replayed several producers' observations, when asynchronous)
+        batch.metrics.update(self.ctx.allocator.coverage())
         return flat_experience(self.ctx, batch, with_transitions=TRANSITIONS in self.provides(self.ctx.cfg))
 
 
