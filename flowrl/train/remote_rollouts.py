@@ -250,7 +250,7 @@ def produce_remote(address: str, wait_minutes: float, threads: int = 0) -> int:
     pg = ProcessGroupGloo(store, rank, producers + 1, OPERATION_TIMEOUT)
     first = start + rank - 1
     print(f"flowrl: producing for the trainer on {host}:{port} from batch {first}"
-          f"{f', every {producers}th' if producers > 1 else ''} (max_staleness {max_staleness})", file=sys.stderr)
+          f"{f', one batch in {producers}' if producers > 1 else ''} (max_staleness {max_staleness})", file=sys.stderr)
     channel = RemoteChannel(pg, names)
     last = run_producer(build, channel, first, max_staleness, threads, stride=producers)
     if channel.failure is not None:
