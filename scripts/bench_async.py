@@ -14,6 +14,9 @@ Parts, each using both cores of the 2-core box:
   the default --parts);
 - `sync2_compiled`: sync2 with model.compile=blocks (the held-out check before the default
   preset compiles; not in the default --parts);
+- `async2_producers2`: a trainer beside two producers sampling in turn (run.producers 2,
+  max_staleness 2; three processes, so on the 2-core box it oversubscribes the cores; meant for
+  a GPU, where they share the card; not in the default --parts);
 - `async1`, `async4`: one trainer process of one thread beside one producer process of one
   thread (run.async_rollouts), run.max_staleness 1 and 4; text trains AReaL's decoupled loss,
   the shapes default's DGPO trains on the clean samples as they come (it has no behaviour ratio).
@@ -49,6 +52,9 @@ PARTS = {
     # async4 with APRIL's partial rollouts (text only): 1.5x the groups in flight, unfinished completions carried over
     "async4_april": ["run.cpu_processes=1", "run.async_rollouts=true", "run.max_staleness=4", "trainer.threads=1",
                      "run.over_provision=1.5"],
+    # two producers in turn (run.producers), staleness 2 so both can sample at once; on a GPU they share the card
+    "async2_producers2": ["run.cpu_processes=1", "run.async_rollouts=true", "run.max_staleness=2", "run.producers=2",
+                          "trainer.threads=1"],
     # sync2 with the transformer blocks compiled: issue 48's held-out check before the default compiles
     "sync2_compiled": ["run.cpu_processes=2", "trainer.threads=1", "model.compile=blocks"],
 }

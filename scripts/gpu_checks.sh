@@ -100,10 +100,11 @@ fi
 if wanted text_preset named; then
   run text_preset 90 "$PY" scripts/bench_text_preset.py --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
 fi
-# Asynchronous rollouts (issue 49): the shapes default synchronous against a producer sharing the card (staleness 1),
-# 2 minutes each at an equal budget (run.cpu_processes is CPU-only, so sync2 is one process here).
+# Asynchronous rollouts (issue 49): the shapes default synchronous against a producer sharing the card (staleness 1)
+# and against two producers sharing it (staleness 2), 2 minutes each at an equal budget (run.cpu_processes is CPU-only,
+# so sync2 is one process here).
 if wanted async_shapes named; then
-  run async_shapes 420 "$PY" scripts/bench_async.py --task shapes --minutes 2 --seeds 0 --parts sync2 async1 \
+  run async_shapes 590 "$PY" scripts/bench_async.py --task shapes --minutes 2 --seeds 0 --parts sync2 async1 async2_producers2 \
     --out "$OUT/async-shapes-gpu.jsonl" --runs /tmp/bench-async
 fi
 
