@@ -16,6 +16,16 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs one worker per core:
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def restore_threads():
+    """For tests whose runs set torch's thread count (trainer.threads, a producer): put it back."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def _tiny_pipeline(builder: str):
     """A session fixture: the tiny pipeline flowrl.models.tiny.`builder` saves, its directory."""
 

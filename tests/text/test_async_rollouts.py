@@ -23,13 +23,6 @@ FAST = ["configs/text_add.yaml", "data.prompts_per_iteration=4", "data.group_siz
         "trainer.threads=1"]
 
 
-@pytest.fixture
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, restore_threads):
     sync, straight, stopped = tmp_path / "sync", tmp_path / "async", tmp_path / "stopped"
     args = [*FAST, "trainer.iterations=4", "run.checkpoint_every=2"]

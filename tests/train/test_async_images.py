@@ -29,13 +29,6 @@ FAST = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_i
         "run.checkpoint_every=2", "trainer.threads=1"]
 
 
-@pytest.fixture
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("objective", [["trainer.kl_beta=0.01"], ["objective.kind=nft", "sampling.sampler=ode"]],
                          ids=["grpo", "nft"])
 def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, tiny_sd3_dir, objective, restore_threads):

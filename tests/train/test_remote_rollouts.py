@@ -27,13 +27,6 @@ TEXT = ["configs/text_add.yaml", "data.prompts_per_iteration=4", "data.group_siz
         "trainer.threads=1", "run.checkpoint_every=0"]
 
 
-@pytest.fixture
-def restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
