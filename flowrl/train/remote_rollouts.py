@@ -134,7 +134,10 @@ class RemoteProducer:
         Several producers' batches may arrive out of order: the early ones wait for their turn."""
         t0 = time.perf_counter()
         while iteration not in self.arrived:
-            item = self.batches.get()
+            try:
+                item = self.batches.get(timeout=POLL_S)  # in slices, so that Ctrl-C is heard
+            except queue.Empty:
+                continue
             if isinstance(item, int):  # a serving thread lost its producer
                 raise UserError(f"the rollout producer on {self.peers[item - 1]} disconnected before batch {iteration} reached "
                                 "the trainer; the run stopped there with its checkpoints intact: start `flowrl produce` again "
