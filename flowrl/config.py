@@ -220,9 +220,8 @@ def _validate_async(cfg: Config) -> None:
     check_producers(r, cfg.allocator.kind)
     if not r.async_rollouts:
         return
-    if r.cpu_processes > 1 or r.distributed != "ddp":
-        raise ConfigError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1 and "
-                          f"run.distributed: ddp (got {r.cpu_processes} and {r.distributed})")
+    if r.distributed != "ddp":  # the producer's weights are whole tensors; several ddp processes are checked with the rollout
+        raise ConfigError(f"run.async_rollouts trains with run.distributed: ddp (the producers receive whole weights); got {r.distributed}")
     if cfg.trainer.budget_minutes > 0 and w.strategy == "progressive":
         # the window moves on the trainer's re-planned clock, which the producer does not see
         raise ConfigError("run.async_rollouts cannot follow a progressive sampling.window on a trainer.budget_minutes plan; "

@@ -473,7 +473,7 @@ class RunConfig:
     # gradients all-reduced) | fsdp2 (weights, gradients, optimizer state and EMA sharded per transformer block)
     distributed: str = "ddp"
     # a producer process samples batches ahead of the trainer with the newest weights it has received
-    # (docs/usage.md, "Asynchronous rollouts"; every rollout but offline, one trainer process)
+    # (docs/usage.md, "Asynchronous rollouts"; every rollout but offline; several trainer processes with flat and two_stage)
     async_rollouts: bool = False
     max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
     # with async_rollouts: 0, the producer is a process on this machine; a port, the trainer listens there for a producer

@@ -37,6 +37,9 @@ import torch
 from flowrl.errors import UserError
 
 POLL_S = 0.5  # how often a waiting trainer checks that the producer is alive
+# what torchrun (and flowrl's CPU launcher) tell a process about its group
+DISTRIBUTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                   "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
 
 
 @dataclass
@@ -193,7 +196,10 @@ class SharedMemoryChannel:
 
 def produce(build, shared, version, lock, out, stop, spool: str, iteration: int, max_staleness: int, threads: int,
             stride: int = 1, device: str = "") -> None:
-    """A producer process a RolloutProducer starts."""
+    """A producer process a RolloutProducer starts: one process of its own, even beside several
+    trainer processes (whose launcher's variables would make its Accelerator join their group)."""
+    for name in DISTRIBUTED_ENV:
+        os.environ.pop(name, None)
     if device:  # before anything starts CUDA here; the collector then builds on the one device it sees
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(device, os.environ.get("CUDA_VISIBLE_DEVICES"))
         build = functools.partial(build, device="cpu" if device == "cpu" else "cuda")

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
@@ -30,7 +31,7 @@ from flowrl.train.experience import Experience
 from flowrl.train.image_producer import image_producer
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
-from flowrl.train.parts import TrainContext
+from flowrl.train.parts import ROLLOUTS, TrainContext
 from flowrl.train.processes import launch_image_run
 from flowrl.train.prompts import load_prompts
 from flowrl.train.registry import objective_class, rollout_class
@@ -66,6 +67,10 @@ class Trainer(RunManager):
         self.accelerator, self.run, self.mixed_precision, self.layout = launch_image_run(cfg, run_dir or default_run_dir(cfg))
         acc = self.accelerator
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
+        if cfg.run.async_rollouts and acc.num_processes > 1 and not rollout_cls.splits_batches:
+            able = ", ".join(sorted(n for n, c in ROLLOUTS.items() if c.splits_batches))
+            raise UserError(f"run.async_rollouts with several trainer processes ({acc.num_processes}) splits each batch between "
+                            f"them, which rollout.kind {able} can do, not '{cfg.rollout.kind}'; launch one trainer process")
         self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
         self.eval_prompts = list(cfg.data.eval_prompts) or self.prompts[:4]
         d = cfg.data
@@ -124,10 +129,13 @@ class Trainer(RunManager):
     def next_experience(self) -> tuple[Experience, dict]:
         """This iteration's experience, sampled here or taken from the producer (run.async_rollouts,
         with the metrics columns of its timing)."""
-        if self.producer is None:
+        if not self.cfg.run.async_rollouts:
             with self.objective.behaviour_weights(), self.layout.gathered():  # behaviour weights first: they swap shards
                 return self.rollout.collect(self.iteration), {}
         batch, staleness, timing = self.take_batch()
+        acc = self.accelerator
+        if acc.num_processes > 1:  # drawn whole by the producer: this process trains its share
+            batch = self.rollout.split(batch, acc.num_processes, acc.process_index)
         experience = self.rollout.experience(batch)
         experience.staleness = staleness
         return experience, timing

@@ -65,6 +65,9 @@ class Rollout:
     # travels from a producer process) and `experience(batch)` builds the Experience from it on the trainer's
     # policy; `collect` is then `experience(sample(iteration))`
     runs_ahead: ClassVar[bool] = False
+    # runs_ahead with several trainer processes: `split(batch, n, i)` gives process i of n its share of a
+    # batch the producer drew whole, as `sample` on that process would have drawn it
+    splits_batches: ClassVar[bool] = False
 
     def __init__(self, ctx: TrainContext):
         self.ctx = ctx
@@ -94,6 +97,10 @@ class Rollout:
 
     def experience(self, batch: Any) -> Experience:
         """(runs_ahead rollouts) The Experience of a `sample` batch, on this process's policy."""
+        raise NotImplementedError
+
+    def split(self, batch: Any, num_processes: int, process_index: int) -> Any:
+        """(splits_batches rollouts) This process's share of a batch drawn whole by one producer."""
         raise NotImplementedError
 
     def close(self) -> None:

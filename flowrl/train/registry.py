@@ -37,6 +37,10 @@ def check_compatible(cfg: "Config") -> None:
         ahead = ", ".join(sorted(n for n, c in ROLLOUTS.items() if c.runs_ahead))
         raise ConfigError(f"run.async_rollouts needs a rollout that a producer process samples ahead of the trainer: rollout.kind "
                           f"{ahead}, not '{rollout.name}'")
+    if cfg.run.async_rollouts and cfg.run.cpu_processes > 1 and not rollout.splits_batches:
+        able = ", ".join(sorted(n for n, c in ROLLOUTS.items() if c.splits_batches))
+        raise ConfigError(f"run.async_rollouts with run.cpu_processes {cfg.run.cpu_processes} splits each batch between the "
+                          f"trainer processes, which rollout.kind {able} can do, not '{rollout.name}'; set run.cpu_processes: 1")
     provided = rollout.provides(cfg)
     if objective.needs not in provided:
         able = sorted(name for name, o in OBJECTIVES.items() if o.needs in provided)

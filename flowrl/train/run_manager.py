@@ -130,9 +130,12 @@ class RunManager:
     def start_producer(self) -> None:
         """A producer from this iteration, the weights as they are now, the allocator as it is now: a
         process on this machine, where on a CPU each side takes trainer.threads threads (half the
-        cores when that is 0), or one on another machine (run.producer_port)."""
+        cores when that is 0), or one on another machine (run.producer_port). With several trainer
+        processes the first one holds the producers and hands every batch to the others."""
         r = self.cfg.run
         build, weights = self.producer_start()
+        if not self.accelerator.is_main_process:
+            return
         if r.producer_port:
             self.producer = RemoteProducer(r.producer_port, build, weights, r.max_staleness, self.iteration, r.producer_wait_minutes,
                                            r.producers)
@@ -142,17 +145,33 @@ class RunManager:
         if not threads and cpu:
             threads = max(1, (os.cpu_count() or 2) // 2)
             torch.set_num_threads(threads)
+        # no fork once CUDA or a process group has started here (their threads' locks would be copied held)
+        fork = cpu and self.accelerator.num_processes == 1
         self.producer = RolloutProducer(build, weights, r.max_staleness, self.iteration, threads, r.producers, r.producer_devices,
-                                        fork=cpu)
+                                        fork=fork)
 
     def take_batch(self) -> tuple[object, int, dict]:
         """This iteration's batch from the producer, its staleness (updates since the weights that
         drew it) and the metrics columns of its timing; the allocator takes the producer's state."""
-        batch = self.producer.take(self.iteration)
+        batch = self.producer.take(self.iteration) if self.accelerator.num_processes == 1 else self.shared_batch()
         replay(self.allocator, batch.state)  # the checkpoints hold the allocator as the producer(s) left it
         staleness = self.iteration - batch.version
         return batch.experience, staleness, {"staleness": staleness, "time_producer_idle": batch.producer_idle_s,
                                              "time_producer_busy": batch.producer_busy_s, "time_trainer_wait": batch.trainer_wait_s}
+
+    def shared_batch(self):
+        """Several trainer processes: the first takes the batch from the producers, and every process
+        gets it (or the producers' failure, which each then raises)."""
+        batch, failure = None, None
+        if self.producer is not None:
+            try:
+                batch = self.producer.take(self.iteration)
+            except UserError as exc:
+                failure = str(exc)
+        batch, failure = rank0((batch, failure))
+        if failure is not None:
+            raise UserError(failure)
+        return batch
 
     # the loop's hooks: the image trainer's budget, marks, trackers and sample grids
     def before_loop(self) -> None:

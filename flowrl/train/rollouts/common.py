@@ -33,6 +33,14 @@ class Stage(NamedTuple):
     valid: torch.Tensor  # [n] bool: False where the reward output was invalid (reward.on_invalid: drop)
 
 
+def stage_share(stage: Stage, num_processes: int, process_index: int) -> Stage:
+    """A stage sampled whole (by one producer process) as process `process_index` of `num_processes`
+    would have sampled its share: its contiguous slice of the samples, padded with copies of the
+    last one (ProcessShard), the gathered rewards unchanged."""
+    shard = ProcessShard(len(stage.prompt_ids), num_processes, process_index)
+    return stage._replace(traj=stage.traj.subset(shard.take(list(range(len(stage.prompt_ids))))), positions=shard.positions)
+
+
 def training_spec(cfg, iteration: int, policy, plan=None) -> SamplerSpec:
     """The training sampler of `iteration`: the policy's sigmas under sampling.schedule and this
     iteration's SDE window (a progressive window moves on the run's schedule plan, ctx.plan)."""

@@ -6,6 +6,7 @@ outcomes before the next stage. Advantages are normalised per group (docs/algori
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,8 @@ from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience, ProcessShard
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.common import Stage, check_trained_sigmas, group_advantages, stage_experience, successes, training_spec
+from flowrl.train.rollouts.common import (Stage, check_trained_sigmas, group_advantages, stage_experience, stage_share, successes,
+                                          training_spec)
 from flowrl.train.scoring import Scoring
 
 
@@ -24,6 +26,7 @@ class FlatRollout(Rollout):
     name = "flat"
     shards = True
     runs_ahead = True
+    splits_batches = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -108,6 +111,15 @@ class FlatRollout(Rollout):
         # taken a producer's state, or replayed several producers' observations, when asynchronous)
         batch.metrics.update(self.ctx.allocator.coverage())
         return flat_experience(self.ctx, batch, with_transitions=TRANSITIONS in self.provides(self.ctx.cfg))
+
+
+    def split(self, batch: "FlatBatch", num_processes: int, process_index: int) -> "FlatBatch":
+        return split_flat_batch(batch, num_processes, process_index)
+
+
+def split_flat_batch(batch: "FlatBatch", num_processes: int, process_index: int) -> "FlatBatch":
+    """A FlatBatch drawn whole, as process `process_index`'s share (flat and two-stage rollouts)."""
+    return dataclasses.replace(batch, stages=[stage_share(st, num_processes, process_index) for st in batch.stages])
 
 
 def flat_experience(ctx, b: "FlatBatch", with_transitions: bool) -> Experience:

@@ -34,7 +34,7 @@ from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
 from flowrl.train.parts import Rollout, register_rollout
 from flowrl.train.rollouts.common import Stage, group_advantages, successes, training_spec
-from flowrl.train.rollouts.flat import FlatBatch, FlatRollout, flat_experience
+from flowrl.train.rollouts.flat import FlatBatch, FlatRollout, flat_experience, split_flat_batch
 
 
 def subset_stage(stage: Stage, selected: torch.Tensor, num_processes: int, process_index: int) -> Stage:
@@ -92,6 +92,7 @@ def fidelity(explore: torch.Tensor, train: torch.Tensor, valid: torch.Tensor, gr
 class TwoStageRollout(Rollout):
     name = "two_stage"
     runs_ahead = True
+    splits_batches = True
 
     def __init__(self, ctx):
         super().__init__(ctx)
@@ -221,3 +222,6 @@ class TwoStageRollout(Rollout):
 
     def experience(self, batch: FlatBatch) -> Experience:
         return flat_experience(self.ctx, batch, with_transitions=TRANSITIONS in self.provides(self.ctx.cfg))
+
+    def split(self, batch: FlatBatch, num_processes: int, process_index: int) -> FlatBatch:
+        return split_flat_batch(batch, num_processes, process_index)
