@@ -109,23 +109,21 @@ class RolloutProducer:
             self.lock.release()
 
     def take(self, iteration: int) -> ProducedBatch:
-        """Batch `iteration`, waiting for it; checks that it is that batch and within the bound.
-        Several producers' batches may arrive out of order: the early ones wait for their turn."""
-        t0 = time.perf_counter()
-        while iteration not in self.arrived:
-            try:
-                name = self.queue.get(timeout=POLL_S)
-            except queue.Empty:
-                self._check_alive(f"batch {iteration} reached the trainer")
-                continue
-            path = os.path.join(self.spool, name)
-            with open(path, "rb") as f:
-                item = pickle.load(f)
-            os.remove(path)
-            if isinstance(item, ProducerFailure):
-                raise UserError(item.message)
-            self.arrived[item.iteration] = item
-        return checked_batch(self.arrived.pop(iteration), iteration, self.max_staleness, t0)
+        """Batch `iteration`, waiting for it; checks that it is that batch and within the bound."""
+        return take_in_order(self.arrived, iteration, self.max_staleness, self._receive)
+
+    def _receive(self, iteration: int):
+        """The next item a producer sent, or None after a short wait (having checked they live)."""
+        try:
+            name = self.queue.get(timeout=POLL_S)
+        except queue.Empty:
+            self._check_alive(f"batch {iteration} reached the trainer")
+            return None
+        path = os.path.join(self.spool, name)
+        with open(path, "rb") as f:
+            item = pickle.load(f)
+        os.remove(path)
+        return item
 
     def _check_alive(self, waiting_for: str) -> None:
         for process in self.processes:
@@ -152,6 +150,21 @@ def send(out, spool: str, item) -> None:
     with open(os.path.join(spool, name), "wb") as f:
         pickle.dump(item, f, protocol=pickle.HIGHEST_PROTOCOL)
     out.put(name)
+
+
+def take_in_order(arrived: dict, iteration: int, max_staleness: int, receive: Callable[[int], Any]) -> ProducedBatch:
+    """Batch `iteration` from `receive(iteration)` (the next item a producer sent, or None after a
+    short wait); several producers' batches may arrive out of order, and those ahead of their
+    turn wait in `arrived`."""
+    t0 = time.perf_counter()
+    while iteration not in arrived:
+        item = receive(iteration)
+        if item is None:
+            continue
+        if isinstance(item, ProducerFailure):
+            raise UserError(item.message)
+        arrived[item.iteration] = item
+    return checked_batch(arrived.pop(iteration), iteration, max_staleness, t0)
 
 
 def checked_batch(item, iteration: int, max_staleness: int, waiting_since: float) -> ProducedBatch:

@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from flowrl.errors import UserError
-from flowrl.train.async_rollouts import POLL_S, ProducedBatch, ProducerFailure, checked_batch, run_producer
+from flowrl.train.async_rollouts import POLL_S, ProducedBatch, ProducerFailure, run_producer, take_in_order
 
 WANT, BATCH = 1, 2  # what a producer's header announces
 STOP = -1  # the version that answers a producer when the trainer has closed
@@ -130,22 +130,20 @@ class RemoteProducer:
             self.changed.notify_all()
 
     def take(self, iteration: int) -> ProducedBatch:
-        """Batch `iteration`, waiting for it; checks that it is that batch and within the bound.
-        Several producers' batches may arrive out of order: the early ones wait for their turn."""
-        t0 = time.perf_counter()
-        while iteration not in self.arrived:
-            try:
-                item = self.batches.get(timeout=POLL_S)  # in slices, so that Ctrl-C is heard
-            except queue.Empty:
-                continue
-            if isinstance(item, int):  # a serving thread lost its producer
-                raise UserError(f"the rollout producer on {self.peers[item - 1]} disconnected before batch {iteration} reached "
-                                "the trainer; the run stopped there with its checkpoints intact: start `flowrl produce` again "
-                                "and `flowrl train --resume RUN` continues it")
-            if isinstance(item, ProducerFailure):
-                raise UserError(item.message)
-            self.arrived[item.iteration] = item
-        return checked_batch(self.arrived.pop(iteration), iteration, self.max_staleness, t0)
+        """Batch `iteration`, waiting for it; checks that it is that batch and within the bound."""
+        return take_in_order(self.arrived, iteration, self.max_staleness, self._receive)
+
+    def _receive(self, iteration: int):
+        """The next item the serving threads received, or None after a short wait (so that Ctrl-C is heard)."""
+        try:
+            item = self.batches.get(timeout=POLL_S)
+        except queue.Empty:
+            return None
+        if isinstance(item, int):  # a serving thread lost its producer
+            raise UserError(f"the rollout producer on {self.peers[item - 1]} disconnected before batch {iteration} reached "
+                            "the trainer; the run stopped there with its checkpoints intact: start `flowrl produce` again "
+                            "and `flowrl train --resume RUN` continues it")
+        return item
 
     def _serve(self, rank: int) -> None:
         """Answer producer `rank`'s requests until it disconnects (its rank in the batch queue) or
