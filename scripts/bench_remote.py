@@ -58,16 +58,11 @@ def workload(preset: str) -> tuple[dict[str, tuple[int, ...]], tuple[int, ...]]:
     shape of one iteration's latents [chains, steps + 1, channels, h, w]."""
     from flowrl.config import load_config
     from flowrl.models.base import resolve_model_path
-    from flowrl.train.memory_plan import load_model
+    from flowrl.train.memory_plan import load_model, lora_shapes
 
     cfg = load_config(preset, validate_paths=False)
     model = load_model(resolve_model_path(cfg.model.path))  # builtin:shapes is a directory of the package
-    r, targets = cfg.lora.rank, cfg.lora.target_modules
-    shapes = {}
-    for name, m in model.transformer.named_modules():
-        if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
-            shapes[f"{name}.lora_A"] = (r, m.in_features)
-            shapes[f"{name}.lora_B"] = (m.out_features, r)
+    shapes = lora_shapes(model.transformer, cfg.lora.rank, cfg.lora.target_modules)
     c = model.transformer.config
     chains = cfg.data.prompts_per_iteration * cfg.data.group_size
     batch = (chains, cfg.sampling.num_steps + 1, c.in_channels, cfg.model.height // 8, cfg.model.width // 8)

@@ -193,7 +193,7 @@ def validate_off_policy(cfg: TextConfig) -> None:
     if r.max_staleness < 0:
         raise ConfigError(f"run.max_staleness must be >= 0 (0: every batch sampled with the newest weights); got {r.max_staleness}")
     if r.async_rollouts and r.cpu_processes > 1:
-        raise ConfigError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1")
+        raise ConfigError("run.async_rollouts runs one text trainer process beside its producers; set run.cpu_processes: 1")
     check_producers(r, cfg.allocator.kind)
     if r.producers > 1 and r.over_provision > 1:
         raise ConfigError("run.over_provision carries a producer's unfinished completions into its next batch, which needs one "

@@ -85,7 +85,7 @@ class TextTrainer(RunManager):
         # gradients at the last micro-batch); generation and the reference use the bare model
         self.train_model = acc.prepare_model(self.policy.model) if acc.num_processes > 1 else self.policy.model
         if cfg.run.async_rollouts and acc.num_processes > 1:
-            raise UserError("run.async_rollouts runs one trainer process beside one producer process; set run.cpu_processes: 1 "
+            raise UserError("run.async_rollouts runs one text trainer process beside its producers; set run.cpu_processes: 1 "
                             "and launch without accelerate's multi-process launcher")
         self.start_run(resume)
 

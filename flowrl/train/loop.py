@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
 from flowrl.sampling.noise import sample_seed
@@ -31,10 +30,10 @@ from flowrl.train.experience import Experience
 from flowrl.train.image_producer import image_producer
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
-from flowrl.train.parts import ROLLOUTS, TrainContext
+from flowrl.train.parts import TrainContext
 from flowrl.train.processes import launch_image_run
 from flowrl.train.prompts import load_prompts
-from flowrl.train.registry import objective_class, rollout_class
+from flowrl.train.registry import check_async_processes, objective_class, rollout_class
 from flowrl.train.run_dir import default_run_dir
 from flowrl.train.run_manager import RunManager
 from flowrl.train.sharding import reference_copy
@@ -67,10 +66,7 @@ class Trainer(RunManager):
         self.accelerator, self.run, self.mixed_precision, self.layout = launch_image_run(cfg, run_dir or default_run_dir(cfg))
         acc = self.accelerator
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
-        if cfg.run.async_rollouts and acc.num_processes > 1 and not rollout_cls.splits_batches:
-            able = ", ".join(sorted(n for n, c in ROLLOUTS.items() if c.splits_batches))
-            raise UserError(f"run.async_rollouts with several trainer processes ({acc.num_processes}) splits each batch between "
-                            f"them, which rollout.kind {able} can do, not '{cfg.rollout.kind}'; launch one trainer process")
+        check_async_processes(cfg, acc.num_processes)  # a multi-GPU launch: its count is known only now
         self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
         self.eval_prompts = list(cfg.data.eval_prompts) or self.prompts[:4]
         d = cfg.data

@@ -241,15 +241,21 @@ def load_model(name: str) -> Model:
     return Model(str(name), kind, transformer, frozen)
 
 
-def lora_params(transformer: torch.nn.Module, rank: int, targets: list[str]) -> int:
-    """rank x (in + out) for every Linear whose name ends in a target (peft's matching)."""
-    total = 0
+def lora_shapes(transformer: torch.nn.Module, rank: int, targets: list[str]) -> dict[str, tuple[int, int]]:
+    """The adapter's A [rank, in] and B [out, rank] of every Linear whose name ends in a target
+    (peft's matching), by module name + .lora_A / .lora_B."""
+    shapes = {}
     for n, m in transformer.named_modules():
         if isinstance(m, torch.nn.Linear) and any(n == t or n.endswith("." + t) for t in targets):
-            total += rank * (m.in_features + m.out_features)
-    if total == 0:
+            shapes[f"{n}.lora_A"], shapes[f"{n}.lora_B"] = (rank, m.in_features), (m.out_features, rank)
+    if not shapes:
         raise UserError(f"lora targets {', '.join(targets)} match no Linear layer of {type(transformer).__name__}")
-    return total
+    return shapes
+
+
+def lora_params(transformer: torch.nn.Module, rank: int, targets: list[str]) -> int:
+    """rank x (in + out) for every Linear whose name ends in a target (peft's matching)."""
+    return sum(a * b for a, b in lora_shapes(transformer, rank, targets).values())
 
 
 def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:

@@ -23,6 +23,16 @@ def objective_class(kind: str) -> type[Objective]:
     return OBJECTIVES[kind]
 
 
+def check_async_processes(cfg: "Config", processes: int) -> None:
+    """run.async_rollouts beside `processes` trainer processes (run.cpu_processes when the config is
+    read, the launch's count when the trainer starts): more than one needs a rollout that splits."""
+    rollout = rollout_class(cfg.rollout.kind)
+    if cfg.run.async_rollouts and processes > 1 and not rollout.splits_batches:
+        able = ", ".join(sorted(n for n, c in ROLLOUTS.items() if c.splits_batches))
+        raise ConfigError(f"run.async_rollouts with {processes} trainer processes splits each batch between them, which "
+                          f"rollout.kind {able} can do, not '{rollout.name}'; run one trainer process (run.cpu_processes: 1)")
+
+
 def check_compatible(cfg: "Config") -> None:
     """Both parts exist, each accepts the config, and the rollout provides what the objective needs."""
     rollout, objective = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
@@ -37,10 +47,7 @@ def check_compatible(cfg: "Config") -> None:
         ahead = ", ".join(sorted(n for n, c in ROLLOUTS.items() if c.runs_ahead))
         raise ConfigError(f"run.async_rollouts needs a rollout that a producer process samples ahead of the trainer: rollout.kind "
                           f"{ahead}, not '{rollout.name}'")
-    if cfg.run.async_rollouts and cfg.run.cpu_processes > 1 and not rollout.splits_batches:
-        able = ", ".join(sorted(n for n, c in ROLLOUTS.items() if c.splits_batches))
-        raise ConfigError(f"run.async_rollouts with run.cpu_processes {cfg.run.cpu_processes} splits each batch between the "
-                          f"trainer processes, which rollout.kind {able} can do, not '{rollout.name}'; set run.cpu_processes: 1")
+    check_async_processes(cfg, cfg.run.cpu_processes)
     provided = rollout.provides(cfg)
     if objective.needs not in provided:
         able = sorted(name for name, o in OBJECTIVES.items() if o.needs in provided)

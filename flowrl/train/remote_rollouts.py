@@ -98,6 +98,7 @@ class RemoteProducer:
         self.pg = ProcessGroupGloo(self.store, 0, producers + 1, OPERATION_TIMEOUT)
         self.latest = {k: v.detach().to("cpu", copy=True) for k, v in sorted(weights.items())}
         self.version = start_iteration
+        self.snapshot: tuple[int, list[torch.Tensor]] = (-1, [])  # (version, a copy of `latest` the serving threads send)
         self.closing = False
         self.changed = threading.Condition()
         self.batches: queue.Queue = queue.Queue()  # what the serving threads receive: batches, failures, a lost rank
@@ -160,7 +161,9 @@ class RemoteProducer:
                 with self.changed:
                     self.changed.wait_for(lambda: self.version >= need or self.closing)
                     version = STOP if self.closing else self.version
-                    tensors = [t.clone() for t in self.latest.values()] if version not in (STOP, have) else []
+                    if version not in (STOP, have, self.snapshot[0]):  # sent outside the lock, while publish may write
+                        self.snapshot = (version, [t.clone() for t in self.latest.values()])
+                    tensors = self.snapshot[1] if version not in (STOP, have) else []
                 self.pg.send([torch.tensor([version], dtype=torch.int64)], rank, TAG).wait()
                 for t in tensors:
                     self.pg.send([t], rank, TAG).wait()

@@ -132,10 +132,10 @@ class RunManager:
         process on this machine, where on a CPU each side takes trainer.threads threads (half the
         cores when that is 0), or one on another machine (run.producer_port). With several trainer
         processes the first one holds the producers and hands every batch to the others."""
-        r = self.cfg.run
-        build, weights = self.producer_start()
         if not self.accelerator.is_main_process:
             return
+        r = self.cfg.run
+        build, weights = self.producer_start()
         if r.producer_port:
             self.producer = RemoteProducer(r.producer_port, build, weights, r.max_staleness, self.iteration, r.producer_wait_minutes,
                                            r.producers)

@@ -76,7 +76,7 @@ def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run
 
 
 @pytest.mark.parametrize("override, message", [
-    ("run.cpu_processes=2", "one trainer process beside one producer process"),
+    ("run.cpu_processes=2", "one text trainer process beside its producers"),
     ("loss.ratio_level=sequence", "set loss.ratio_level: token"),
     ("loss.off_policy=gspo", "loss.off_policy"),
     ("loss.aggregation=seq_mean_token_mean loss.off_policy=m2po", "m2po is a token-mean objective"),

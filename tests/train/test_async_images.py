@@ -273,7 +273,7 @@ def test_m2po_on_transitions_drops_the_largest_log_ratios_until_the_second_momen
 @pytest.mark.parametrize("override, named", [
     (["rollout.kind=offline", f"data.offline={os.path.dirname(__file__)}", "objective.kind=gdro"], "not 'offline'"),
     (["rollout.kind=tree", "sampling.num_steps=10", "data.group_size=16", "run.cpu_processes=2"],
-     "rollout.kind flat, two_stage can do, not 'tree'; set run.cpu_processes: 1"),
+     "rollout.kind flat, two_stage can do, not 'tree'; run one trainer process (run.cpu_processes: 1)"),
     (["run.distributed=fsdp2"], "run.async_rollouts trains with run.distributed: ddp"),
     (["objective.grpo.ratio_norm=true"], "objective.grpo.ratio_norm"),
     (["trainer.budget_minutes=5", "sampling.window.strategy=progressive", "sampling.window.size=2"], "progressive"),
