@@ -11,7 +11,7 @@ from pathlib import Path
 from flowrl.errors import UserError
 from flowrl.presets import preset_names
 from flowrl.quiet import silence_known_messages
-from flowrl.train.processes import (EXIT_INTERRUPTED, LAUNCHED_ENV, die_with_launcher, interrupted_message, is_first_process,
+from flowrl.runtime.processes import (EXIT_INTERRUPTED, LAUNCHED_ENV, die_with_launcher, interrupted_message, is_first_process,
                                     launches_cpu_processes, relaunch)
 
 EXIT_USER_ERROR = 2
@@ -188,7 +188,7 @@ def cmd_train(args) -> int:
 
     from flowrl.config import load_config
     from flowrl.text.cli import is_text_config, is_text_run
-    from flowrl.train.run_dir import CONFIG_FILE, default_run_dir
+    from flowrl.runtime.run_dir import CONFIG_FILE, default_run_dir
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)
     if args.resume and config is not None:
@@ -240,8 +240,8 @@ def _train_images(cfg, run_dir: Path, resume: bool) -> int:
 def _load_run_policy(run: Path, overrides=(), iteration: int | None = None):
     from flowrl.config import load_config
     from flowrl.models import load_policy
-    from flowrl.train.checkpoint import checkpoint_iterations, checkpoint_name, latest_checkpoint
-    from flowrl.train.run_dir import CONFIG_FILE, RunDir
+    from flowrl.runtime.checkpoint import checkpoint_iterations, checkpoint_name, latest_checkpoint
+    from flowrl.runtime.run_dir import CONFIG_FILE, RunDir
 
     if not (run / CONFIG_FILE).is_file():
         raise UserError(f"--run '{run}' is not a run directory (no {CONFIG_FILE})")
@@ -556,7 +556,7 @@ def cmd_serve_reward(args) -> int:
 
 
 def cmd_produce(args) -> int:
-    from flowrl.train.remote_rollouts import produce_remote
+    from flowrl.runtime.remote_producers import produce_remote
 
     if not args.wait_minutes > 0:
         raise UserError(f"--wait-minutes must be > 0; got {args.wait_minutes}")

@@ -423,7 +423,7 @@ class TrainerConfig:
     iterations: int = 40
     # > 0: time the first budget_probe iterations, then plan the count (at most trainer.iterations) that fits
     # this many minutes from the trainer's start, again at every checkpoint from the speed measured so far, with
-    # the schedules fitted onto it (flowrl/train/budget.py, plan.json)
+    # the schedules fitted onto it (flowrl/runtime/budget.py, plan.json)
     budget_minutes: float = 0.0
     budget_probe: int = 5
     max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time

@@ -222,9 +222,9 @@ class Judge:
 def run_cell(cell: str, seed: int, args, judge: Judge, base: dict, start: float, ident: dict) -> dict | None:
     from flowrl.cli import main as cli_main
     from flowrl.config import load_config
-    from flowrl.train.budget import PLAN_FILE, machine_name
-    from flowrl.train.checkpoint import checkpoint_iterations
-    from flowrl.train.run_dir import RunDir
+    from flowrl.runtime.budget import PLAN_FILE, machine_name
+    from flowrl.runtime.checkpoint import checkpoint_iterations
+    from flowrl.runtime.run_dir import RunDir
 
     runs, budget = Path(args.runs), args.budget_minutes
     overrides = cell_overrides(cell, seed, budget, args.smoke)
@@ -343,7 +343,7 @@ def run_arena(args) -> int:
     import torch
 
     from flowrl.config import load_config
-    from flowrl.train.budget import machine_name
+    from flowrl.runtime.budget import machine_name
 
     start = time.perf_counter()
     commit, dirty, code = git_commit()

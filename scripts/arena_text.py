@@ -105,7 +105,7 @@ def base_scores(runs: Path, pool: str, cfg, smoke: bool) -> dict[str, float]:
 def run_cell(pool: str, loss: str, allocator: str, seed: int, args, start: float, ident: dict) -> dict:
     from flowrl.text.config import load_text_config
     from flowrl.text.train import TextTrainer
-    from flowrl.train.budget import machine_name
+    from flowrl.runtime.budget import machine_name
 
     runs, budget, cell = Path(args.runs), args.budget_minutes, cell_name(pool, loss, allocator)
     cfg = load_text_config(ROOT / POOLS[pool], cell_overrides(pool, loss, allocator, seed, budget, args.smoke))
@@ -145,7 +145,7 @@ def run_arena(args) -> int:
     import torch
 
     from flowrl.text.config import load_text_config
-    from flowrl.train.budget import machine_name
+    from flowrl.runtime.budget import machine_name
 
     start = time.perf_counter()
     commit, dirty, code = git_commit()

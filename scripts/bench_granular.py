@@ -61,10 +61,10 @@ def main(argv=None) -> int:
     from flowrl.config import load_config
     from flowrl.models import load_policy
     from flowrl.sampling.granular import granular_nfe, sequential_calls
-    from flowrl.train.budget import machine_name
+    from flowrl.runtime.budget import machine_name
     from flowrl.train.evaluate import evaluate
     from flowrl.train.prompts import read_prompt_file
-    from flowrl.train.run_dir import RunDir
+    from flowrl.runtime.run_dir import RunDir
     from rewards import MultiReward
 
     print(f"bench_granular: {machine_name()}, torch {torch.__version__}", flush=True)

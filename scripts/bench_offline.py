@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.train.budget import machine_name
+from flowrl.runtime.budget import machine_name
 
 # each method: the overrides of the default preset that make it (docs/algorithms.md section 10)
 DGPO = ["objective.kind=dgpo", "trainer.iterations=90", "trainer.kl_beta=0.02"]
@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from flowrl.models import load_policy
     from flowrl.train.evaluate import evaluate
     from flowrl.train.prompts import builtin_prompts
-    from flowrl.train.run_dir import RunDir
+    from flowrl.runtime.run_dir import RunDir
     from rewards import MultiReward
 
     root = Path(args.root)

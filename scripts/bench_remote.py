@@ -76,7 +76,7 @@ def free_port() -> int:
 
 
 def remote_child(address: str) -> None:
-    from flowrl.train.remote_rollouts import produce_remote
+    from flowrl.runtime.remote_producers import produce_remote
 
     produce_remote(address, 1.0, threads=1)
 
@@ -94,8 +94,8 @@ def time_rounds(producer, weights: dict[str, torch.Tensor], rounds: int) -> list
 
 
 def measure(preset: str, rounds: int) -> dict:
-    from flowrl.train.async_rollouts import RolloutProducer
-    from flowrl.train.remote_rollouts import RemoteProducer
+    from flowrl.runtime.producers import RolloutProducer
+    from flowrl.runtime.remote_producers import RemoteProducer
 
     shapes, batch_shape = workload(preset)
     weights = {k: torch.randn(s) for k, s in shapes.items()}

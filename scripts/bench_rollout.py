@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.train.budget import machine_name
+from flowrl.runtime.budget import machine_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from flowrl.config import load_config
     from flowrl.models import load_policy
     from flowrl.search.policy import search_policy, search_steps
-    from flowrl.train.budget import machine_name
+    from flowrl.runtime.budget import machine_name
     from flowrl.train.evaluate import score_images
     from flowrl.train.prompts import read_prompt_file
     from rewards import MultiReward

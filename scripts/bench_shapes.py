@@ -40,10 +40,10 @@ def main(argv=None) -> int:
     from flowrl.cli import main as cli_main
     from flowrl.config import load_config
     from flowrl.models import load_policy
-    from flowrl.train.budget import PLAN_FILE, machine_name
+    from flowrl.runtime.budget import PLAN_FILE, machine_name
     from flowrl.train.evaluate import evaluate, format_category_table
     from flowrl.train.prompts import builtin_prompts
-    from flowrl.train.run_dir import RunDir
+    from flowrl.runtime.run_dir import RunDir
     from rewards import MultiReward
 
     cfg = load_config(args.config, args.overrides + ["run.progress=false"])

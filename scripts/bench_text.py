@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sft-lr", type=float, default=0.0, help="SFT's learning rate; 0: the RL config's trainer.lr")
     ap.add_argument("--json", type=Path, help="also write the results here")
     a = ap.parse_args(argv)
-    from flowrl.train.budget import machine_name
+    from flowrl.runtime.budget import machine_name
 
     base = held_out_exact_match(CausalLMPolicy.from_config(load_text_config(CONFIG).model))
     print(f"machine: {machine_name()}, torch threads {torch.get_num_threads()}")

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.train.budget import machine_name
+from flowrl.runtime.budget import machine_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_rollout's SD3.5-Medium config

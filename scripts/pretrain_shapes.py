@@ -32,9 +32,9 @@ from tqdm.auto import tqdm
 
 from flowrl.core.lr_schedule import lr_factor
 from flowrl.models.shapes import build_shapes_pipeline, save_shapes_pipeline
+from flowrl.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flowrl.runtime.ema import EMA
 from flowrl.sampling.steps import flow_matching_target, forward_noise
-from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from flowrl.train.ema import EMA
 from rewards.shapes_world import CATEGORIES, all_prompts, category_probabilities, render, sample_prompts
 
 

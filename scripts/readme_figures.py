@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     from PIL import Image
 
     from flowrl.config import load_config
-    from flowrl.train.run_dir import CONFIG_FILE, RunDir
+    from flowrl.runtime.run_dir import CONFIG_FILE, RunDir
 
     run = RunDir(args.run)
     before = run.samples / "iter_000000_before.png"

@@ -605,3 +605,9 @@ def run_stages(alloc: Allocator, iteration: int, outcome) -> tuple[torch.Tensor,
         return torch.cat(outcomes)
 
     return allocate_in_stages(alloc, iteration, sample_stage)
+
+
+def successes(total_rewards: torch.Tensor, threshold: float | None) -> torch.Tensor:
+    """Pass/fail for an allocator: above `threshold` (allocator.success_threshold), or above the
+    mean of the iteration's rewards so far when there is none (continuous rewards)."""
+    return total_rewards > (total_rewards.mean() if threshold is None else threshold)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from flowrl.core.seeds import sample_seed
 from flowrl.offline.store import GroupStore, StoredGroup, StoreWriter
-from flowrl.sampling.noise import sample_seed
 from flowrl.sampling.rollout import SamplerSpec, rollout
 
 BUILD_ITERATION = -2  # the `iteration` key of a store's sample seeds (training iterations are >= 0, grids -1)

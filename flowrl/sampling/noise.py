@@ -1,5 +1,6 @@
 """Reproducible noise: every draw comes from a generator keyed by (sample seed, step),
-never from global RNG state, so any sample can be regenerated exactly from its seed."""
+never from global RNG state, so any sample can be regenerated exactly from its seed (the seeds
+themselves: flowrl/core/seeds.py)."""
 
 from __future__ import annotations
 
@@ -16,25 +17,6 @@ FORWARD_NOISING = -1_000
 # group's seed, far below FORWARD_NOISING's range; epoch e and training sigma k of K use
 # GROUP_NOISING - e x K - k
 GROUP_NOISING = -2_000_000
-
-
-class Stream:
-    """The `index` keys of `sample_seed` for the training loop's own random streams. Sample
-    indices are 0, 1, 2, ... within an iteration; these sit far above any batch, so no stream
-    shares a seed with a sample."""
-
-    NFT_ORDER = 999_979  # DiffusionNFT: order of the sample batches, and its training sigmas
-    UPDATE_ORDER = 999_983  # the policy-gradient update: order of the micro-batch groups
-    SELECTION = 777_767  # two-stage exploration: ties and the random selection
-    GROUP_SIGMAS = 999_961  # group objectives (DGPO, GDRO): the training sigmas of an iteration
-    TIE_BREAK = 999_953  # GDRO: the seeded order of tied rewards
-
-
-def sample_seed(base: int, iteration: int, index: int) -> int:
-    """The seed of sample `index` of `iteration` in a run seeded `base`: every rollout is
-    reproducible from (run seed, iteration, index), whichever process draws it. Iteration -1
-    is the sample grids'."""
-    return (base * 1_000_003 + iteration) * 100_003 + index
 
 
 def _key(seed: int, step: int) -> int:

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 from flowrl.errors import UserError
+from flowrl.runtime.run_dir import CONFIG_FILE, default_run_dir
 from flowrl.text.config import TextConfig, is_text_config, load_text_config
-from flowrl.train.run_dir import CONFIG_FILE
 
 
 def is_text_run(run: str | Path | None) -> bool:
@@ -18,10 +18,8 @@ def resolve(config: str | None, overrides: list[str], resume: str | None, run_di
     """The config and run directory of `flowrl train` (fixed before any process starts, so all name the same)."""
     if resume:
         return load_text_config(Path(resume) / CONFIG_FILE, overrides), Path(resume)
-    from flowrl.text.train import default_text_run_dir
-
     cfg = load_text_config(config, overrides)
-    return cfg, Path(run_dir) if run_dir else default_text_run_dir(cfg)
+    return cfg, Path(run_dir) if run_dir else default_run_dir(cfg, "text-")
 
 
 def train(cfg: TextConfig, run_dir: Path, resume: bool) -> int:
@@ -65,7 +63,7 @@ def held_out_line(policy, cfg: TextConfig) -> str:
 def policy_for(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None = None):
     """The trained policy of a run's checkpoint (latest by default), or a config's base model."""
     from flowrl.text.policy import load_text_policy
-    from flowrl.train.checkpoint import checkpoint_name, latest_checkpoint
+    from flowrl.runtime.checkpoint import checkpoint_name, latest_checkpoint
 
     if run is None:
         cfg = load_text_config(config, overrides)

@@ -2,7 +2,7 @@
 the allocator see the outcomes, repeat), the advantages, and each process's share of what the
 loss trains on. The synchronous trainer collects in its own process before each update; with
 run.async_rollouts a producer process builds its own collector (`build_text_collector`) and runs
-ahead of the trainer (flowrl/train/async_rollouts.py)."""
+ahead of the trainer (flowrl/runtime/producers.py)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ from dataclasses import dataclass, field
 import torch
 
 from flowrl.core.advantages import estimate_advantages
-from flowrl.core.allocation import allocate_in_stages
+from flowrl.core.allocation import allocate_in_stages, successes
+from flowrl.core.seeds import sample_seed
 from flowrl.errors import UserError
-from flowrl.sampling.noise import sample_seed
+from flowrl.runtime.shards import ProcessShard, gather_real
 from flowrl.text.config import TextConfig
 from flowrl.text.data import PromptSet, load_prompt_set
 from flowrl.text.generate import Generation, Partial, concat, continue_generation, partial_generation
 from flowrl.text.policy import CausalLMPolicy, load_text_policy
-from flowrl.train.experience import ProcessShard, gather_real
-from flowrl.train.rollouts.common import successes
 from rewards.text import TextReward
 
 
@@ -93,7 +92,7 @@ class TextCollector:
             k = r.shape[1]
             rewards.append(outcome[:, :k]), valid.append(outcome[:, k].bool())
             lengths.append(outcome[:, k + 1].long()), truncated.append(outcome[:, k + 2].bool())
-            return successes(cfg, self.reward.total(torch.cat(rewards)))
+            return successes(self.reward.total(torch.cat(rewards)), cfg.allocator.success_threshold)
 
         allocate_in_stages(self.allocator, iteration, sample_stage)
         prompt_ids, rewards, valid = torch.cat(ids_all), torch.cat(rewards), torch.cat(valid)
@@ -116,7 +115,7 @@ class TextCollector:
         out = estimate_advantages(cfg.advantage.kind, rewards[valid], prompt_ids[valid], self.reward.weights, std=cfg.advantage.std)
         advantages = torch.zeros(len(prompt_ids))
         advantages[valid] = out.advantages * out.mask
-        return out, advantages, successes(cfg, self.reward.total(rewards[valid]))
+        return out, advantages, successes(self.reward.total(rewards[valid]), cfg.allocator.success_threshold)
 
     def collect_partial(self, iteration: int) -> TextExperience:
         """APRIL's active partial rollouts (arXiv 2509.18521): ceil(f x P) groups are in flight (f =
@@ -239,7 +238,7 @@ def producer_collector(cfg: TextConfig, allocator_state: dict, device: str = "")
     import dataclasses
 
     from flowrl.devices import pick_device
-    from flowrl.train.processes import plain_accelerator
+    from flowrl.runtime.processes import plain_accelerator
 
     if device:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, device=device))

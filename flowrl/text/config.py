@@ -100,7 +100,7 @@ class TextTrainerConfig:
     max_minutes: float = 0.0  # > 0: stop (with a checkpoint) after this much wall time
     # > 0: time the first budget_probe iterations, then plan the count (at most trainer.iterations) that fits
     # this many minutes from the trainer's start, planned again at every checkpoint, with the learning-rate
-    # schedule fitted onto it (the image trainer's budget, flowrl/train/budget.py)
+    # schedule fitted onto it (the image trainer's budget, flowrl/runtime/budget.py)
     budget_minutes: float = 0.0
     budget_probe: int = 5
     lr: float = 1e-4

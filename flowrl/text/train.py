@@ -4,7 +4,7 @@ score them against the dataset's columns, a shared advantage estimator turns the
 advantage per completion, and the token-level clipped surrogate (flowrl/core/token_losses.py)
 updates the policy. Runs, metrics, checkpoints and exact resume use the image loop's pieces.
 With run.async_rollouts a producer process collects ahead of the trainer
-(flowrl/train/async_rollouts.py) and the loss is an off-policy one (loss.off_policy).
+(flowrl/runtime/producers.py) and the loss is an off-policy one (loss.off_policy).
 
 Every draw is keyed by (seed, iteration, sample), so a resumed run repeats an uninterrupted one,
 and several processes (accelerate's launcher or run.cpu_processes) train as one: each process
@@ -25,18 +25,18 @@ import torch
 
 from flowrl.core.allocation import spending_by_bucket
 from flowrl.core.off_policy import behaviour_weight_stats, decoupled_policy_loss, m2po_mask, m2po_policy_loss
+from flowrl.core.seeds import Stream, sample_seed
 from flowrl.core.token_losses import aggregate, k3_kl, overlong_mask, token_policy_loss
 from flowrl.errors import UserError
-from flowrl.sampling.noise import Stream, sample_seed
+from flowrl.runtime.checkpoint import restore_weights, save_checkpoint
+from flowrl.runtime.processes import plain_accelerator, start_processes
+from flowrl.runtime.run_dir import RunDir, default_run_dir
+from flowrl.runtime.run_manager import RunManager
 from flowrl.text.collect import TextExperience, build_text_collector, producer_collector
 from flowrl.text.config import TextConfig
 from flowrl.text.data import PromptSet
 from flowrl.text.generate import Generation
 from flowrl.text.policy import CausalLMPolicy
-from flowrl.train.checkpoint import restore_weights, save_checkpoint
-from flowrl.train.processes import plain_accelerator, start_processes
-from flowrl.train.run_dir import RunDir
-from flowrl.train.run_manager import RunManager
 from rewards.text import TextReward
 
 
@@ -64,17 +64,13 @@ class StepProximal:
         return self.log_probs[rows]
 
 
-def default_text_run_dir(cfg: TextConfig) -> Path:
-    return Path(cfg.run.output_dir) / (cfg.run.name or time.strftime("text-%Y%m%d-%H%M%S"))
-
-
 class TextTrainer(RunManager):
     progress_label = "flowrl train (text)"
 
     def __init__(self, cfg: TextConfig, run_dir: str | Path | None = None, resume: bool = False):
         self.start_clock(cfg.trainer)  # a wall-clock budget counts from here
         self.cfg, t = cfg, cfg.trainer
-        cpu, run_dir = start_processes(cfg.model.device, run_dir or default_text_run_dir(cfg))
+        cpu, run_dir = start_processes(cfg.model.device, run_dir or default_run_dir(cfg, "text-"))
         self.run = RunDir(run_dir)
         self.accelerator = acc = plain_accelerator(cpu, "the text trainer replicates the model on every process", mixed_precision="no")
         self.collector = c = build_text_collector(cfg, acc)
@@ -203,7 +199,7 @@ class TextTrainer(RunManager):
         row.update(self.allocator.coverage())  # after this batch's outcomes (a producer's state, when async)
         return row
 
-    # ---- what the run manager asks of the text trainer (flowrl/train/run_manager.py) -------
+    # ---- what the run manager asks of the text trainer (flowrl/runtime/run_manager.py) -------
     def clip_grad_norm(self) -> float:
         return float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.trainer.max_grad_norm))
 

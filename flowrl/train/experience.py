@@ -10,10 +10,8 @@ consume. Two kinds of training data exist, and a rollout fills the ones it can:
 - `samples`: clean samples with their conditioning (prompts, seeds) and an index into the
   experience's advantages, for flow-matching objectives (DiffusionNFT).
 
-Work is split across processes here and nowhere else: `ProcessShard` pads a list of items to a
-multiple of the process count with copies of its last item (copies train at zero advantage, so
-every process runs the same number of forwards and backwards, as DDP needs), hands each process
-its slice, and `gather_real` brings per-sample results back in item order without the padding.
+Work is split across processes in one place, flowrl/runtime/shards.py (`ProcessShard`,
+`gather_real`); padding copies train at zero advantage (`advantages_at`).
 """
 
 from __future__ import annotations
@@ -91,36 +89,3 @@ def advantages_at(advantages: torch.Tensor, index: torch.Tensor) -> torch.Tensor
     real = index < len(advantages)
     out[real] = advantages[index[real]]
     return out
-
-
-@dataclass
-class ProcessShard:
-    """`n` items split over `num_processes`: padded with copies of the last item to a multiple of
-    the process count; this process takes the slice `local`."""
-
-    n: int
-    num_processes: int
-    process_index: int
-
-    @property
-    def per_process(self) -> int:
-        return (self.n + (-self.n) % self.num_processes) // self.num_processes
-
-    @property
-    def local(self) -> slice:
-        return slice(self.process_index * self.per_process, (self.process_index + 1) * self.per_process)
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """[per_process] this process's positions among the padded items (>= n: a padding copy)."""
-        return torch.arange(self.local.start, self.local.stop)
-
-    def take(self, items: list) -> list:
-        """This process's share of `items`, padded first with copies of the last item."""
-        return (items + items[-1:] * ((-self.n) % self.num_processes))[self.local]
-
-
-def gather_real(accelerator, local: torch.Tensor, n: int) -> torch.Tensor:
-    """Every process's `local` rows, concatenated in process order (= item order), without the
-    padding at the end; on the CPU."""
-    return accelerator.gather(local.to(accelerator.device)).cpu()[:n]

@@ -1,4 +1,4 @@
-"""The producer process of `run.async_rollouts` for images (flowrl/train/async_rollouts.py holds
+"""The producer process of `run.async_rollouts` for images (flowrl/runtime/producers.py holds
 the protocol): the policy built as the trainer builds it, its own reward and allocator, and the
 rollout's `sample`, which returns tensors only. The trainer sends the weights its objective
 samples with (`Objective.behaviour_weights`) after every update, and builds the Experience of
@@ -45,7 +45,7 @@ def image_producer(cfg: Config, allocator_state: dict, rewards: dict | None = No
     arrive from the trainer."""
     from flowrl.devices import pick_device
     from flowrl.sampling.precision import autocast_precision
-    from flowrl.train.processes import plain_accelerator
+    from flowrl.runtime.processes import plain_accelerator
 
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, progress=False))
     if device:

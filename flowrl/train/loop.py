@@ -19,24 +19,23 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from flowrl.core.seeds import sample_seed
 from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
-from flowrl.sampling.noise import sample_seed
+from flowrl.runtime.budget import cross_marks, pending_marks
+from flowrl.runtime.ema import EMA
+from flowrl.runtime.run_dir import default_run_dir
+from flowrl.runtime.run_manager import RunManager
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.schema import Config
-from flowrl.train.budget import cross_marks, pending_marks
-from flowrl.train.ema import EMA
 from flowrl.train.experience import Experience
 from flowrl.train.image_producer import image_producer
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
 from flowrl.train.parts import TrainContext
-from flowrl.train.processes import launch_image_run
 from flowrl.train.prompts import load_prompts
 from flowrl.train.registry import check_async_processes, objective_class, rollout_class
-from flowrl.train.run_dir import default_run_dir
-from flowrl.train.run_manager import RunManager
-from flowrl.train.sharding import reference_copy
+from flowrl.train.sharding import launch_image_run, reference_copy
 from flowrl.train.trainer_state import restore_trainer, save_trainer
 from rewards import AsyncRewardRunner, MultiReward
 
@@ -143,7 +142,7 @@ class Trainer(RunManager):
             weights = {k: v.detach().clone() for k, v in self.params.items()}
         return functools.partial(image_producer, self.cfg, self.allocator.state_dict(), self.rewards), weights
 
-    # ---- what the run manager asks of the image trainer (flowrl/train/run_manager.py) ------
+    # ---- what the run manager asks of the image trainer (flowrl/runtime/run_manager.py) ------
     def clip_grad_norm(self) -> float:
         return self.layout.clip_grad_norm(list(self.params.values()), self.cfg.trainer.max_grad_norm)
 

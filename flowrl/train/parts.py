@@ -16,8 +16,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from flowrl.runtime.budget import SchedulePlan
 from flowrl.schema import Config
-from flowrl.train.budget import SchedulePlan
 from flowrl.train.experience import Experience
 
 
@@ -43,7 +43,7 @@ class TrainContext:
     optimizer: Any
     objective_needs: str  # the training data the objective consumes (experience.TRANSITIONS or SAMPLES)
     # maps a real iteration onto the nominal clock of trainer.iterations for iteration-based
-    # schedules (identity without a budget; flowrl/train/budget.py)
+    # schedules (identity without a budget; flowrl/runtime/budget.py)
     plan: SchedulePlan
 
     @property

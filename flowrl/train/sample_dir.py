@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 
 from flowrl.errors import UserError
+from flowrl.runtime.run_dir import read_json_lines, write_json_lines
 from flowrl.train.images import save_animation
-from flowrl.train.run_dir import read_json_lines, write_json_lines
 from rewards.simple import to_uint8
 
 MANIFEST = "samples.jsonl"

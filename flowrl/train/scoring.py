@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from flowrl.train.experience import gather_real
+from flowrl.runtime.shards import gather_real
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""How the trained network is laid out over processes (`run.distributed`, docs/distributed.md).
+"""How the trained network is laid out over processes (`run.distributed`, docs/distributed.md), and
+the image trainer's launch (`launch_image_run`: its Accelerator, run directory and layout).
 
 `ddp`: every process holds the whole network; accelerate's `prepare` wraps it (DDP across
 processes, autocast for trainer.mixed_precision) and gradients are all-reduced.
@@ -23,11 +24,14 @@ import contextlib
 import copy
 import math
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
 from flowrl.errors import UserError
-from flowrl.train.checkpoint import is_sharded, optimizer_from_flat, optimizer_to_flat
+from flowrl.runtime.checkpoint import is_sharded, optimizer_from_flat, optimizer_to_flat
+from flowrl.runtime.processes import plain_accelerator, start_processes
+from flowrl.runtime.run_dir import RunDir
 
 DISTRIBUTED = ("ddp", "fsdp2")
 
@@ -205,3 +209,27 @@ class Sharded(Replicated):
 
 def make_layout(name: str, accelerator, mixed_precision: str) -> Replicated:
     return {"ddp": Replicated, "fsdp2": Sharded}[name](accelerator, mixed_precision)
+
+
+class ImageLaunch(NamedTuple):
+    """What the image trainer starts with: accelerate's Accelerator, the run directory (rank 0's),
+    the autocast precision accelerate was given, and the layout of the weights (ddp or fsdp2)."""
+
+    accelerator: Any
+    run: RunDir
+    mixed_precision: str
+    layout: Replicated
+
+
+def launch_image_run(cfg, run_dir: str | Path) -> ImageLaunch:
+    """Start the processes and build the image trainer's Accelerator and weight layout for `cfg`."""
+    from flowrl.sampling.precision import autocast_precision
+
+    cpu, run_dir = start_processes(cfg.model.device, run_dir)
+    run = RunDir(run_dir)
+    mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
+    sharded = cfg.run.distributed == "fsdp2"  # mixed precision is then FSDP2's own policy, not accelerate's autocast
+    acc = plain_accelerator(cpu, "flowrl shards the network itself (run.distributed=fsdp2)",
+                            mixed_precision="no" if sharded else mixed_precision,
+                            log_with=None if cfg.run.tracker == "none" else cfg.run.tracker, project_dir=str(run.path))
+    return ImageLaunch(acc, run, mixed_precision, make_layout(cfg.run.distributed, acc, mixed_precision))

@@ -1,5 +1,5 @@
 """The image Trainer's checkpoint: what it writes (`save_trainer`) and how `--resume` restores its
-part (`restore_trainer`; the run manager restores the rest, flowrl/train/run_manager.py). A checkpoint holds everything a resume needs to repeat an uninterrupted run:
+part (`restore_trainer`; the run manager restores the rest, flowrl/runtime/run_manager.py). A checkpoint holds everything a resume needs to repeat an uninterrupted run:
 weights, optimizer, EMA, allocator and objective state, random generators, the budget's plans and
 clock, plus the user-facing exports (the LoRA, or the fully fine-tuned transformer, each also with
 EMA weights). Under fsdp2 every process writes and reads its own shards. `tr` is the image
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from flowrl.errors import UserError
-from flowrl.train.checkpoint import SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, restore_weights, save_checkpoint
+from flowrl.runtime.checkpoint import SHARDED_DIR, checkpoint_name, is_sharded, latest_checkpoint, restore_weights, save_checkpoint
 
 
 def save_trainer(tr) -> Path | None:

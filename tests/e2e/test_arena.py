@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import flowrl.train.budget as budget
-import flowrl.train.run_manager as run_manager
+import flowrl.runtime.budget as budget
+import flowrl.runtime.run_manager as run_manager
 from flowrl.config import ConfigError, load_config
 from flowrl.presets import CONFIG_DIR
 from flowrl.train.loop import Trainer

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.schema import LoraConfig, ModelConfig
 from flowrl.models import load_policy
 from flowrl.models.shapes import build_shapes_pipeline, save_shapes_pipeline, word_tokenizer
 from flowrl.sampling.schedules import shifted_sigmas
+from flowrl.schema import LoraConfig, ModelConfig
 from rewards.shapes_world import all_prompts
 from script_loader import load_script
 
@@ -72,7 +72,7 @@ def test_training_logs_strict_accuracy_per_category(tmp_path, tiny_shapes_dir):
 
 
 def test_trailing_mean_skips_iterations_without_the_category():
-    from flowrl.train.run_dir import trailing_mean
+    from flowrl.runtime.run_dir import trailing_mean
 
     out = trailing_mean([None, 1.0, None, 0.0, 0.5], window=2)
     assert out[0] != out[0]  # NaN: nothing seen yet

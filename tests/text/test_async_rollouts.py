@@ -40,7 +40,7 @@ def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, res
 
 def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run(tmp_path, capsys, monkeypatch, restore_threads):
     from flowrl.text.train import TextTrainer
-    from flowrl.train.async_rollouts import RolloutProducer
+    from flowrl.runtime.producers import RolloutProducer
 
     update = TextTrainer.update
 
@@ -171,7 +171,7 @@ def test_partial_rollouts_carry_unfinished_groups_and_restart_what_the_bound_for
     completion whose first token would be staler than run.max_staleness starts over."""
     from flowrl.text.collect import TextCollector, build_text_collector
     from flowrl.text.config import load_text_config
-    from flowrl.train.processes import plain_accelerator
+    from flowrl.runtime.processes import plain_accelerator
 
     cfg = load_text_config(FAST[0], [*FAST[1:], "run.async_rollouts=true", "run.max_staleness=1", "run.over_provision=2",
                                      "generation.max_new_tokens=6"])

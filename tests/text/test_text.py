@@ -278,7 +278,7 @@ def test_a_wall_clock_budget_plans_the_text_run_and_fits_its_schedule(tmp_path, 
     written for 100 iterations ends at its last step with the last planned iteration."""
     from types import SimpleNamespace
 
-    import flowrl.train.run_manager as run_manager
+    import flowrl.runtime.run_manager as run_manager
     from flowrl.core.lr_schedule import lr_factor
     from flowrl.text.config import load_text_config
     from flowrl.text.train import TextTrainer

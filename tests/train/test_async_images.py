@@ -112,7 +112,7 @@ def test_two_trainer_processes_beside_a_producer_at_staleness_zero_are_the_synch
 
 def test_a_killed_producer_stops_every_trainer_process_with_one_sentence(tmp_path, tiny_sd3_dir, capfd, monkeypatch,
                                                                          restore_threads):
-    from flowrl.train.async_rollouts import RolloutProducer
+    from flowrl.runtime.producers import RolloutProducer
 
     take = RolloutProducer.take
 
@@ -135,7 +135,7 @@ def test_a_killed_producer_stops_every_trainer_process_with_one_sentence(tmp_pat
 
 
 def test_a_producer_device_is_the_one_gpu_its_process_sees():
-    from flowrl.train.async_rollouts import visible_device
+    from flowrl.runtime.producers import visible_device
 
     assert visible_device("cuda:1", None) == "1"
     assert visible_device("cuda", None) == "0"
@@ -177,7 +177,7 @@ def test_a_stale_tree_batch_trains_its_kept_edges_with_the_off_policy_loss(tmp_p
 
 def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run(tmp_path, tiny_sd3_dir, capsys, monkeypatch,
                                                                                   restore_threads):
-    from flowrl.train.async_rollouts import RolloutProducer
+    from flowrl.runtime.producers import RolloutProducer
     from flowrl.train.objectives.grpo import GRPO
 
     update = GRPO.update
@@ -309,7 +309,7 @@ class _CountingCollector:
 def test_closing_after_the_producer_was_killed_while_waiting_for_weights_returns():
     """The producer waits for version 1 after batch 0 (staleness 0); killed there, closing the
     trainer's side must not wait for it (a multiprocessing Event's set() did, forever)."""
-    from flowrl.train.async_rollouts import RolloutProducer
+    from flowrl.runtime.producers import RolloutProducer
 
     producer = RolloutProducer(_CountingCollector, {"w": torch.zeros(1)}, max_staleness=0, start_iteration=0, threads=1)
     assert producer.take(0).experience == 0

@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import flowrl.train.run_manager as run_manager
+import flowrl.runtime.run_manager as run_manager
 from flowrl.config import ConfigError, load_config
 from flowrl.core.lr_schedule import lr_factor
-from flowrl.train.budget import Measured, SchedulePlan, plan_iterations
+from flowrl.runtime.budget import Measured, SchedulePlan, plan_iterations
 from flowrl.train.loop import Trainer
 from flowrl.train.rollouts.common import training_spec
 from run_checks import run_metrics, trainable

@@ -15,14 +15,14 @@ import flowrl.sampling.rollout as sampling_rollout
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.core.group_losses import listwise_group_loss
+from flowrl.core.seeds import sample_seed
 from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.offline.store import GroupStore, StoredGroup, StoreWriter
-from flowrl.train.checkpoint import checkpoint_name, load_checkpoint
+from flowrl.runtime.checkpoint import checkpoint_name, load_checkpoint
 from flowrl.train.experience import Experience, SampleBatch
-from flowrl.sampling.noise import sample_seed
-from flowrl.train.rollouts.offline import STORE_ORDER
 from flowrl.train.objectives.implicit import draw_sigmas, flow_errors, group_batches, group_noise
+from flowrl.train.rollouts.offline import STORE_ORDER
 from run_checks import run_metrics, trainable
 
 TINY = ["run.tracker=none", "run.progress=false", "run.sample_every=0", "lora.rank=4", "lora.alpha=8", "trainer.kl_beta=0",

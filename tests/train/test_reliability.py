@@ -18,7 +18,7 @@ import torch
 from flowrl.cli import main
 from flowrl.config import ConfigError, load_config
 from flowrl.errors import UserError
-from flowrl.train.checkpoint import latest_checkpoint, save_checkpoint
+from flowrl.runtime.checkpoint import latest_checkpoint, save_checkpoint
 from flowrl.train.loop import Trainer
 from run_checks import run_metrics, trainable
 

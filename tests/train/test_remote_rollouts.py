@@ -81,7 +81,7 @@ def test_two_producers_on_other_machines_take_turns_and_a_third_is_turned_away(t
 
 
 def test_a_producer_that_dies_stops_the_run_in_one_sentence(tmp_path, tiny_sd3_dir, capsys, monkeypatch, restore_threads):
-    from flowrl.train.remote_rollouts import RemoteProducer
+    from flowrl.runtime.remote_producers import RemoteProducer
 
     port = free_port()
     proc = producer(port)

@@ -125,7 +125,8 @@ def test_nft_group_max_scaling_reaches_the_update_with_zero_sum_groups(tmp_path,
     assert raw.abs().max() > 1.01
     for p in ids.unique():
         group = ids == p
-        assert abs(float(adv[group].sum())) < 1e-5 and float(adv[group].abs().max()) <= 1.0 + 1e-6
+        # zero up to fp32 rounding of the group-normalised advantages (1.9e-5 on an Intel Xeon box)
+        assert abs(float(adv[group].sum())) < 1e-4 and float(adv[group].abs().max()) <= 1.0 + 1e-6
     # the same samples and rewards, each group divided by one factor >= 1: same signs, no larger
     assert torch.equal(adv.sign(), raw.sign()) and (adv.abs() <= raw.abs() + 1e-6).all()
 
@@ -216,8 +217,8 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
 
 def test_the_closing_line_averages_the_first_and_last_tenth_of_the_run(tmp_path):
     # single iterations draw different prompts: their first-against-last difference reads as noise
-    from flowrl.train.run_dir import RunDir
-    from flowrl.train.run_manager import RunManager
+    from flowrl.runtime.run_dir import RunDir
+    from flowrl.runtime.run_manager import RunManager
 
     manager = RunManager.__new__(RunManager)
     manager.run, manager.iteration = RunDir(tmp_path), 0
@@ -369,7 +370,7 @@ def test_cpu_processes_get_their_rank_and_threads_and_the_first_failure_is_retur
     """run_cpu_processes: forked children see torchrun's environment and compute on one thread
     (GNU OpenMP's threads do not survive a fork); one that fails or raises stops the launch with
     its exit code; fresh interpreters (several threads each, or off Linux) run `flowrl ARGV`."""
-    from flowrl.train.processes import LAUNCHER_PID_ENV, run_cpu_processes
+    from flowrl.runtime.processes import LAUNCHER_PID_ENV, run_cpu_processes
 
     def report() -> int:
         rank = os.environ["RANK"]

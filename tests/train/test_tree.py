@@ -14,7 +14,6 @@ from safetensors.torch import load_file
 
 from flowrl.cli import main
 from flowrl.config import load_config
-from flowrl.schema import ModelConfig
 from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, step_depths, trained_depths, tree_nfe, width_prune
 from flowrl.errors import ConfigError
 from flowrl.sampling.noise import seeded_noise
@@ -22,6 +21,7 @@ from flowrl.sampling.rollout import SamplerSpec, rollout, transition
 from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.sampling.steps import gaussian_log_prob
 from flowrl.sampling.tree import path_seed, tree_rollout, tree_spec
+from flowrl.schema import ModelConfig
 from flowrl.train.experience import Experience
 from flowrl.train.loop import Trainer
 from run_checks import assert_resume_repeats, run_metrics, trainable
@@ -364,7 +364,7 @@ def test_two_processes_share_the_trees_and_end_with_identical_weights(tmp_path, 
     # 3 trees on 2 processes: the second process samples one real tree and one padding copy
     from safetensors.torch import save_file
 
-    from flowrl.train.processes import run_cpu_processes
+    from flowrl.runtime.processes import run_cpu_processes
 
     def train_and_write() -> int:  # in each of 2 processes forked from this one
         cfg = load_config("tiny_jpeg", [*TREE, f"model.path={tiny_sd3_dir}", "data.prompts_per_iteration=3", "trainer.iterations=2",

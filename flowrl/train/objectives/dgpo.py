@@ -24,9 +24,9 @@ import contextlib
 import torch
 
 from flowrl.core.group_losses import dgpo_group_loss, dgpo_weighted_error_loss
+from flowrl.core.seeds import Stream, sample_seed
 from flowrl.errors import ConfigError, UserError, check_choice, check_positive
-from flowrl.sampling.noise import Stream, sample_seed
-from flowrl.train.ema import EMA
+from flowrl.runtime.ema import EMA
 from flowrl.train.experience import SAMPLES, Experience
 from flowrl.train.objectives.implicit import ImplicitRewardObjective, flow_errors
 from flowrl.train.parts import register_objective

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from flowrl.core.group_losses import LISTWISE_FORMS, group_best, listwise_group_loss
+from flowrl.core.seeds import Stream, sample_seed
 from flowrl.errors import UserError, check_choice, check_positive
-from flowrl.sampling.noise import Stream, sample_seed
 from flowrl.train.experience import SAMPLES, Experience
 from flowrl.train.objectives.implicit import ImplicitRewardObjective
 from flowrl.train.parts import register_objective

@@ -23,8 +23,8 @@ from flowrl.core import clipped_policy_loss
 from flowrl.core.losses import PolicyLoss, ratio_norm_log_ratio
 from flowrl.core.off_policy import (OFF_POLICY_LOSSES, WEIGHT_MODES, behaviour_weight_stats, decoupled_policy_loss, m2po_mask,
                                     m2po_policy_loss)
+from flowrl.core.seeds import Stream, sample_seed
 from flowrl.errors import ConfigError, check_choice, check_positive
-from flowrl.sampling.noise import Stream, sample_seed
 from flowrl.sampling.precision import check_training_precision
 from flowrl.sampling.rollout import policy_precision
 from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch

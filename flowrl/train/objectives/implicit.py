@@ -23,8 +23,9 @@ from typing import ClassVar
 
 from tqdm.auto import tqdm
 
+from flowrl.core.seeds import Stream, sample_seed
 from flowrl.errors import ConfigError, UserError, check_positive
-from flowrl.sampling.noise import GROUP_NOISING, Stream, sample_seed, seeded_noise
+from flowrl.sampling.noise import GROUP_NOISING, seeded_noise
 from flowrl.sampling.schedules import stratified_sigma
 from flowrl.sampling.steps import flow_matching_target, forward_noise
 from flowrl.train.experience import Experience

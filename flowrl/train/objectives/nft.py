@@ -23,11 +23,12 @@ from tqdm.auto import tqdm
 
 from flowrl.core import nft_loss, optimality_probability
 from flowrl.core.advantages import unit_scale_per_group
+from flowrl.core.seeds import Stream, sample_seed
 from flowrl.errors import ConfigError, UserError, check_choice, check_positive
-from flowrl.sampling.noise import FORWARD_NOISING, Stream, sample_seed, seeded_noise
+from flowrl.runtime.ema import EMA
+from flowrl.sampling.noise import FORWARD_NOISING, seeded_noise
 from flowrl.sampling.schedules import stratified_sigma
 from flowrl.sampling.steps import flow_matching_target, forward_noise
-from flowrl.train.ema import EMA
 from flowrl.train.experience import SAMPLES, Experience, advantages_at
 from flowrl.train.parts import Objective, register_objective
 

@@ -13,12 +13,14 @@ import torch
 
 from flowrl.core.advantages import AdvantageOutput, estimate_advantages
 from flowrl.core.losses import gaussian_kl
+from flowrl.core.seeds import sample_seed
 from flowrl.errors import ConfigError, UserError
-from flowrl.sampling.noise import sample_seed, seeded_noise
+from flowrl.runtime.shards import ProcessShard
+from flowrl.sampling.noise import seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, Trajectory, transition
 from flowrl.sampling.schedules import shifted_sigmas, window_mask
 from flowrl.sampling.steps import transition_std
-from flowrl.train.experience import Experience, ProcessShard, SampleBatch, TransitionBatch, advantages_at
+from flowrl.train.experience import Experience, SampleBatch, TransitionBatch, advantages_at
 
 
 class Stage(NamedTuple):
@@ -85,13 +87,6 @@ def behaviour_mean(policy, traj: Trajectory, spec: SamplerSpec, rows: slice, ste
     x_next = traj.latents[rows, step + 1].to(policy.device)
     eps = seeded_noise(traj.seeds[rows].tolist(), step, tuple(x_next.shape[1:]), policy.device)
     return x_next - spec.std(step) * eps
-
-
-def successes(cfg, total_rewards: torch.Tensor) -> torch.Tensor:
-    """Pass/fail for the allocator: above allocator.success_threshold, or above the mean of the
-    iteration's rewards so far when no threshold is set (continuous rewards)."""
-    threshold = cfg.allocator.success_threshold
-    return total_rewards > (total_rewards.mean() if threshold is None else threshold)
 
 
 def require_some_valid(valid: torch.Tensor, iteration: int) -> None:

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from flowrl.core.allocation import allocate_in_stages, spending_by_bucket
-from flowrl.sampling.noise import sample_seed
+from flowrl.core.allocation import allocate_in_stages, spending_by_bucket, successes
+from flowrl.core.seeds import sample_seed
+from flowrl.runtime.shards import ProcessShard
 from flowrl.sampling.rollout import SamplerSpec, rollout
-from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience, ProcessShard
+from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.common import (Stage, check_trained_sigmas, group_advantages, stage_experience, stage_share, successes,
-                                          training_spec)
+from flowrl.train.rollouts.common import (Stage, check_trained_sigmas, group_advantages, stage_experience, stage_share, training_spec)
 from flowrl.train.scoring import Scoring
 
 
@@ -71,7 +71,7 @@ class FlatRollout(Rollout):
             seeds = [sample_seed(ctx.cfg.trainer.seed, iteration, offset + j) for j in range(len(ids))]
             desc = f"iter {iteration} sampling" + (f" (stage {len(stages) + 1})" if stages else "")
             stages.append(self.sample_stage(ids.tolist(), seeds, spec, desc, iteration))
-            return successes(ctx.cfg, torch.cat([st.rewards for st in stages]) @ ctx.reward_fn.channel_weights)
+            return successes(torch.cat([st.rewards for st in stages]) @ ctx.reward_fn.channel_weights, ctx.cfg.allocator.success_threshold)
 
         allocate_in_stages(ctx.allocator, iteration, sample_stage)
         return stages
@@ -86,7 +86,7 @@ class FlatRollout(Rollout):
         prompt_ids = torch.cat([st.prompt_ids for st in stages])
         valid = torch.cat([st.valid for st in stages])
         advantages, adv, adv_metrics = group_advantages(ctx.cfg, rewards, prompt_ids, valid, weights, iteration)
-        ctx.allocator.observe(prompt_ids[valid], successes(ctx.cfg, rewards[valid] @ weights))
+        ctx.allocator.observe(prompt_ids[valid], successes(rewards[valid] @ weights, ctx.cfg.allocator.success_threshold))
         sizes = torch.bincount(prompt_ids, minlength=len(ctx.prompts))
         sizes = sizes[sizes > 0]
         metrics = {

@@ -20,6 +20,7 @@ from functools import partial
 import torch
 
 from flowrl.core.advantages import AdvantageOutput, multi_granularity_advantages
+from flowrl.core.allocation import successes
 from flowrl.errors import ConfigError, check_choice
 from flowrl.sampling.granular import (TAIL_ENDS, TAIL_GRIDS, GranularBatch, branch_edges, default_branch_steps, granular_nfe,
                                       granular_rollout, sequential_calls)
@@ -27,8 +28,7 @@ from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.sampling.tree import parent_batches
 from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.common import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, successes,
-                                       training_spec)
+from flowrl.train.rollouts.common import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, training_spec)
 from flowrl.train.scoring import Scoring
 
 
@@ -118,7 +118,7 @@ class GranularRollout(Rollout):
 
         prompt_ids = torch.tensor(ids[:n]).repeat_interleave(M * G)
         mean_rewards = rewards.mean(1)  # [N, K]: each sample's reward averaged over its granularities
-        ctx.allocator.observe(prompt_ids[valid], successes(cfg, mean_rewards[valid] @ weights))
+        ctx.allocator.observe(prompt_ids[valid], successes(mean_rewards[valid] @ weights, cfg.allocator.success_threshold))
         T, tails = spec.num_steps, (gr.tail_grid, gr.tail_end)
         metrics = {
             "adv_abs_mean": advantages[valid].abs().mean().item(),

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from flowrl.core.seeds import sample_seed
 from flowrl.errors import ConfigError, UserError
 from flowrl.offline.store import GroupStore
-from flowrl.sampling.noise import sample_seed
-from flowrl.train.experience import SAMPLES, Experience, ProcessShard, SampleBatch
+from flowrl.runtime.shards import ProcessShard
+from flowrl.train.experience import SAMPLES, Experience, SampleBatch
 from flowrl.train.parts import Rollout, register_rollout
 from flowrl.train.rollouts.common import group_advantages
 from rewards.multi import weights_for_channels

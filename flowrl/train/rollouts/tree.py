@@ -15,14 +15,15 @@ from typing import NamedTuple
 
 import torch
 
+from flowrl.core.allocation import successes
 from flowrl.core.tree import depthwise_advantages, fuse_rewards, level_counts, trained_depths, valid_nodes, width_prune
 from flowrl.errors import ConfigError, check_choice, check_positive
+from flowrl.runtime.shards import gather_real
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.sampling.tree import TreeTrajectory, edge_children, parent_batches, tree_edges, tree_rollout, tree_spec
-from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch, gather_real
+from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.common import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, successes,
-                                       training_spec)
+from flowrl.train.rollouts.common import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, training_spec)
 from flowrl.train.scoring import Scores, Scoring
 
 
@@ -101,7 +102,7 @@ class TreeRollout(Rollout):
                       for a, t_ids in zip(depthwise_advantages(values, tree.tree_ids, cfg.advantage.eps, node_valid), tree.tree_ids)]
         prompt_ids = torch.tensor(ids[:n]).repeat_interleave(g)
         weights = ctx.reward_fn.channel_weights
-        ctx.allocator.observe(prompt_ids[scores.valid], successes(cfg, scores.rewards[scores.valid] @ weights))
+        ctx.allocator.observe(prompt_ids[scores.valid], successes(scores.rewards[scores.valid] @ weights, cfg.allocator.success_threshold))
         return TreeBatch(iteration, tree, scores, advantages, real, prompt_ids, n, spec)
 
     def experience(self, batch: TreeBatch) -> Experience:

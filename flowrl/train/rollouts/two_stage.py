@@ -24,16 +24,17 @@ import time
 
 import torch
 
+from flowrl.core.allocation import successes
 from flowrl.core.correlation import grouped, kendall_tau, spearman
+from flowrl.core.seeds import Stream, sample_seed
 from flowrl.core.selection import select_per_group
 from flowrl.errors import ConfigError, check_choice, check_positive
-from flowrl.sampling.noise import Stream, sample_seed
 from flowrl.models.compile import compile_network
 from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, FP8_SCALINGS, ExplorationCopy
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.common import Stage, group_advantages, successes, training_spec
+from flowrl.train.rollouts.common import Stage, group_advantages, training_spec
 from flowrl.train.rollouts.flat import FlatBatch, FlatRollout, flat_experience, split_flat_batch
 
 
@@ -198,7 +199,7 @@ class TwoStageRollout(Rollout):
         # train on the regenerated samples, with advantages from their own rewards
         rewards, prompt_ids, valid = train_stage.rewards, train_stage.prompt_ids, train_stage.valid
         advantages, _, adv_metrics = group_advantages(cfg, rewards, prompt_ids, valid, weights, it)
-        ctx.allocator.observe(prompt_ids[valid], successes(cfg, rewards[valid] @ weights))
+        ctx.allocator.observe(prompt_ids[valid], successes(rewards[valid] @ weights, cfg.allocator.success_threshold))
         ok = pool.valid
         metrics = {
             **adv_metrics,

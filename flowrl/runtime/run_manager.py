@@ -8,7 +8,7 @@ trainer.max_skipped_steps of them in a row stop the run). With run.async_rollout
 process beside the loop: started from the trainer's `producer_start`, its batches taken with
 their staleness, closed however the loop ends.
 
-And the wall-clock budget (flowrl/train/budget.py): with trainer.budget_minutes the loop times
+And the wall-clock budget (flowrl/runtime/budget.py): with trainer.budget_minutes the loop times
 its first trainer.budget_probe iterations, plans the iteration count that fits, plans again at
 every checkpoint, and maps the iterations onto the schedules' nominal clock; the plans, the
 budget's clock and what it measured go into every checkpoint.
@@ -33,11 +33,11 @@ from tqdm.auto import tqdm
 
 from flowrl.core.lr_schedule import lr_factor, warmup_factor
 from flowrl.errors import UserError
-from flowrl.train.async_rollouts import RolloutProducer, replay
-from flowrl.train.remote_rollouts import RemoteProducer
-from flowrl.train.budget import Measured, SchedulePlan, replan, write_plan
-from flowrl.train.checkpoint import latest_checkpoint, load_checkpoint, restore_rng
-from flowrl.train.processes import rank0
+from flowrl.runtime.budget import Measured, SchedulePlan, replan, write_plan
+from flowrl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng
+from flowrl.runtime.processes import rank0
+from flowrl.runtime.producers import RolloutProducer, replay
+from flowrl.runtime.remote_producers import RemoteProducer
 
 
 class RunManager:
@@ -119,7 +119,7 @@ class RunManager:
         self.finish()
         return self.history
 
-    # ---- run.async_rollouts (flowrl/train/async_rollouts.py) ------------------------------
+    # ---- run.async_rollouts (flowrl/runtime/producers.py) ------------------------------
     producer: RolloutProducer | RemoteProducer | None = None
 
     def producer_start(self) -> tuple[Callable[[], object], dict]:
@@ -197,7 +197,7 @@ class RunManager:
             self.bar.refresh()
 
     def replan(self) -> None:
-        """Plan the iteration count that fits trainer.budget_minutes again (flowrl/train/budget.py, `replan`)."""
+        """Plan the iteration count that fits trainer.budget_minutes again (flowrl/runtime/budget.py, `replan`)."""
         self.plan.budget_minutes = self.cfg.trainer.budget_minutes  # a resume may change it
         replan(self.plan, self.measured, self.iteration, self.now() - self.started,
                self.run.path if self.accelerator.is_main_process else None, self.grid_every, self.cfg.run.checkpoint_every)

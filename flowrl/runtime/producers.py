@@ -1,7 +1,7 @@
 """Rollouts that run ahead of the trainer (`run.async_rollouts`): AReaL's staleness-bounded
 asynchronous RL on one machine. A producer process collects batch after batch with the newest
 weights it has received while the trainer updates on the batch before (or N producers in turn,
-`run.producers`; on other machines, flowrl/train/remote_rollouts.py).
+`run.producers`; on other machines, flowrl/runtime/remote_producers.py).
 
 Versions. The trainer's weights have version v, the number of updates made, which is also the
 iteration of the batch it trains next. After the update on batch i it publishes its trainable
@@ -76,7 +76,7 @@ class RolloutProducer:
                  threads: int = 0, producers: int = 1, devices: Sequence[str] = (), fork: bool = True):
         # a producer on one thread is forked (no second start-up of torch and the model libraries,
         # about 15 s of CPU on a 2-core machine); on several threads it is a fresh interpreter, since
-        # OpenMP's threads do not survive a fork (flowrl.train.processes.ForkedProcess)
+        # OpenMP's threads do not survive a fork (flowrl.runtime.processes.ForkedProcess)
         forked = fork and threads == 1 and not devices and sys.platform.startswith("linux")
         ctx = torch.multiprocessing.get_context("fork" if forked else "spawn")
         self.max_staleness = max_staleness
@@ -267,7 +267,7 @@ def run_producer(build, channel, iteration: int, max_staleness: int, threads: in
     iteration - max_staleness are at hand (the newest ones, loaded when the version moved), until the
     trainer says stop; returns the next batch's iteration. `channel`: `load_weights(need, have,
     weights)` and `send(item)`, over shared memory (SharedMemoryChannel) or the network
-    (flowrl/train/remote_rollouts.py)."""
+    (flowrl/runtime/remote_producers.py)."""
     try:
         if threads:
             torch.set_num_threads(threads)

@@ -42,7 +42,7 @@ up to its checkpoint come from the record (so its clock is the same map), its bu
 on from the checkpoint's elapsed seconds (what was lost after the checkpoint is not counted), and
 its measurements add to the recorded sums, so its re-plans at later checkpoints use the same
 numbers an uninterrupted run had, plus its own timings: on a machine as fast as before it makes
-the same plans. Every decision is rank 0's (flowrl/train/processes.py `rank0`), so all processes
+the same plans. Every decision is rank 0's (flowrl/runtime/processes.py `rank0`), so all processes
 train the same count. Without a budget the plan is the identity and the run is what it always was.
 """
 
@@ -60,7 +60,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from flowrl.train.processes import rank0
+from flowrl.runtime.processes import rank0
 
 PLAN_FILE = "plan.json"
 

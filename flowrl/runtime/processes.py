@@ -1,7 +1,7 @@
 """Processes: `run.cpu_processes`' launcher (`flowrl train` run as that many processes joined
 by gloo, forked from the command on Linux), and what every trainer does first when it may run as several processes
 (accelerate's launcher, the relaunch, or one process alone): start the process group and agree on
-rank 0's values; for the image trainer, build its Accelerator and weight layout (`launch_image_run`)."""
+rank 0's values, and build a plain Accelerator (`plain_accelerator`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 
 def start_processes(device: str, run_dir: str | Path) -> tuple[bool, Path]:
@@ -35,16 +35,6 @@ def rank0(value: Any) -> Any:
     return broadcast_object_list([value])[0]
 
 
-class Launch(NamedTuple):
-    """What the image trainer starts with: accelerate's Accelerator, the run directory (rank 0's),
-    the autocast precision accelerate was given, and the layout of the weights (ddp or fsdp2)."""
-
-    accelerator: Any
-    run: Any  # flowrl.train.run_dir.RunDir
-    mixed_precision: str
-    layout: Any  # flowrl.train.sharding.Replicated or Sharded
-
-
 def plain_accelerator(cpu: bool, refusal: str, **kwargs):
     """accelerate's Accelerator for one process or plain data parallelism (DDP), with `kwargs`;
     a launch under accelerate's FSDP, DeepSpeed or Megatron config is refused, `refusal` saying why."""
@@ -59,22 +49,6 @@ def plain_accelerator(cpu: bool, refusal: str, **kwargs):
         raise UserError(f"{refusal}; launch with a plain multi-GPU accelerate config such as configs/accelerate/multi_gpu.yaml, "
                         f"not distributed_type {acc.distributed_type.value}")
     return acc
-
-
-def launch_image_run(cfg, run_dir: str | Path) -> Launch:
-    """Start the processes and build the image trainer's Accelerator for `cfg` (flowrl.config.Config)."""
-    from flowrl.sampling.precision import autocast_precision
-    from flowrl.train.run_dir import RunDir
-    from flowrl.train.sharding import make_layout
-
-    cpu, run_dir = start_processes(cfg.model.device, run_dir)
-    run = RunDir(run_dir)
-    mixed_precision = autocast_precision(cfg.trainer.mixed_precision, cpu)
-    sharded = cfg.run.distributed == "fsdp2"  # mixed precision is then FSDP2's own policy, not accelerate's autocast
-    acc = plain_accelerator(cpu, "flowrl shards the network itself (run.distributed=fsdp2)",
-                            mixed_precision="no" if sharded else mixed_precision,
-                            log_with=None if cfg.run.tracker == "none" else cfg.run.tracker, project_dir=str(run.path))
-    return Launch(acc, run, mixed_precision, make_layout(cfg.run.distributed, acc, mixed_precision))
 
 
 # ---- `run.cpu_processes`: flowrl train relaunches itself as that many processes -------------------------

@@ -8,19 +8,16 @@ import sys
 from pathlib import Path
 
 from flowrl.errors import UserError
-from flowrl.schema import Config
-
-
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 
 
-def default_run_dir(cfg: Config) -> Path:
-    """run.output_dir/run.name, or a timestamp where run.name is empty."""
+def default_run_dir(cfg, prefix: str = "") -> Path:
+    """run.output_dir/run.name, or `prefix` and a timestamp where run.name is empty."""
     from datetime import datetime
 
-    return Path(cfg.run.output_dir) / (cfg.run.name or datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return Path(cfg.run.output_dir) / (cfg.run.name or prefix + datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
 class RunDir:
@@ -39,7 +36,8 @@ class RunDir:
     def metrics_file(self) -> Path:
         return self.path / METRICS_FILE
 
-    def create(self, cfg: Config) -> None:
+    def create(self, cfg) -> None:
+        """The directory, with the config in force (`cfg.to_yaml()`) as config.yaml."""
         self.path.mkdir(parents=True, exist_ok=True)
         tmp = self.path / f".{CONFIG_FILE}.tmp"
         tmp.write_text(cfg.to_yaml())

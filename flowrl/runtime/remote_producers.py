@@ -1,5 +1,5 @@
 """Rollouts from other machines (`run.producer_port`): the producers of `run.async_rollouts`
-(flowrl/train/async_rollouts.py) started by hand where they should sample, with
+(flowrl/runtime/producers.py) started by hand where they should sample, with
 `flowrl produce TRAINER_HOST:PORT`, and connected to the trainer over the network.
 
 The trainer listens on the port with a torch.distributed TCPStore and puts there what a producer
@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 
 from flowrl.errors import UserError
-from flowrl.train.async_rollouts import POLL_S, ProducedBatch, ProducerFailure, run_producer, take_in_order
+from flowrl.runtime.producers import POLL_S, ProducedBatch, ProducerFailure, run_producer, take_in_order
 
 WANT, BATCH = 1, 2  # what a producer's header announces
 STOP = -1  # the version that answers a producer when the trainer has closed
