@@ -7,13 +7,14 @@ run against the registered parts (rollouts, objectives, rewards), so this module
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 import re
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from flowrl.core.advantages import ADVANTAGE_KINDS
@@ -28,10 +29,12 @@ from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolv
 from flowrl.models.compile import COMPILE_MODES
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
-from flowrl.schema import Config
+from flowrl.registry import load_plugins
+from flowrl.schema import Config, ObjectiveSection, RolloutSection
 from flowrl.search import SEARCH_METHODS
-from flowrl.train.experience import SAMPLES
+from flowrl.train.experience import DATA_KINDS, FIXED_STEPS, SAMPLES
 from flowrl.train.prompts import BUILTIN_PROMPT_SETS
+from flowrl.train.parts import OBJECTIVES, ROLLOUTS
 from flowrl.train.registry import check_compatible, objective_class, rollout_class
 from flowrl.train.rollouts.common import check_trained_sigmas
 from flowrl.train.sharding import DISTRIBUTED
@@ -54,20 +57,71 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None, validate_paths: bool = True) -> Config:
     """Load a preset or YAML file, apply `key=value` overrides, validate, return a `Config`."""
     src = preset_path(str(path) if path is not None else None)
-    cfg: Config = merge_config(Config, read_yaml(src), str(src), overrides, REPLACED_MAPPINGS, moved=MOVED_KEYS)
+    loaded = read_yaml(src)
+    plugins = [o.partition("=")[2] for o in overrides or [] if o.startswith("plugins=")]
+    schema = config_class(OmegaConf.to_container(OmegaConf.from_dotlist([f"v={plugins[-1]}"]))["v"] if plugins
+                          else loaded.get("plugins", []))
+    cfg: Config = merge_config(schema, loaded, str(src), overrides, REPLACED_MAPPINGS, moved=MOVED_KEYS)
     validate(cfg, validate_paths=validate_paths)
     return cfg
 
 
 def config_from_dict(data: dict, validate_paths: bool = True) -> Config:
     refuse_moved_keys(OmegaConf.create(data), [], MOVED_KEYS, "the given config")
+    schema = config_class(data.get("plugins", []))
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(data))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(data))
     except OmegaConfBaseException as exc:
-        raise ConfigError(one_sentence(exc, "the given config", Config)) from None
+        raise ConfigError(one_sentence(exc, "the given config", schema)) from None
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     validate(cfg, validate_paths=validate_paths)
     return cfg
+
+
+# ---- the schema, with a section per registered part that has options ------------------------------
+def config_class(plugins=()) -> type[Config]:
+    """The schema of a run: flowrl/schema.py's sections, and a rollout.<name> and objective.<name>
+    section for each registered rollout and objective with options, each typed by the part's own
+    dataclass. `plugins` (module paths) are imported first, so the parts they register count."""
+    if isinstance(plugins, ListConfig):
+        plugins = OmegaConf.to_container(plugins)
+    if not isinstance(plugins, (list, tuple)) or not all(isinstance(m, str) for m in plugins):
+        raise ConfigError(f"plugins must be a list of module import paths, such as [my_package.my_objective]; got {plugins!r}")
+    load_plugins(list(plugins))
+    key = (ROLLOUTS.names(), OBJECTIVES.names())
+    if key not in _CLASSES:
+        rollout = _section("RolloutConfig", RolloutSection, ROLLOUTS)
+        objective = _section("ObjectiveConfig", ObjectiveSection, OBJECTIVES)
+        _CLASSES[key] = dataclasses.make_dataclass(
+            "Config", [("rollout", rollout, dataclasses.field(default_factory=rollout)),
+                       ("objective", objective, dataclasses.field(default_factory=objective))],
+            bases=(Config,), namespace={"__doc__": Config.__doc__, "__reduce__": _reduce_config, "__deepcopy__": _deepcopy,
+                                        "__module__": __name__})
+    return _CLASSES[key]
+
+
+_CLASSES: dict[tuple, type[Config]] = {}
+
+
+def _section(name: str, base: type, registry) -> type:
+    parts = [(n, part.options, dataclasses.field(default_factory=part.options)) for n, part in registry.items() if part.options]
+    return dataclasses.make_dataclass(name, parts, bases=(base,), namespace={"__doc__": base.__doc__, "__deepcopy__": _deepcopy,
+                                                                              "__module__": __name__})
+
+
+def _deepcopy(self, memo):
+    return type(self)(**{f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self)})
+
+
+def _reduce_config(self):
+    """A config travels (to a producer process or machine) as its YAML, read back with the same plugins."""
+    return config_from_yaml, (self.to_yaml(),)
+
+
+def config_from_yaml(text: str) -> Config:
+    """A config written by `Config.to_yaml`, as it was (already validated, so not checked again)."""
+    data = OmegaConf.create(text)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config_class(data.get("plugins", []))), data))
 
 
 def check_model_path(path: str) -> None:
@@ -102,9 +156,10 @@ def _validate_sigma_range(cfg: Config) -> None:
     if objective_class(cfg.objective.kind).needs == SAMPLES:
         return  # flow-matching objectives draw their training sigmas inside the range (flowrl/train/objectives/nft.py)
     s, w = cfg.sampling, cfg.sampling.window
-    if cfg.rollout.kind != "flat" or w.strategy != "fixed":
-        raise ConfigError(f"lora.sigma_range other than [0, 1] needs rollout.kind flat and sampling.window.strategy fixed "
-                          f"(a fixed set of trained steps); got rollout.kind '{cfg.rollout.kind}', window '{w.strategy}'")
+    if FIXED_STEPS not in rollout_class(cfg.rollout.kind).provides(cfg):
+        raise ConfigError(f"lora.sigma_range other than [0, 1] needs {DATA_KINDS[FIXED_STEPS]} (a rollout that provides them, "
+                          f"with sampling.window.strategy fixed), which rollout.kind '{cfg.rollout.kind}' with window "
+                          f"'{w.strategy}' does not provide; rollout.kind flat does with a fixed window")
     if resolve_schedule(s.schedule, cfg.model.path) == "shifted_linear":  # the pipeline's grid is checked once it is loaded
         check_trained_sigmas(cfg, shifted_sigmas(s.num_steps, s.shift))
 

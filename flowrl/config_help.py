@@ -1,7 +1,8 @@
 """`flowrl config show`: a resolved config as YAML, each key with its description.
 
-The descriptions are the comments written beside (or just above) each field in flowrl/schema.py,
-read from its source, so the help cannot drift from the code that defines the field."""
+The descriptions are the comments written beside (or just above) each field of a section's
+dataclass, read from the source of the module that defines it (flowrl/schema.py, or a part's own
+file for its rollout.<name> or objective.<name> section), so the help cannot drift from the code."""
 
 from __future__ import annotations
 
@@ -16,13 +17,16 @@ from functools import lru_cache
 from omegaconf import OmegaConf
 
 
-@lru_cache(maxsize=1)
-def field_comments() -> dict[tuple[str, str], str]:
+@lru_cache(maxsize=None)
+def field_comments(module_name: str) -> dict[tuple[str, str], str]:
     """(dataclass name, field name) -> the comment on the field's line, or the comment lines
-    directly above it, from flowrl/schema.py."""
-    from flowrl import schema
+    directly above it, in the module `module_name`."""
+    import sys
 
-    source = inspect.getsource(schema)
+    try:
+        source = inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):  # a class made at run time, or a module without source
+        return {}
     comments: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
@@ -55,12 +59,19 @@ def _value_yaml(value) -> str:
 
 def describe(cfg) -> str:
     """The config as YAML with each field's description as a comment."""
-    notes, out = field_comments(), []
+    out = []
+
+    def note_of(cls: type, name: str) -> str | None:
+        for klass in cls.__mro__:  # a field inherited from a schema section is described there
+            found = field_comments(klass.__module__).get((klass.__name__, name))
+            if found:
+                return found
+        return None
 
     def walk(obj, indent: str) -> None:
         for f in dataclasses.fields(obj):
             value = getattr(obj, f.name)
-            note = notes.get((type(obj).__name__, f.name))
+            note = note_of(type(obj), f.name)
             if dataclasses.is_dataclass(value):
                 doc = (inspect.getdoc(type(value)) or "").split("\n\n")[0].replace("\n", " ")
                 if doc.startswith(f"{type(value).__name__}("):  # the signature dataclass writes where there is no docstring

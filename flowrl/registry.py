@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 from flowrl.errors import ConfigError
 
 ENTRY_POINT_GROUP = "flowrl.parts"  # installed packages' modules that register parts when imported
+_ENTRY_POINTS_LOADED: list[bool] = []
 
 
 class Registry:
@@ -36,6 +37,10 @@ class Registry:
             return obj
 
         return add if part is None else add(part)
+
+    def unregister(self, name: str) -> None:
+        self._parts.pop(name, None)
+        self._lazy.pop(name, None)
 
     def register_lazy(self, name: str, target: str) -> None:
         """`target` ("module:attribute") is imported when `name` is first looked up."""
@@ -62,6 +67,8 @@ class Registry:
             self._parts[name] = getattr(import_module(module), attribute)
         return self._parts[name]
 
+    __getitem__ = get
+
     def items(self) -> list[tuple[str, Any]]:
         return [(n, self.get(n)) for n in self.names()]
 
@@ -79,9 +86,10 @@ def load_plugins(modules: list[str] | tuple[str, ...] = (), entry_points: bool =
         except Exception as exc:  # a missing module, or the module's own error
             raise ConfigError(f"plugins[{i}] '{module}' does not import ({type(exc).__name__}: {exc}); give an importable "
                               "module that registers parts, such as my_package.my_objective") from None
-    if entry_points:
+    if entry_points and not _ENTRY_POINTS_LOADED:
         from importlib.metadata import entry_points as installed
 
+        _ENTRY_POINTS_LOADED.append(True)  # once per process: reading every package's metadata is slow
         for ep in installed(group=ENTRY_POINT_GROUP):
             try:
                 ep.load()

@@ -13,9 +13,6 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-# layers an exploration copy keeps in its compute precision (rollout.two_stage.high_precision_layers'
-# default; flowrl/sampling/precision.py): the embeddings and the output layers
-HIGH_PRECISION_LAYERS = ("embed", "proj_out", "norm_out")
 
 
 @dataclass
@@ -87,99 +84,14 @@ class SamplingConfig:
 
 
 @dataclass
-class TreeConfig:
-    """BranchGRPO trees (rollout.kind: tree; docs/algorithms.md section 3). One tree per prompt;
-    leaves per prompt = the product of the branching factors, and must equal data.group_size.
-    Depth d is the segment after the d-th split: the edges at steps split_steps[d-1] ..
-    split_steps[d]-1 (to the end for the last) lead to depth-d nodes. Pruning masks gradient
-    only; the rollout is the same."""
+class RolloutSection:
+    """How an iteration's samples are drawn (flowrl/train/rollouts): kind picks a registered rollout,
+    and each one with options has them under its own name (rollout.tree, rollout.two_stage, ...)."""
 
-    split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
-    branching: list[int] = field(default_factory=lambda: [2])  # one factor for all splits, or one per split
-    # sde: every step stochastic and trained (BranchGRPO) | ode: only the split steps |
-    # window: BranchGRPO-Mix, SDE inside sampling.window (and at the splits), ODE elsewhere
-    between: str = "sde"
-    fusion: str = "mean"  # mean (of the leaves below) | prob (children weighted by softmax of sibling edge log-probs)
-    width_keep: float = 1.0  # per tree, train only this fraction of last-depth edges, the largest |A| first
-    prune_depths: list[int] = field(default_factory=list)  # depths (1..D) whose edges are never trained
-    depth_window: int = 0  # > 0: train only this many consecutive depths, from depth 1 sliding deeper
-    depth_window_shift_every: int = 10  # iterations per one-depth shift of depth_window
-
-
-@dataclass
-class TwoStageConfig:
-    """Sol-RL, "FP4 explore, BF16 train" (rollout.kind: two_stage; docs/algorithms.md section 5).
-    Stage 1 samples `candidates` chains per prompt from recorded seeds with a copy of the
-    current policy in `explore_precision` (LoRA merged in, re-synchronised every iteration) and
-    scores them; `selection.kind` picks data.group_size of them per prompt; stage 2 regenerates
-    exactly those seeds (initial and per-step noise) with the training policy, and only the
-    regenerated samples are trained on."""
-
-    candidates: int = 32  # M per prompt, >= data.group_size (the K that are selected and trained)
-    explore_precision: str = "nvfp4"  # nvfp4 | fp8 | bf16 | fp16 | fp32
-    # auto: torchao's kernels where the GPU has them (NVFP4: sm100+, FP8: sm89+), fake quantisation
-    # elsewhere | emulated: always fake quantisation | torchao: the kernels or an error
-    backend: str = "auto"
-    # linear layers whose name contains one of these stay unquantised (default: embeddings and output
-    # layers; add "norm" for the adaLN modulation linears inside the norm modules)
-    high_precision_layers: list[str] = field(default_factory=lambda: list(HIGH_PRECISION_LAYERS))
-    # fp8's scales: row (one per output channel of a weight and per token of an activation, torchao's
-    # PerRow: the accurate FP8 GEMM of the diffusers-torchao recipes) | tensor (one per tensor, PerTensor)
-    fp8_scaling: str = "row"
-    # linears narrower than this (the smaller of in_features and out_features) stay in the compute dtype:
-    # FP8 GEMMs lose to BF16 at small widths (torchao: 0.8x at 1024x2048x1024, 1.39x at 4096x8192x16384).
-    # 0 quantises every eligible linear
-    min_features: int = 0
-    # > 0: diffusers' First Block Cache on the exploration copy, explore only: a step whose first-block residual
-    # changed by less than this (relative mean absolute difference) reuses the previous step's other blocks
-    # (2x on FLUX.1-dev at 0.08). Candidates explored with it are never trained on. 0: off
-    first_block_cache: float = 0.0
-    preview_steps: int = 0  # 0: stage 1 runs the training sampler | P > 0: a P-step ODE preview
-    # false: train on the selected candidates themselves; only allowed when they already are
-    # training-precision samples of the training sampler (explore_precision = model.dtype, no preview, no cache),
-    # or with objective.kind nft, which flow-matches clean samples and takes no log-prob of them
-    regenerate: bool = True
-    fidelity_every: int = 10  # iterations between regenerating the whole pool to log reward rank correlations (0: never)
-
-
-@dataclass
-class GranularConfig:
-    """G2RPO (rollout.kind: granular; docs/algorithms.md section 12): per prompt one ODE anchor, at
-    each branch step data.group_size one-step SDE branches from it, each finished by ODE tails at
-    every granularity; advantages normalised per (prompt, branch step, granularity, channel) and
-    summed. Only the branch transitions are trained."""
-
-    branch_steps: list[int] = field(default_factory=list)  # empty: the first half of sampling.num_steps
-    granularities: list[int] = field(default_factory=lambda: [1, 2])  # ODE tail strides (the paper reports [1, 2, 3])
-    # the tails' sigma indices from a branch at step k: reference (the reference's: k + 1, k + 2, then every g-th
-    # from k + 2) | from_branch (flowrl's earlier grid: every g-th from k + 1)
-    tail_grid: str = "reference"
-    # a tail whose stride misses sigma 0: zero (flowrl's fix: one more, shorter step to sigma 0) | x0_prediction
-    # (the reference's: its image is the x0-prediction from the index before the stride's last, often sigma ~0.4)
-    tail_end: str = "zero"
-    clip: float = 5.0  # the multi-granularity advantage is clipped to +-clip after the sum
-    # true: one optimizer step per branch step, as the reference | false: one per iteration (each branch
-    # step's mean loss weighing 1 / |M|, as one version of the reference's two-reward script)
-    step_per_branch: bool = True
-    # the order the branch steps are trained in: increasing (the reference's) | shuffled (per inner epoch, flowrl's earlier order)
-    step_order: str = "increasing"
-
-
-@dataclass
-class RolloutConfig:
     # flat: G independent chains per prompt | tree: BranchGRPO trees (rollout.tree) |
     # two_stage: low-precision exploration, selection, regeneration (rollout.two_stage) |
-    # granular: G2RPO's singular branches with multi-granularity tails (rollout.granular)
+    # granular: G2RPO's singular branches with multi-granularity tails (rollout.granular) | offline: a group store
     kind: str = "flat"
-    tree: TreeConfig = field(default_factory=TreeConfig)
-    two_stage: TwoStageConfig = field(default_factory=TwoStageConfig)
-    granular: GranularConfig = field(default_factory=GranularConfig)
-
-    def splits(self) -> dict[int, int]:
-        """split step -> branching factor."""
-        b = self.tree.branching
-        factors = b if len(b) == len(self.tree.split_steps) else [b[0]] * len(self.tree.split_steps)
-        return dict(zip(self.tree.split_steps, factors))
 
 
 @dataclass
@@ -297,124 +209,11 @@ class SelectionConfig:
 
 
 @dataclass
-class GRPOConfig:
-    """objective.kind grpo: the PPO-clipped surrogate over the SDE steps' log-probs (Flow-GRPO)."""
-
-    clip_range: float = 1e-4  # PPO ratio clip (Flow-GRPO: 1e-4; GRPO-Guard's settings: 2e-6, 4e-6 for PickScore)
-    clip_range_high: Optional[float] = None  # defaults to clip_range
-    # GRPO-Guard (arXiv 2510.22319), off in Flow-GRPO: ratio_norm takes the log-ratio as s (logp - logp_old) +
-    # mean(d^2) / (2 s), d = mu - mu_old, s the step's std (centred, one scale at every step); step_reweight
-    # divides each step's loss by its dt. Flow-GRPO's SDE (sampling.sampler flow_grpo) on flat rollouts only
-    ratio_norm: bool = False
-    step_reweight: bool = False
-    # with run.async_rollouts, batches up to run.max_staleness updates old (docs/usage.md, "Asynchronous rollouts"):
-    # decoupled (AReaL's PPO: the clip against the weights at the update's start, times the behaviour weight) | m2po
-    # (M2PO's second-moment mask over the transitions, no clip)
-    off_policy: str = "decoupled"
-    behaviour_weight: str = "none"  # decoupled's weight exp(proximal - behaviour): none (as it is) | truncate (TIS) | mask (rejection)
-    behaviour_cap: float = 2.0  # truncate and mask: the cap on the behaviour weight (TIS: 2)
-    m2po_tau: float = 0.04  # m2po: the bound on the mean squared log-ratio of the kept transitions
-
-
-@dataclass
-class NFTConfig:
-    """objective.kind nft: DiffusionNFT's negative-aware flow matching on the clean samples (any
-    sampler, ode too; docs/algorithms.md section 4). The defaults are the reference code's
-    (NVlabs/DiffusionNFT, scripts/train_nft_sd3.py); each other value is a named flowrl variant."""
-
-    # grid: each sample trains at its own random permutation of the sampling grid's sigmas, the first
-    # `timesteps` of it (the reference); stratified (flowrl variant): `timesteps` sigmas per batch, one per
-    # stratum of lora.sigma_range, shared by the batch's samples
-    sigma_draw: str = "grid"
-    # sigmas trained per sample and iteration; 0: int(0.99 x sampling.num_steps), the reference's
-    # timestep_fraction 0.99 (9 of 10 steps; with sigma_draw stratified, 0 means 2)
-    timesteps: int = 0
-    beta: float = 1.0  # the implicit policies' step, v_old +- beta (v - v_old)
-    # sigma_draw stratified: time shift of its sigmas (1: uniform strata over lora.sigma_range)
-    sigma_shift: float = 1.0
-    # v_old is "sampling" (the weights that sampled the iteration, fixed through its steps, then soft-updated:
-    # old <- d old + (1 - d) new with d = min(old_decay, old_decay_rate x iteration): the reference's "old"
-    # adapter and decay type 1) or "current" (flowrl variant: the weights before each optimizer step)
-    old_policy: str = "sampling"
-    old_decay: float = 0.5
-    old_decay_rate: float = 0.001
-    adaptive_weight: bool = True  # the reference's per-sample normalisation of the x0-prediction error
-    # false keeps the positive half of the loss only (reward-weighted flow matching on the better-than-group
-    # samples, no push away from the worse ones)
-    negatives: bool = True
-    # adv_clip (the reference): r = 0.5 + 0.5 A / advantage.clip and the loss times advantage.clip / beta, so
-    # the gradient at v = v_old is A times plain flow matching's; clip (flowrl variant, the paper's text):
-    # r = 0.5 + 0.5 clip(A, -1, 1), loss unscaled; group_max (flowrl variant): A scaled per group by
-    # max(1, max |A|), loss unscaled (each group's pulls and pushes still cancel, sum (2r - 1) = 0)
-    r_scale: str = "adv_clip"
-    # the guidance of the velocity the loss trains (and of v_old and the KL reference): 1, the conditional
-    # velocity alone (the reference trains and samples without CFG); None: model.guidance_scale
-    guidance_scale: Optional[float] = 1.0
-
-
-@dataclass
-class DGPOConfig:
-    """objective.kind dgpo: group preference through the implicit reward, on online clean samples
-    (docs/algorithms.md section 10). The defaults are the reference code's (Luo-Yihong/DGPO,
-    GenEval/OCR settings); squared errors are means over dimensions, as there."""
-
-    beta: float = 100.0  # the implicit reward's scale, s = -beta (err_theta - err_ref) (DGPO's code: 100)
-    # reference: back-propagate mean_i sigmoid((beta / G) sum A delta).detach() A_i err_i, as DGPO's code;
-    # log_sigmoid (flowrl variant): the paper's -log sigmoid(-(beta / G) sum A delta), whose gradient is beta
-    # times larger (trainer.kl_beta and the gradient clip then weigh beta times less)
-    loss_form: str = "reference"
-    timesteps: int = 4  # distinct training sigmas per epoch, shared by every micro-batch (DGPO: 4)
-    # grid: draw them from the first grid_points sigmas of the rollout's own sampling grid (DGPO: 5 GenEval,
-    # 7 OCR); stratified (flowrl variant): one per stratum of sigma_range, crowded by sigma_shift
-    sigma_draw: str = "grid"
-    grid_points: int = 5
-    sigma_range: list[float] = field(default_factory=lambda: [0.5, 1.0])  # sigma_draw stratified: the range
-    sigma_shift: float = 1.0  # sigma_draw stratified: > 1 crowds the sigmas toward the noisy end
-    # optimizer step every this many sigmas of a micro-batch (DGPO's code accumulates 2 (batch, sigma) pairs
-    # per step on its 4-GPU settings); 0: one step per micro-batch over all its sigmas
-    sigmas_per_step: int = 2
-    # > 0: a sample whose error ratio exp(err_old - err) has left [1 - c, 1 + c] in its advantage's direction
-    # stops pulling (DGPO's code: 0.01 GenEval and OCR); 0: off
-    clip_range: float = 0.01
-    # the "old" weights of the clip: ema (DGPO's code: an average of the weights updated after every optimizer
-    # step with decay min(0.3, 0.001 x steps)) or sampling (flowrl variant: the weights that sampled the iteration)
-    clip_old: str = "ema"
-    # after this many optimizer steps the rollouts sample with the ema weights (DGPO's switch_ema_ref: 500
-    # GenEval, 200 OCR); 0: always the current weights. Needs clip_old ema.
-    sample_with_old_after: int = 500
-    # the trained velocity's guidance: 1, the conditional velocity alone (DGPO's code); > 1 or null
-    # (model.guidance_scale) trains the CFG-combined velocity through both branches (flowrl variant)
-    guidance_scale: Optional[float] = 1.0
-
-
-@dataclass
-class GDROConfig:
-    """objective.kind gdro: listwise group loss on the implicit reward, offline from a group store
-    (data.offline) or online from clean samples (docs/algorithms.md section 10)."""
-
-    form: str = "top1"  # top1 | plackett_luce
-    tau: float = 0.05  # temperature of the reward's soft ranking softmax(r / tau) (GDRO: 0.05)
-    # s = -beta (err_theta - err_ref) (GDRO: 6 GenEval, 12 OCR) with squared errors summed over dimensions
-    # (error_reduction sum: the paper's ||.||^2) or averaged (mean, a flowrl variant: beta is then D times weaker)
-    beta: float = 6.0
-    error_reduction: str = "sum"
-    gamma: float = 1.0  # weight of plain flow matching (a mean over dimensions) on each group's best sample
-    timesteps: int = 2  # sigmas per micro-batch and epoch, shared by its samples
-    sigma_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
-    sigma_shift: float = 1.0
-    guidance_scale: Optional[float] = None
-
-
-@dataclass
-class ObjectiveConfig:
-    """What the loop optimises (flowrl/train/objectives): kind picks a registered objective; each
-    built-in one has its options under its own name."""
+class ObjectiveSection:
+    """What the loop optimises (flowrl/train/objectives): kind picks a registered objective, and
+    each one has its options under its own name (objective.grpo, objective.nft, ...)."""
 
     kind: str = "grpo"  # grpo | nft | dgpo | gdro, or any registered objective
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    nft: NFTConfig = field(default_factory=NFTConfig)
-    dgpo: DGPOConfig = field(default_factory=DGPOConfig)
-    gdro: GDROConfig = field(default_factory=GDROConfig)
 
 
 @dataclass
@@ -517,16 +316,22 @@ class SearchConfig:
 
 @dataclass
 class Config:
+    """A run's config. flowrl/config.py extends it with a section per registered rollout and
+    objective that has options (`config_class`), so build one with load_config, not directly."""
+
+    # modules imported before the config is read, so that the rollouts, objectives and rewards they register
+    # (with their options) can be chosen here: a user's own parts, by import path (my_package.my_objective)
+    plugins: list[str] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     allocator: AllocatorConfig = field(default_factory=AllocatorConfig)
     selection: SelectionConfig = field(default_factory=SelectionConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     search: SearchConfig = field(default_factory=SearchConfig)

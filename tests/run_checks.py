@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowrl.cli import main
+from flowrl.runtime.checkpoint import latest_checkpoint, load_checkpoint
 
 
 def run_metrics(run: Path) -> list[dict]:
@@ -19,6 +20,19 @@ def run_metrics(run: Path) -> list[dict]:
 
 def trainable(run: Path, iteration: int) -> dict[str, torch.Tensor]:
     return load_file(str(run / "checkpoints" / f"iter_{iteration:06d}" / "trainable.safetensors"))
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    """The trained weights of the run's latest checkpoint (every run writes one as it ends)."""
+    ckpt = latest_checkpoint(run / "checkpoints")
+    assert ckpt is not None, f"{run} has no checkpoint"
+    return load_checkpoint(ckpt)["params"]
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Bit for bit, every tensor."""
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
 
 
 def assert_resume_repeats(args: list[str], straight: Path, stopped: Path) -> None:

@@ -54,7 +54,10 @@ from torch import nn
 
 from flowrl.devices import DTYPES
 from flowrl.errors import UserError
-from flowrl.schema import HIGH_PRECISION_LAYERS  # rollout.two_stage.high_precision_layers' default
+
+# layers an exploration copy keeps in its compute precision (rollout.two_stage.high_precision_layers'
+# default): the embeddings and the output layers
+HIGH_PRECISION_LAYERS = ("embed", "proj_out", "norm_out")
 
 EXPLORE_PRECISIONS = ("nvfp4", "fp8", "bf16", "fp16", "fp32")
 FP8_SCALINGS = ("row", "tensor")  # rollout.two_stage.fp8_scaling

@@ -23,7 +23,13 @@ import torch
 
 TRANSITIONS = "transitions"  # micro-batches of transitions with behaviour log-probs
 SAMPLES = "samples"  # clean samples with their conditioning
-DATA_KINDS = {TRANSITIONS: "transitions with behaviour log-probs", SAMPLES: "clean samples with their conditioning"}
+# what some options need beyond those two (an objective's `requires`, the config's checks)
+STEP_MEANS = "step_means"  # transitions that keep their sampling step's mean and dt (GRPO-Guard)
+WHOLE_GROUPS = "whole_groups"  # clean samples batched in whole groups
+FIXED_STEPS = "fixed_steps"  # transitions at the same fixed set of steps every iteration
+DATA_KINDS = {TRANSITIONS: "transitions with behaviour log-probs", SAMPLES: "clean samples with their conditioning",
+              STEP_MEANS: "transitions that keep their sampling step's mean", WHOLE_GROUPS: "clean samples batched in whole groups",
+              FIXED_STEPS: "transitions at a fixed set of trained steps"}
 
 
 class TransitionBatch(NamedTuple):

@@ -2,10 +2,13 @@
 
 A rollout turns the current policy into an `Experience` (`collect(iteration)`); an objective
 turns an `Experience` into optimizer steps (`update(experience)`). Each registers under the name
-that `rollout.kind` / `objective.kind` selects, and declares what it provides or needs, so the
+that `rollout.kind` / `objective.kind` selects, declares what it provides or needs, so the
 config is checked from the declarations (`check_compatible`) and the loop never branches on a
-name. Adding one is a new module with a registered class; docs/architecture.md has an example.
-flowrl/train/registry.py looks parts up by name and checks a config against them.
+name, and owns its options: a dataclass (`options`) that becomes the config's rollout.<name> or
+objective.<name> section, checked by the part's `validate`. Adding one is a new module with a
+registered class, in flowrl/train/rollouts or objectives (found there by name) or in a user's own
+package (the config's `plugins`); docs/architecture.md has an example. flowrl/train/registry.py
+looks parts up by name and checks a config against them.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from flowrl.registry import Registry
 from flowrl.runtime.budget import SchedulePlan
 from flowrl.schema import Config
 from flowrl.train.experience import Experience
 
-
-ROLLOUTS: dict[str, type["Rollout"]] = {}
-OBJECTIVES: dict[str, type["Objective"]] = {}
+ROLLOUTS = Registry("rollout.kind")
+OBJECTIVES = Registry("objective.kind")
 
 
 @dataclass
@@ -56,6 +59,7 @@ class Rollout:
     (experience.TRANSITIONS, experience.SAMPLES) under that config."""
 
     name: ClassVar[str]
+    options: ClassVar[type | None] = None  # a dataclass: the config's rollout.<name> section, with its defaults
     needs_prompts: ClassVar[bool] = True  # an online prompt source (data.prompts or data.prompt_file)
     needs_rewards: ClassVar[bool] = True  # an online reward (reward.weights)
     # runs under run.distributed fsdp2: its no-grad forwards stay inside collect() (the loop gathers the
@@ -112,6 +116,7 @@ class Objective:
     training data it consumes (one of experience.DATA_KINDS)."""
 
     name: ClassVar[str]
+    options: ClassVar[type | None] = None  # a dataclass: the config's objective.<name> section, with its defaults
     needs: ClassVar[str]
     # runs under run.distributed fsdp2: every process runs the same number of forwards and backwards
     # (tested with it)
@@ -123,6 +128,12 @@ class Objective:
     @classmethod
     def validate(cls, cfg: "Config") -> None:
         """Raise ConfigError for settings this objective cannot run with."""
+
+    @classmethod
+    def requires(cls, cfg: "Config") -> dict[str, str]:
+        """Data beyond `needs` that its options call for under `cfg`: {data kind: the option that
+        needs it} (experience.DATA_KINDS), checked against what the rollout provides."""
+        return {}
 
     def behaviour_weights(self):
         """The weights rollouts sample with, as a context manager (default: the current ones)."""
@@ -139,11 +150,10 @@ class Objective:
         pass
 
 
-def register_rollout(cls):
-    ROLLOUTS[cls.name] = cls
-    return cls
+register_rollout = ROLLOUTS.register
+register_objective = OBJECTIVES.register
 
 
-def register_objective(cls):
-    OBJECTIVES[cls.name] = cls
-    return cls
+def options_of(cfg: "Config", part) -> Any:
+    """`part`'s own section of `cfg` (rollout.<name> or objective.<name>)."""
+    return getattr(cfg.rollout if issubclass(part, Rollout) else cfg.objective, part.name)

@@ -3,24 +3,20 @@ declarations (flowrl/train/parts.py). Importing this module registers the built-
 
 from __future__ import annotations
 
-
-import flowrl.train.objectives  # noqa: F401  (registers grpo, nft)
-import flowrl.train.rollouts  # noqa: F401  (registers flat, tree, two_stage)
-from flowrl.errors import ConfigError, check_choice
+import flowrl.train.objectives  # noqa: F401  (registers the built-in objectives)
+import flowrl.train.rollouts  # noqa: F401  (registers the built-in rollouts)
+from flowrl.errors import ConfigError
 from flowrl.schema import Config
 from flowrl.train.experience import DATA_KINDS
 from flowrl.train.parts import OBJECTIVES, ROLLOUTS, Objective, Rollout
 
 
-
 def rollout_class(kind: str) -> type[Rollout]:
-    check_choice("rollout.kind", kind, ROLLOUTS)
-    return ROLLOUTS[kind]
+    return ROLLOUTS.get(kind)
 
 
 def objective_class(kind: str) -> type[Objective]:
-    check_choice("objective.kind", kind, OBJECTIVES)
-    return OBJECTIVES[kind]
+    return OBJECTIVES.get(kind)
 
 
 def check_async_processes(cfg: "Config", processes: int) -> None:
@@ -49,6 +45,11 @@ def check_compatible(cfg: "Config") -> None:
                           f"{ahead}, not '{rollout.name}'")
     check_async_processes(cfg, cfg.run.cpu_processes)
     provided = rollout.provides(cfg)
+    for data, option in objective.requires(cfg).items():
+        if data not in provided:
+            able = ", ".join(ROLLOUTS.where(lambda r: data in r.provides(cfg)))
+            raise ConfigError(f"{option} needs {DATA_KINDS[data]}, which rollout.kind '{rollout.name}' does not provide under "
+                              f"this config; rollout.kind {able or 'none of the registered rollouts'} does")
     if objective.needs not in provided:
         able = sorted(name for name, o in OBJECTIVES.items() if o.needs in provided)
         reason = rollout.missing_reason(cfg, objective.needs)

@@ -1,7 +1,8 @@
 """run.async_rollouts on the text default: a producer process collects ahead of the trainer.
-With max_staleness 0 the run is the synchronous one, loss for loss (so the weights reach the
-producer after every update); a resume repeats it; with a slow trainer the producer runs ahead
-by exactly the bound and never past it; a killed producer stops the run with one sentence."""
+With max_staleness 0 the run is the synchronous one, loss for loss and weight for weight (so the
+weights reach the producer after every update); a resume repeats it; with a slow trainer the
+producer runs ahead by exactly the bound and never past it; a killed producer stops the run with
+one sentence."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from flowrl.cli import main
 from flowrl.errors import ConfigError
-from run_checks import run_metrics
+from run_checks import assert_same_weights, final_weights, run_metrics
 
 # one thread in the trainer and in the producer: the synchronous run samples in the trainer's
 # process, and the two must sum in the same order to agree bit for bit
@@ -32,10 +33,13 @@ def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, res
     rows, async_rows = run_metrics(sync), run_metrics(straight)
     assert [{k: r[k] for k in s} for s, r in zip(rows, async_rows)] == rows  # every synchronous column, float for float
     assert all(r["staleness"] == 0 and r["off_policy/ess"] == 1.0 for r in async_rows)
+    weights = final_weights(sync)  # and the trained weights, bit for bit
+    assert_same_weights(final_weights(straight), weights)
     # a resume restarts the producer from the checkpoint's weights and allocator
     assert main(["train", *async_args, "trainer.iterations=2", "--run-dir", str(stopped)]) == 0
     assert main(["train", "--resume", str(stopped), "trainer.iterations=4"]) == 0
     assert run_metrics(stopped) == async_rows
+    assert_same_weights(final_weights(stopped), weights)
 
 
 def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run(tmp_path, capsys, monkeypatch, restore_threads):

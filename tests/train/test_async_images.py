@@ -18,7 +18,7 @@ from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.core import clipped_policy_loss
 from flowrl.errors import ConfigError, UserError
-from flowrl.schema import GRPOConfig
+from flowrl.train.objectives.grpo import GRPOOptions
 from flowrl.train.objectives.grpo import off_policy_loss
 from run_checks import assert_resume_repeats, run_metrics, trainable
 
@@ -231,7 +231,7 @@ def _batch(n=64, seed=0):
 def test_the_off_policy_loss_with_fresh_samples_is_flow_grpos_surrogate():
     """With proximal = behaviour the loss is the reference's, Flow-GRPO's clipped surrogate, value and gradient."""
     current, _, behaviour, adv = _batch()
-    g = GRPOConfig(clip_range=0.2)
+    g = GRPOOptions(clip_range=0.2)
     ours = off_policy_loss(g, current, behaviour, behaviour, adv, 0.2)
     ref = clipped_policy_loss(current, behaviour, adv, 0.2)
     assert torch.allclose(ours.loss, ref.loss, atol=1e-7) and torch.equal(ours.clipped, ref.clipped)
@@ -245,7 +245,7 @@ def test_the_decoupled_loss_is_areals_formula_per_transition():
     written out with TIS's truncation (verl's `tis_imp_ratio_cap`): the mean over transitions of
     w max(-A u, -A clip(u, 1 - eps, 1 + eps_high)), u = exp(logp - prox), w = min(exp(prox - behav), C)."""
     current, proximal, behaviour, adv = _batch()
-    g = GRPOConfig(clip_range=0.2, behaviour_weight="truncate", behaviour_cap=1.1)
+    g = GRPOOptions(clip_range=0.2, behaviour_weight="truncate", behaviour_cap=1.1)
     ours = off_policy_loss(g, current, proximal, behaviour, adv, 0.3)
     u = torch.exp(current - proximal)
     w = torch.clamp(torch.exp(proximal - behaviour), max=1.1)
@@ -259,7 +259,7 @@ def test_m2po_on_transitions_drops_the_largest_log_ratios_until_the_second_momen
     (behav - prox)^2 until the mean of the rest is below tau, then -mean(M A exp(logp - behav)), no clip."""
     current, proximal, behaviour, adv = _batch()
     tau = 0.05
-    ours = off_policy_loss(GRPOConfig(off_policy="m2po", m2po_tau=tau), current, proximal, behaviour, adv, 0.2)
+    ours = off_policy_loss(GRPOOptions(off_policy="m2po", m2po_tau=tau), current, proximal, behaviour, adv, 0.2)
     d2 = (behaviour - proximal).square()
     order = torch.argsort(d2, descending=True)
     drop = next(k for k in range(len(d2)) if d2[order[k:]].mean() < tau)

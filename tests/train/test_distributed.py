@@ -1,5 +1,5 @@
-"""run.distributed fsdp2 on CPU processes joined by gloo: the same training as one process on the
-same global batch, exact resume from shards, and exports that plain diffusers loads."""
+"""run.distributed fsdp2 and ddp on CPU processes joined by gloo: the same training as one process on
+the same global batch; for fsdp2 also exact resume from shards, and exports that plain diffusers loads."""
 
 from __future__ import annotations
 
@@ -37,6 +37,32 @@ def train_worker(out: Path, model_dir: str, overrides: list[str], processes: int
             "sample": load_file(str(out / "sample.safetensors"))["final"], "checkpoint": out / "run" / "checkpoints" / "iter_000002"}
 
 
+def assert_trains_as_one_process(one: dict, two: dict, lr: float, transitions: int) -> None:
+    """`one` and `two` (train_worker's) took the same optimizer steps over the same global batches:
+    one step an iteration, the same metrics and the same final weights, within float noise."""
+    assert len(one["history"]) == len(two["history"]) == 2
+    for a, b in zip(one["history"], two["history"]):
+        assert a["trained_transitions"] == b["trained_transitions"] == transitions and a["optimizer_steps"] == b["optimizer_steps"] == 1
+        for key in ("reward_mean", "kl", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
+        # the policy loss is -mean(advantage x ratio) with ratios within 1e-5 of 1: terms of size 1
+        # that cancel to about 1e-5, so it is compared on the terms' scale
+        for key in ("loss", "policy_loss"):
+            assert b[key] == pytest.approx(a[key], abs=5e-5), key
+    assert one["history"][-1]["kl"] > 0  # the reference is not the trained network
+    assert one["full"].keys() == two["full"].keys()
+    # Adam divides each step by the gradient's own size, so a weight whose gradient is near float
+    # noise may step differently by a fraction of lr (up to 0.063 lr on an Intel Xeon box, 0.05 on an AMD
+    # EPYC); over all the weights the layouts agree to 1e-4 (per 64-element LoRA matrix, one such weight
+    # alone lifted the mean gap to 1.05e-4 on the Xeon)
+    gaps = {k: (a - two["full"][k]).abs() for k, a in one["full"].items()}
+    for k, gap in gaps.items():
+        assert gap.max() <= 0.1 * lr, k
+    assert sum(g.sum() for g in gaps.values()) <= 1e-4 * sum(a.abs().sum() for a in one["full"].values())
+    lora_b = [k for k in two["full"] if "lora_B" in k]
+    assert not lora_b or any(two["full"][k].abs().sum() > 0 for k in lora_b)  # trained off the zero init
+
+
 def plain_diffusers_sample(model_dir: str, kind: str, checkpoint: Path, lora: bool) -> torch.Tensor:
     """The worker's ODE sample, redrawn from the checkpoint's export loaded by diffusers alone."""
     from diffusers import FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline
@@ -60,6 +86,18 @@ def plain_diffusers_sample(model_dir: str, kind: str, checkpoint: Path, lora: bo
 
 
 @pytest.mark.slow
+def test_ddp_on_two_processes_trains_as_one_process_on_the_same_global_batch(tmp_path, tiny_sd3_dir):
+    # run.distributed ddp (the default), not rank against rank (equal by construction) but against one
+    # process: 4 samples of one prompt in 2 micro-batches, both in one optimizer step (one process
+    # accumulating 2, or 2 processes 1 each, their gradients averaged by the all-reduce); the group's
+    # advantages need the rewards gathered from both processes
+    small = [*SMOOTH, "model.kind=sd3", "data.prompts_per_iteration=1", "sampling.num_steps=2"]
+    one = train_worker(tmp_path / "one", tiny_sd3_dir, [*small, "trainer.gradient_accumulation_steps=2"], 1)
+    two = train_worker(tmp_path / "two", tiny_sd3_dir, [*small, "trainer.gradient_accumulation_steps=1"], 2)
+    assert_trains_as_one_process(one, two, load_config("tiny_jpeg").trainer.lr, transitions=2 * 2)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, mode", [("sd3", "lora"), ("flux", "full")])
 def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(tmp_path, request, kind, mode):
     # one optimizer step per iteration over all 4 micro-batches: each of 2 processes trains 2 of
@@ -69,28 +107,8 @@ def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(t
     extra = [*SMOOTH, f"model.kind={kind}", *(FULL_FINETUNE if mode == "full" else [])]
     one = train_worker(tmp_path / "one", model_dir, [*extra, "trainer.gradient_accumulation_steps=4"], 1)
     two = train_worker(tmp_path / "two", model_dir, [*extra, "trainer.gradient_accumulation_steps=2", "run.distributed=fsdp2"], 2)
-    assert len(one["history"]) == len(two["history"]) == 2
-    for a, b in zip(one["history"], two["history"]):
-        assert a["trained_transitions"] == b["trained_transitions"] == 4 * 3 and a["optimizer_steps"] == b["optimizer_steps"] == 1
-        for key in ("reward_mean", "kl", "grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-7), key
-        # the policy loss is -mean(advantage x ratio) with ratios within 1e-5 of 1: terms of size 1
-        # that cancel to about 1e-5, so it is compared on the terms' scale
-        for key in ("loss", "policy_loss"):
-            assert b[key] == pytest.approx(a[key], abs=5e-5), key
-    assert one["history"][-1]["kl"] > 0  # the reference is not the trained network
-    assert one["full"].keys() == two["full"].keys()
     lr = 1e-3 if mode == "full" else load_config("tiny_jpeg").trainer.lr
-    # Adam divides each step by the gradient's own size, so a weight whose gradient is near float
-    # noise may step differently by a fraction of lr (up to 0.063 lr on an Intel Xeon box, 0.05 on an AMD
-    # EPYC); over all the weights the layouts agree to 1e-4 (per 64-element LoRA matrix, one such weight
-    # alone lifted the mean gap to 1.05e-4 on the Xeon)
-    gaps = {k: (a - two["full"][k]).abs() for k, a in one["full"].items()}
-    for k, gap in gaps.items():
-        assert gap.max() <= 0.1 * lr, k
-    assert sum(g.sum() for g in gaps.values()) <= 1e-4 * sum(a.abs().sum() for a in one["full"].values())
-    if mode == "lora":
-        assert any(two["full"][k].abs().sum() > 0 for k in two["full"] if "lora_B" in k)  # trained off the zero init
+    assert_trains_as_one_process(one, two, lr, transitions=4 * 3)
     # the checkpoint holds shards, no whole copy but the user-facing export, and that export
     # loaded by plain diffusers redraws the trained weights' sample
     ckpt = two["checkpoint"]

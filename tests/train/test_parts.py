@@ -5,6 +5,7 @@ config checks a rollout against an objective from their declarations."""
 from __future__ import annotations
 
 import json
+import sys
 import math
 
 import pytest
@@ -74,8 +75,8 @@ def toy_parts():
     register_objective(AdvantageWeightedFlowMatching)
     register_rollout(StoredPairs)
     yield
-    OBJECTIVES.pop(AdvantageWeightedFlowMatching.name)
-    ROLLOUTS.pop(StoredPairs.name)
+    OBJECTIVES.unregister(AdvantageWeightedFlowMatching.name)
+    ROLLOUTS.unregister(StoredPairs.name)
 
 
 def rows(run) -> list[dict]:
@@ -119,3 +120,83 @@ def test_compatibility_comes_from_the_declarations(toy_parts):
     assert TRANSITIONS in ROLLOUTS["flat"].provides(load_config("tiny_jpeg"))
     with pytest.raises(ConfigError, match="^objective.kind must be one of dgpo, gdro, grpo, nft, toy_awfm; got 'dpo'$"):
         load_config("tiny_jpeg", ["objective.kind=dpo"])
+
+
+# A user's own objective with two options, in a module outside the package, named by the config's
+# `plugins`: its options become objective.toy_scaled, typed, checked by its validate and described by
+# its comments in `flowrl config show`.
+PLUGIN = '''
+from dataclasses import dataclass
+
+from flowrl.errors import check_range
+from flowrl.sampling.noise import FORWARD_NOISING, seeded_noise
+from flowrl.sampling.steps import flow_matching_target, forward_noise
+from flowrl.train.experience import SAMPLES
+from flowrl.train.parts import Objective, register_objective
+
+
+@dataclass
+class ScaledFlowMatchingOptions:
+    sigma: float = 0.5  # the one training sigma
+    weight: float = 1.0  # times the advantage-weighted flow-matching loss
+
+
+@register_objective
+class ScaledFlowMatching(Objective):
+    name = "toy_scaled"
+    options = ScaledFlowMatchingOptions
+    needs = SAMPLES
+
+    @classmethod
+    def validate(cls, cfg):
+        o = cfg.objective.toy_scaled
+        check_range("objective.toy_scaled.sigma", o.sigma, "(0, 1)")
+        check_range("objective.toy_scaled.weight", o.weight, "> 0")
+
+    def update(self, experience):
+        o, policy, acc = self.ctx.cfg.objective.toy_scaled, self.ctx.policy, self.ctx.accelerator
+        for batch in experience.samples:
+            x0 = batch.x0.to(acc.device)
+            eps = seeded_noise(batch.seeds.tolist(), FORWARD_NOISING, x0.shape[1:], acc.device)
+            v = policy.velocity(forward_noise(x0, eps, o.sigma), o.sigma, policy.encode(batch.prompts))
+            a = experience.advantages_at(batch.index).to(acc.device)
+            loss = o.weight * (a * ((v - flow_matching_target(x0, eps)) ** 2).mean(dim=tuple(range(1, v.ndim)))).mean()
+            acc.backward(loss)
+            self.ctx.optimizer_step()
+        return {"toy_sigma": o.sigma, "toy_weight": o.weight}
+'''
+
+
+@pytest.fixture
+def plugin_config(tmp_path, monkeypatch, tiny_sd3_dir):
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "my_flowrl_parts.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+    config = tmp_path / "mine.yaml"
+    config.write_text(f"plugins: [my_flowrl_parts]\nmodel:\n  path: {tiny_sd3_dir}\ndata:\n  prompts: [a red circle, a blue square]\n"
+                      "reward:\n  weights: {brightness: 1.0}\nobjective:\n  kind: toy_scaled\n  toy_scaled:\n    sigma: 0.3\n"
+                      "    weight: 2.0\n")
+    yield config
+    OBJECTIVES.unregister("toy_scaled")
+    sys.modules.pop("my_flowrl_parts", None)
+
+
+def test_an_objective_from_outside_the_package_brings_its_options(plugin_config, tmp_path, capsys):
+    cfg = load_config(plugin_config, FAST)
+    assert (cfg.objective.kind, cfg.objective.toy_scaled.sigma, cfg.objective.toy_scaled.weight) == ("toy_scaled", 0.3, 2.0)
+    assert cfg.objective.grpo.clip_range > 0  # the built-in sections stay beside it
+    with pytest.raises(ConfigError, match=r"^objective.toy_scaled.sigma must be in \(0, 1\); got 1.5$"):
+        load_config(plugin_config, [*FAST, "objective.toy_scaled.sigma=1.5"])
+    with pytest.raises(ConfigError, match="objective.toy_scaled.sigmaa"):
+        load_config(plugin_config, [*FAST, "objective.toy_scaled.sigmaa=0.2"])
+    with pytest.raises(ConfigError, match="^plugins\\[0\\] 'not_a_module_here' does not import"):
+        load_config(plugin_config, [*FAST, "plugins=[not_a_module_here]"])
+    assert main(["config", "show", str(plugin_config), *FAST]) == 0
+    shown = capsys.readouterr().out
+    assert "  toy_scaled:\n    sigma: 0.3  # the one training sigma\n    weight: 2.0  # times the advantage-weighted" in shown
+    run = tmp_path / "run"
+    assert main(["train", str(plugin_config), *FAST, "trainer.iterations=2", "--run-dir", str(run)]) == 0
+    got = rows(run)
+    assert [(r["toy_sigma"], r["toy_weight"]) for r in got] == [(0.3, 2.0)] * 2
+    assert any(v.abs().sum() > 0 for k, v in trainable(run, 2).items() if "lora_B" in k)  # the adapter moved
+    assert "plugins:\n- my_flowrl_parts" in (run / "config.yaml").read_text()  # a resume imports it again

@@ -18,7 +18,7 @@ from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.errors import ConfigError
 from flowrl.text.config import load_text_config
-from run_checks import run_metrics, trainable
+from run_checks import assert_same_weights, final_weights, run_metrics, trainable
 
 IMAGE = ["tiny_jpeg", "sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
          "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8", "run.sample_every=0",
@@ -56,6 +56,7 @@ def test_a_producer_on_another_machine_at_staleness_zero_is_the_synchronous_run(
     rows, remote_rows = run_metrics(sync), run_metrics(remote)
     assert [{k: r[k] for k in s} for s, r in zip(rows, remote_rows)] == rows  # every synchronous column, float for float
     assert [r["staleness"] for r in remote_rows] == [0, 0, 0]
+    assert_same_weights(final_weights(remote), final_weights(sync))  # the weights reached the producer after every update
 
 
 def test_two_producers_on_other_machines_take_turns_and_a_third_is_turned_away(tmp_path, tiny_sd3_dir, restore_threads):

@@ -1,3 +1,8 @@
-"""The registered objectives: importing this package registers every built-in one."""
+"""The registered objectives: importing this package imports each of its modules, and each module
+registers the objectives it defines, so a new objective is one new file here."""
 
-from flowrl.train.objectives import dgpo, gdro, grpo, nft  # noqa: F401
+import pkgutil
+from importlib import import_module
+
+for _module in pkgutil.iter_modules(__path__):
+    import_module(f"{__name__}.{_module.name}")

@@ -19,6 +19,9 @@ rollouts after `sample_with_old_after` optimizer steps), and the KL to the refer
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 import contextlib
 
 import torch
@@ -42,9 +45,45 @@ def ema_old_decay(steps: int) -> float:
     return min(0.3, 0.001 * steps)
 
 
+@dataclass
+class DGPOOptions:
+    """objective.kind dgpo: group preference through the implicit reward, on online clean samples
+    (docs/algorithms.md section 10). The defaults are the reference code's (Luo-Yihong/DGPO,
+    GenEval/OCR settings); squared errors are means over dimensions, as there."""
+
+    beta: float = 100.0  # the implicit reward's scale, s = -beta (err_theta - err_ref) (DGPO's code: 100)
+    # reference: back-propagate mean_i sigmoid((beta / G) sum A delta).detach() A_i err_i, as DGPO's code;
+    # log_sigmoid (flowrl variant): the paper's -log sigmoid(-(beta / G) sum A delta), whose gradient is beta
+    # times larger (trainer.kl_beta and the gradient clip then weigh beta times less)
+    loss_form: str = "reference"
+    timesteps: int = 4  # distinct training sigmas per epoch, shared by every micro-batch (DGPO: 4)
+    # grid: draw them from the first grid_points sigmas of the rollout's own sampling grid (DGPO: 5 GenEval,
+    # 7 OCR); stratified (flowrl variant): one per stratum of sigma_range, crowded by sigma_shift
+    sigma_draw: str = "grid"
+    grid_points: int = 5
+    sigma_range: list[float] = field(default_factory=lambda: [0.5, 1.0])  # sigma_draw stratified: the range
+    sigma_shift: float = 1.0  # sigma_draw stratified: > 1 crowds the sigmas toward the noisy end
+    # optimizer step every this many sigmas of a micro-batch (DGPO's code accumulates 2 (batch, sigma) pairs
+    # per step on its 4-GPU settings); 0: one step per micro-batch over all its sigmas
+    sigmas_per_step: int = 2
+    # > 0: a sample whose error ratio exp(err_old - err) has left [1 - c, 1 + c] in its advantage's direction
+    # stops pulling (DGPO's code: 0.01 GenEval and OCR); 0: off
+    clip_range: float = 0.01
+    # the "old" weights of the clip: ema (DGPO's code: an average of the weights updated after every optimizer
+    # step with decay min(0.3, 0.001 x steps)) or sampling (flowrl variant: the weights that sampled the iteration)
+    clip_old: str = "ema"
+    # after this many optimizer steps the rollouts sample with the ema weights (DGPO's switch_ema_ref: 500
+    # GenEval, 200 OCR); 0: always the current weights. Needs clip_old ema.
+    sample_with_old_after: int = 500
+    # the trained velocity's guidance: 1, the conditional velocity alone (DGPO's code); > 1 or null
+    # (model.guidance_scale) trains the CFG-combined velocity through both branches (flowrl variant)
+    guidance_scale: Optional[float] = 1.0
+
+
 @register_objective
 class DGPO(ImplicitRewardObjective):
     name = "dgpo"
+    options = DGPOOptions
     section = "dgpo"
     needs = SAMPLES
 

@@ -15,6 +15,9 @@ keys drawn from (run seed, iteration): stable within a run, reproducible on resu
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Optional
+
 import torch
 
 from flowrl.core.group_losses import LISTWISE_FORMS, group_best, listwise_group_loss
@@ -27,9 +30,28 @@ from flowrl.train.parts import register_objective
 ERROR_REDUCTIONS = ("sum", "mean")
 
 
+@dataclass
+class GDROOptions:
+    """objective.kind gdro: listwise group loss on the implicit reward, offline from a group store
+    (data.offline) or online from clean samples (docs/algorithms.md section 10)."""
+
+    form: str = "top1"  # top1 | plackett_luce
+    tau: float = 0.05  # temperature of the reward's soft ranking softmax(r / tau) (GDRO: 0.05)
+    # s = -beta (err_theta - err_ref) (GDRO: 6 GenEval, 12 OCR) with squared errors summed over dimensions
+    # (error_reduction sum: the paper's ||.||^2) or averaged (mean, a flowrl variant: beta is then D times weaker)
+    beta: float = 6.0
+    error_reduction: str = "sum"
+    gamma: float = 1.0  # weight of plain flow matching (a mean over dimensions) on each group's best sample
+    timesteps: int = 2  # sigmas per micro-batch and epoch, shared by its samples
+    sigma_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    sigma_shift: float = 1.0
+    guidance_scale: Optional[float] = None
+
+
 @register_objective
 class GDRO(ImplicitRewardObjective):
     name = "gdro"
+    options = GDROOptions
     section = "gdro"
     needs = SAMPLES
 

@@ -14,6 +14,9 @@ and no statistics.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import contextlib
 
 import torch
@@ -27,15 +30,36 @@ from flowrl.core.seeds import Stream, sample_seed
 from flowrl.errors import ConfigError, check_choice, check_positive
 from flowrl.sampling.precision import check_training_precision
 from flowrl.sampling.rollout import policy_precision
-from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch
+from flowrl.train.experience import STEP_MEANS, TRANSITIONS, Experience, TransitionBatch
 from flowrl.train.parts import Objective, register_objective
 
 STAT_NAMES = ("loss", "policy_loss", "kl", "ratio_mean", "clipfrac")
 
 
+@dataclass
+class GRPOOptions:
+    """objective.kind grpo: the PPO-clipped surrogate over the SDE steps' log-probs (Flow-GRPO)."""
+
+    clip_range: float = 1e-4  # PPO ratio clip (Flow-GRPO: 1e-4; GRPO-Guard's settings: 2e-6, 4e-6 for PickScore)
+    clip_range_high: Optional[float] = None  # defaults to clip_range
+    # GRPO-Guard (arXiv 2510.22319), off in Flow-GRPO: ratio_norm takes the log-ratio as s (logp - logp_old) +
+    # mean(d^2) / (2 s), d = mu - mu_old, s the step's std (centred, one scale at every step); step_reweight
+    # divides each step's loss by its dt. Flow-GRPO's SDE (sampling.sampler flow_grpo) on flat rollouts only
+    ratio_norm: bool = False
+    step_reweight: bool = False
+    # with run.async_rollouts, batches up to run.max_staleness updates old (docs/usage.md, "Asynchronous rollouts"):
+    # decoupled (AReaL's PPO: the clip against the weights at the update's start, times the behaviour weight) | m2po
+    # (M2PO's second-moment mask over the transitions, no clip)
+    off_policy: str = "decoupled"
+    behaviour_weight: str = "none"  # decoupled's weight exp(proximal - behaviour): none (as it is) | truncate (TIS) | mask (rejection)
+    behaviour_cap: float = 2.0  # truncate and mask: the cap on the behaviour weight (TIS: 2)
+    m2po_tau: float = 0.04  # m2po: the bound on the mean squared log-ratio of the kept transitions
+
+
 @register_objective
 class GRPO(Objective):
     name = "grpo"
+    options = GRPOOptions
     shards = True
     needs = TRANSITIONS
 
@@ -54,10 +78,15 @@ class GRPO(Objective):
                               "keep; turn it off or set run.async_rollouts: false")
         if g.ratio_norm or g.step_reweight:
             guard = "objective.grpo.ratio_norm" if g.ratio_norm else "objective.grpo.step_reweight"
-            if cfg.sampling.sampler != "flow_grpo" or cfg.rollout.kind != "flat" or cfg.sampling.logprob_reduction != "mean":
-                raise ConfigError(f"{guard} (GRPO-Guard) is defined for Flow-GRPO's SDE with dimension-averaged log-probs "
-                                  "on flat rollouts: sampling.sampler flow_grpo, sampling.logprob_reduction mean, rollout.kind "
-                                  f"flat; got {cfg.sampling.sampler}, {cfg.sampling.logprob_reduction}, {cfg.rollout.kind}")
+            if cfg.sampling.sampler != "flow_grpo" or cfg.sampling.logprob_reduction != "mean":
+                raise ConfigError(f"{guard} (GRPO-Guard) is defined for Flow-GRPO's SDE with dimension-averaged log-probs: "
+                                  "sampling.sampler flow_grpo, sampling.logprob_reduction mean; got "
+                                  f"{cfg.sampling.sampler}, {cfg.sampling.logprob_reduction}")
+
+    @classmethod
+    def requires(cls, cfg) -> dict[str, str]:
+        g = cfg.objective.grpo  # GRPO-Guard compares with the sampling step's mean
+        return {STEP_MEANS: "objective.grpo.ratio_norm (GRPO-Guard)"} if g.ratio_norm or g.step_reweight else {}
 
     def update(self, experience: Experience) -> dict:
         """Refuses an experience not sampled in the training precision (Sol-RL's guard: a

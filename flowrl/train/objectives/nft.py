@@ -16,6 +16,9 @@ the gradient is then (2r - 1) beta times the plain flow-matching gradient).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import contextlib
 
 import torch
@@ -29,7 +32,7 @@ from flowrl.runtime.ema import EMA
 from flowrl.sampling.noise import FORWARD_NOISING, seeded_noise
 from flowrl.sampling.schedules import stratified_sigma
 from flowrl.sampling.steps import flow_matching_target, forward_noise
-from flowrl.train.experience import SAMPLES, Experience, advantages_at
+from flowrl.train.experience import SAMPLES, WHOLE_GROUPS, Experience, advantages_at
 from flowrl.train.parts import Objective, register_objective
 
 OLD_POLICIES = ("current", "sampling")
@@ -44,9 +47,46 @@ def trained_timesteps(opts, num_steps: int) -> int:
     return max(1, int(0.99 * num_steps)) if opts.sigma_draw == "grid" else 2
 
 
+@dataclass
+class NFTOptions:
+    """objective.kind nft: DiffusionNFT's negative-aware flow matching on the clean samples (any
+    sampler, ode too; docs/algorithms.md section 4). The defaults are the reference code's
+    (NVlabs/DiffusionNFT, scripts/train_nft_sd3.py); each other value is a named flowrl variant."""
+
+    # grid: each sample trains at its own random permutation of the sampling grid's sigmas, the first
+    # `timesteps` of it (the reference); stratified (flowrl variant): `timesteps` sigmas per batch, one per
+    # stratum of lora.sigma_range, shared by the batch's samples
+    sigma_draw: str = "grid"
+    # sigmas trained per sample and iteration; 0: int(0.99 x sampling.num_steps), the reference's
+    # timestep_fraction 0.99 (9 of 10 steps; with sigma_draw stratified, 0 means 2)
+    timesteps: int = 0
+    beta: float = 1.0  # the implicit policies' step, v_old +- beta (v - v_old)
+    # sigma_draw stratified: time shift of its sigmas (1: uniform strata over lora.sigma_range)
+    sigma_shift: float = 1.0
+    # v_old is "sampling" (the weights that sampled the iteration, fixed through its steps, then soft-updated:
+    # old <- d old + (1 - d) new with d = min(old_decay, old_decay_rate x iteration): the reference's "old"
+    # adapter and decay type 1) or "current" (flowrl variant: the weights before each optimizer step)
+    old_policy: str = "sampling"
+    old_decay: float = 0.5
+    old_decay_rate: float = 0.001
+    adaptive_weight: bool = True  # the reference's per-sample normalisation of the x0-prediction error
+    # false keeps the positive half of the loss only (reward-weighted flow matching on the better-than-group
+    # samples, no push away from the worse ones)
+    negatives: bool = True
+    # adv_clip (the reference): r = 0.5 + 0.5 A / advantage.clip and the loss times advantage.clip / beta, so
+    # the gradient at v = v_old is A times plain flow matching's; clip (flowrl variant, the paper's text):
+    # r = 0.5 + 0.5 clip(A, -1, 1), loss unscaled; group_max (flowrl variant): A scaled per group by
+    # max(1, max |A|), loss unscaled (each group's pulls and pushes still cancel, sum (2r - 1) = 0)
+    r_scale: str = "adv_clip"
+    # the guidance of the velocity the loss trains (and of v_old and the KL reference): 1, the conditional
+    # velocity alone (the reference trains and samples without CFG); None: model.guidance_scale
+    guidance_scale: Optional[float] = 1.0
+
+
 @register_objective
 class NFT(Objective):
     name = "nft"
+    options = NFTOptions
     needs = SAMPLES
 
     def __init__(self, ctx):
@@ -66,8 +106,6 @@ class NFT(Objective):
         check_positive("objective.nft.beta", o.beta)
         check_positive("objective.nft.sigma_shift", o.sigma_shift)
         check_choice("objective.nft.r_scale", o.r_scale, R_SCALES)
-        if o.r_scale == "group_max" and cfg.rollout.kind != "flat":
-            raise ConfigError(f"objective.nft.r_scale {o.r_scale} needs rollout.kind flat (whole groups in one batch); got '{cfg.rollout.kind}'")
         if o.guidance_scale is not None and not o.guidance_scale >= 1.0:
             raise ConfigError(f"objective.nft.guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
                               f"(model.guidance_scale); got {o.guidance_scale}")
@@ -78,6 +116,10 @@ class NFT(Objective):
         if cfg.trainer.inner_epochs != 1 and o.old_policy == "current":
             raise ConfigError(f"trainer.inner_epochs must be 1 with objective.kind nft and objective.nft.old_policy current "
                               f"(v_old is then the weights before each step, not the policy that sampled); got {cfg.trainer.inner_epochs}")
+
+    @classmethod
+    def requires(cls, cfg) -> dict[str, str]:
+        return {WHOLE_GROUPS: "objective.nft.r_scale group_max"} if cfg.objective.nft.r_scale == "group_max" else {}
 
     def behaviour_weights(self):
         return self.old.swapped_in(self.ctx.params) if self.old is not None else contextlib.nullcontext()

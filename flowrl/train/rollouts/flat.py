@@ -15,7 +15,7 @@ from flowrl.core.allocation import allocate_in_stages, spending_by_bucket, succe
 from flowrl.core.seeds import sample_seed
 from flowrl.runtime.shards import ProcessShard
 from flowrl.sampling.rollout import SamplerSpec, rollout
-from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
+from flowrl.train.experience import FIXED_STEPS, SAMPLES, STEP_MEANS, TRANSITIONS, WHOLE_GROUPS, Experience
 from flowrl.train.parts import Rollout, register_rollout
 from flowrl.train.rollouts.common import (Stage, check_trained_sigmas, group_advantages, stage_experience, stage_share, training_spec)
 from flowrl.train.scoring import Scoring
@@ -38,7 +38,9 @@ class FlatRollout(Rollout):
 
     @classmethod
     def provides(cls, cfg) -> set[str]:
-        return {SAMPLES} | ({TRANSITIONS} if cfg.sampling.sampler != "ode" else set())
+        transitions = {TRANSITIONS, STEP_MEANS} if cfg.sampling.sampler != "ode" else set()
+        fixed = {FIXED_STEPS} if transitions and cfg.sampling.window.strategy == "fixed" else set()
+        return {SAMPLES, WHOLE_GROUPS} | transitions | fixed
 
     @classmethod
     def missing_reason(cls, cfg, data: str) -> str:

@@ -14,7 +14,7 @@ processes), and the branch steps are trained in increasing order, as the referen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -56,9 +56,33 @@ def granular_advantages(rewards: torch.Tensor, valid: torch.Tensor, n: int, M: i
     return advantages.view(n, M, G), per_sample, out
 
 
+@dataclass
+class GranularOptions:
+    """G2RPO (rollout.kind: granular; docs/algorithms.md section 12): per prompt one ODE anchor, at
+    each branch step data.group_size one-step SDE branches from it, each finished by ODE tails at
+    every granularity; advantages normalised per (prompt, branch step, granularity, channel) and
+    summed. Only the branch transitions are trained."""
+
+    branch_steps: list[int] = field(default_factory=list)  # empty: the first half of sampling.num_steps
+    granularities: list[int] = field(default_factory=lambda: [1, 2])  # ODE tail strides (the paper reports [1, 2, 3])
+    # the tails' sigma indices from a branch at step k: reference (the reference's: k + 1, k + 2, then every g-th
+    # from k + 2) | from_branch (flowrl's earlier grid: every g-th from k + 1)
+    tail_grid: str = "reference"
+    # a tail whose stride misses sigma 0: zero (flowrl's fix: one more, shorter step to sigma 0) | x0_prediction
+    # (the reference's: its image is the x0-prediction from the index before the stride's last, often sigma ~0.4)
+    tail_end: str = "zero"
+    clip: float = 5.0  # the multi-granularity advantage is clipped to +-clip after the sum
+    # true: one optimizer step per branch step, as the reference | false: one per iteration (each branch
+    # step's mean loss weighing 1 / |M|, as one version of the reference's two-reward script)
+    step_per_branch: bool = True
+    # the order the branch steps are trained in: increasing (the reference's) | shuffled (per inner epoch, flowrl's earlier order)
+    step_order: str = "increasing"
+
+
 @register_rollout
 class GranularRollout(Rollout):
     name = "granular"
+    options = GranularOptions
     runs_ahead = True
 
     def __init__(self, ctx):

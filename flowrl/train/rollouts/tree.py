@@ -10,6 +10,8 @@ each process does its own.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from functools import partial
 from typing import NamedTuple
 
@@ -46,9 +48,36 @@ def tree_edge_steps(policy, tree: TreeTrajectory, spec: SamplerSpec, t: int, par
     return tree_edges(policy, tree, spec, t, parents)[0]
 
 
+@dataclass
+class TreeOptions:
+    """BranchGRPO trees (rollout.kind: tree; docs/algorithms.md section 3). One tree per prompt;
+    leaves per prompt = the product of the branching factors, and must equal data.group_size.
+    Depth d is the segment after the d-th split: the edges at steps split_steps[d-1] ..
+    split_steps[d]-1 (to the end for the last) lead to depth-d nodes. Pruning masks gradient
+    only; the rollout is the same."""
+
+    split_steps: list[int] = field(default_factory=lambda: [0, 3, 6, 9])
+    branching: list[int] = field(default_factory=lambda: [2])  # one factor for all splits, or one per split
+    # sde: every step stochastic and trained (BranchGRPO) | ode: only the split steps |
+    # window: BranchGRPO-Mix, SDE inside sampling.window (and at the splits), ODE elsewhere
+    between: str = "sde"
+    fusion: str = "mean"  # mean (of the leaves below) | prob (children weighted by softmax of sibling edge log-probs)
+    width_keep: float = 1.0  # per tree, train only this fraction of last-depth edges, the largest |A| first
+    prune_depths: list[int] = field(default_factory=list)  # depths (1..D) whose edges are never trained
+    depth_window: int = 0  # > 0: train only this many consecutive depths, from depth 1 sliding deeper
+    depth_window_shift_every: int = 10  # iterations per one-depth shift of depth_window
+
+    def splits(self) -> dict[int, int]:
+        """split step -> branching factor."""
+        b = self.branching
+        factors = b if len(b) == len(self.split_steps) else [b[0]] * len(self.split_steps)
+        return dict(zip(self.split_steps, factors))
+
+
 @register_rollout
 class TreeRollout(Rollout):
     name = "tree"
+    options = TreeOptions
     runs_ahead = True
 
     def __init__(self, ctx):
@@ -73,7 +102,7 @@ class TreeRollout(Rollout):
         spec = training_spec(self.ctx.cfg, iteration, self.ctx.policy, self.ctx.plan)  # sampling.window is 'all' unless between=window (validated)
         if self.ctx.cfg.rollout.tree.between == "ode":
             spec.sde_steps = torch.zeros_like(spec.sde_steps)
-        return tree_spec(spec, self.ctx.cfg.rollout.splits())
+        return tree_spec(spec, self.ctx.cfg.rollout.tree.splits())
 
     def sample(self, iteration: int) -> TreeBatch:
         """This process's trees of `iteration`, their leaves scored, and depth-wise advantages; the
@@ -86,7 +115,7 @@ class TreeRollout(Rollout):
         local_ids = shard.take(ids)
         spec = self.spec(iteration)
         tree = tree_rollout(ctx.policy, [ctx.prompts[i] for i in local_ids], shard.take(seeds), spec,
-                            cfg.rollout.splits(), bs, prompt_ids=local_ids, progress=ctx.progress, desc=f"iter {iteration} tree sampling")
+                            cfg.rollout.tree.splits(), bs, prompt_ids=local_ids, progress=ctx.progress, desc=f"iter {iteration} tree sampling")
         on_batch = self.scoring.start([tree.prompts[i] for i in tree.tree_ids[-1].tolist()])
         for batch in parent_batches(len(tree.leaves), bs):
             on_batch(batch, tree.leaves[batch])
@@ -186,7 +215,7 @@ class TreeRollout(Rollout):
 
 
 def validate_tree(cfg) -> None:
-    r, s, tr = cfg.rollout, cfg.sampling, cfg.rollout.tree
+    s, tr = cfg.sampling, cfg.rollout.tree
     steps = list(tr.split_steps)
     if not steps or sorted(set(steps)) != steps or steps[0] < 0 or steps[-1] >= s.num_steps:
         raise ConfigError(f"rollout.tree.split_steps must be strictly increasing steps in [0, {s.num_steps - 1}] "
@@ -194,7 +223,7 @@ def validate_tree(cfg) -> None:
     if len(tr.branching) not in (1, len(steps)) or min(tr.branching) < 2:
         raise ConfigError(f"rollout.tree.branching must be one factor >= 2 or one per split step ({len(steps)}); got {list(tr.branching)}")
     leaves = 1
-    for b in r.splits().values():
+    for b in tr.splits().values():
         leaves *= b
     if cfg.data.group_size != leaves:
         raise ConfigError(f"data.group_size must equal the tree's leaves per prompt ({leaves}, the product of "

@@ -19,6 +19,8 @@ experience sampled in another precision. Flow-matching objectives (nft) may skip
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import math
 import time
 
@@ -30,7 +32,7 @@ from flowrl.core.seeds import Stream, sample_seed
 from flowrl.core.selection import select_per_group
 from flowrl.errors import ConfigError, check_choice, check_positive
 from flowrl.models.compile import compile_network
-from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, FP8_SCALINGS, ExplorationCopy
+from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, FP8_SCALINGS, HIGH_PRECISION_LAYERS, ExplorationCopy
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
 from flowrl.train.parts import Rollout, register_rollout
@@ -89,9 +91,46 @@ def fidelity(explore: torch.Tensor, train: torch.Tensor, valid: torch.Tensor, gr
     return {k: v for k, v in out.items() if not math.isnan(v)}
 
 
+@dataclass
+class TwoStageOptions:
+    """Sol-RL, "FP4 explore, BF16 train" (rollout.kind: two_stage; docs/algorithms.md section 5).
+    Stage 1 samples `candidates` chains per prompt from recorded seeds with a copy of the
+    current policy in `explore_precision` (LoRA merged in, re-synchronised every iteration) and
+    scores them; `selection.kind` picks data.group_size of them per prompt; stage 2 regenerates
+    exactly those seeds (initial and per-step noise) with the training policy, and only the
+    regenerated samples are trained on."""
+
+    candidates: int = 32  # M per prompt, >= data.group_size (the K that are selected and trained)
+    explore_precision: str = "nvfp4"  # nvfp4 | fp8 | bf16 | fp16 | fp32
+    # auto: torchao's kernels where the GPU has them (NVFP4: sm100+, FP8: sm89+), fake quantisation
+    # elsewhere | emulated: always fake quantisation | torchao: the kernels or an error
+    backend: str = "auto"
+    # linear layers whose name contains one of these stay unquantised (default: embeddings and output
+    # layers; add "norm" for the adaLN modulation linears inside the norm modules)
+    high_precision_layers: list[str] = field(default_factory=lambda: list(HIGH_PRECISION_LAYERS))
+    # fp8's scales: row (one per output channel of a weight and per token of an activation, torchao's
+    # PerRow: the accurate FP8 GEMM of the diffusers-torchao recipes) | tensor (one per tensor, PerTensor)
+    fp8_scaling: str = "row"
+    # linears narrower than this (the smaller of in_features and out_features) stay in the compute dtype:
+    # FP8 GEMMs lose to BF16 at small widths (torchao: 0.8x at 1024x2048x1024, 1.39x at 4096x8192x16384).
+    # 0 quantises every eligible linear
+    min_features: int = 0
+    # > 0: diffusers' First Block Cache on the exploration copy, explore only: a step whose first-block residual
+    # changed by less than this (relative mean absolute difference) reuses the previous step's other blocks
+    # (2x on FLUX.1-dev at 0.08). Candidates explored with it are never trained on. 0: off
+    first_block_cache: float = 0.0
+    preview_steps: int = 0  # 0: stage 1 runs the training sampler | P > 0: a P-step ODE preview
+    # false: train on the selected candidates themselves; only allowed when they already are
+    # training-precision samples of the training sampler (explore_precision = model.dtype, no preview, no cache),
+    # or with objective.kind nft, which flow-matches clean samples and takes no log-prob of them
+    regenerate: bool = True
+    fidelity_every: int = 10  # iterations between regenerating the whole pool to log reward rank correlations (0: never)
+
+
 @register_rollout
 class TwoStageRollout(Rollout):
     name = "two_stage"
+    options = TwoStageOptions
     runs_ahead = True
     splits_batches = True
 
