@@ -20,16 +20,16 @@ from omegaconf.errors import OmegaConfBaseException
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import KEEP_ALL_KINDS
 from flowrl.core.search import BACKUPS, POTENTIALS, RESAMPLINGS
-from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.selection import SELECTION_KINDS
 from flowrl.devices import DTYPES
-from flowrl.errors import ConfigError, check_choice, check_producers, check_range
+from flowrl.errors import ConfigError, check_choice, check_producers
 from flowrl.models import POLICY_CLASSES, VIDEO_KINDS
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.models.compile import COMPILE_MODES
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 from flowrl.registry import load_plugins
+from flowrl.runtime.options import check_ranges, validate_runtime
 from flowrl.schema import Config, ObjectiveSection, RolloutSection
 from flowrl.search import SEARCH_METHODS
 from flowrl.train.experience import DATA_KINDS, FIXED_STEPS, SAMPLES
@@ -187,27 +187,9 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "reward.frame_stride": ">= 1",
     "advantage.eps": "> 0",
     "advantage.clip": "> 0",
-    "trainer.iterations": ">= 1",
-    "trainer.budget_minutes": ">= 0",
-    "trainer.budget_probe": ">= 1",
-    "trainer.max_minutes": ">= 0",
-    "trainer.lr": "> 0",
-    "trainer.weight_decay": ">= 0",
-    "trainer.adam_beta1": "[0, 1)",
-    "trainer.adam_beta2": "[0, 1)",
-    "trainer.adam_eps": "> 0",
-    "trainer.inner_epochs": ">= 1",
     "trainer.gradient_accumulation_steps": ">= 1",
-    "trainer.kl_beta": ">= 0",
-    "trainer.max_grad_norm": "> 0",
-    "trainer.max_skipped_steps": ">= 1",
-    "trainer.warmup_iterations": ">= 0",
     "trainer.ema_decay": "[0, 1)",
     "run.sample_every": ">= 0",
-    "run.checkpoint_every": ">= 0",
-    "run.cpu_processes": ">= 1",
-    "trainer.threads": ">= 0",
-    "run.max_staleness": (">= 0", "0: every batch sampled with the newest weights"),
     "rollout.granular.clip": "> 0",
     "search.budget": ">= 0",
     "search.num_steps": ">= 0",
@@ -236,16 +218,13 @@ def _floats(node, key: str = ""):
 
 
 def check_numbers(cfg: Config) -> None:
-    """Every float finite, every field of RANGES in its range: one sentence naming the first that is not."""
+    """Every float finite, every field of RANGES (and of the runtime's) in its range: one sentence
+    naming the first that is not."""
     for key, value in _floats(cfg):
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number; got {value}")
-    for key, spec in RANGES.items():
-        spec, why = (spec, "") if isinstance(spec, str) else spec
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
-        check_range(key, value, spec, why)
+    validate_runtime(cfg)
+    check_ranges(cfg, RANGES)
 
 
 def _validate_search(cfg: Config) -> None:
@@ -362,7 +341,6 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     cfg.allocator.validate(d.group_size, KEEP_ALL_KINDS)  # the image rollouts train on every sample drawn
     check_choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
 
-    check_choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     check_choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
 
     check_choice("run.tracker", cfg.run.tracker, TRACKERS)

@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
+from flowrl.runtime.options import RunOptions, TrainerOptions
+
 
 
 @dataclass
@@ -217,36 +219,12 @@ class ObjectiveSection:
 
 
 @dataclass
-class TrainerConfig:
-    # the iteration count, and the length every iteration-based schedule is written for
-    iterations: int = 40
-    # > 0: time the first budget_probe iterations, then plan the count (at most trainer.iterations) that fits
-    # this many minutes from the trainer's start, again at every checkpoint from the speed measured so far, with
-    # the schedules fitted onto it (flowrl/runtime/budget.py, plan.json)
-    budget_minutes: float = 0.0
-    budget_probe: int = 5
-    max_minutes: float = 0.0  # > 0: also stop (with samples and a checkpoint) after this much wall time
-    lr: float = 3e-4
-    # constant, or decayed to 0 over the run's iterations (cosine or linear), set at each iteration's start;
-    # resuming with more iterations stretches the rest of the curve, and a max_minutes stop cuts it short
-    lr_schedule: str = "constant"
-    warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations (times lr_schedule)
-    weight_decay: float = 1e-4
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    inner_epochs: int = 1
+class TrainerConfig(TrainerOptions):
+    """The runtime's trainer options (flowrl/runtime/options.py), and the image trainer's own."""
+
     gradient_accumulation_steps: int = 1  # sample batches per optimizer step
-    kl_beta: float = 0.04  # grpo: x the exact Gaussian KL per step; nft: x the mean squared velocity gap to the reference
-    max_grad_norm: float = 1.0
-    # an optimizer step whose gradient norm is NaN or inf is skipped (counted in skipped_steps); this many in a row stop the run
-    max_skipped_steps: int = 3
     ema: bool = True
     ema_decay: float = 0.9
-    seed: int = 0
-    # torch threads on the CPU (the trainer's, and with run.async_rollouts the producer's too); 0: torch's default, or with
-    # run.async_rollouts half the cores each
-    threads: int = 0
     mixed_precision: str = "no"  # accelerate autocast: no | bf16 | fp16 | auto (bf16 where the device computes it natively)
 
     def __post_init__(self):
@@ -255,34 +233,17 @@ class TrainerConfig:
 
 
 @dataclass
-class RunConfig:
-    output_dir: str = "runs"
-    name: Optional[str] = None  # default: a timestamp
+class RunConfig(RunOptions):
+    """The runtime's run options (flowrl/runtime/options.py), and the image trainer's own."""
+
     tracker: str = "tensorboard"
     sample_every: int = 10  # iterations between sample grids (0: never)
-    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
     # minutes on the budget's clock (from the trainer's start) at which a checkpoint is written too: the first
     # iteration to end past a mark writes one, and its metrics row names the mark (checkpoint_at_minutes)
     checkpoint_at_minutes: list[float] = field(default_factory=list)
-    progress: bool = True
-    # a CPU run with N > 1 runs as N processes joined by gloo (forked on Linux) that split
-    # each iteration's rollouts and the cores: for small models one process per core beats threads
-    cpu_processes: int = 1
     # how the trained network is laid out over processes (docs/distributed.md): ddp (whole on every process,
     # gradients all-reduced) | fsdp2 (weights, gradients, optimizer state and EMA sharded per transformer block)
     distributed: str = "ddp"
-    # a producer process samples batches ahead of the trainer with the newest weights it has received
-    # (docs/usage.md, "Asynchronous rollouts"; every rollout but offline; several trainer processes with flat and two_stage)
-    async_rollouts: bool = False
-    max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
-    # with async_rollouts: 0, the producer is a process on this machine; a port, the trainer listens there for a producer
-    # started on another machine with `flowrl produce TRAINER_HOST:PORT` (weights and batches over a Gloo process group)
-    producer_port: int = 0
-    producer_wait_minutes: float = 10.0  # how long the trainer waits for that producer to join before it stops
-    # with async_rollouts: producers sampling in turn (batch i by producer i mod N; uniform allocator), on this machine
-    # or, with producer_port, as many `flowrl produce` joining; N batches sample at once when max_staleness >= N - 1
-    producers: int = 1
-    producer_devices: list[str] = field(default_factory=list)  # one per producer on this machine (cpu, cuda:N); []: model.device
 
 
 SEARCH_METHOD_NAMES = ("bon", "smc", "dts", "dts_star")  # flowrl.search.SEARCH_METHODS, named without importing torch

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
-from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.core.off_policy import OFF_POLICY_LOSSES, WEIGHT_LEVELS, WEIGHT_MODES
 from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
 from flowrl.errors import ConfigError, check_choice, check_producers
+from flowrl.runtime.options import RunOptions, TrainerOptions, validate_runtime
 from flowrl.schema import AllocatorConfig
 from flowrl.yaml_config import merge_config, preset_path, read_yaml
 
@@ -95,46 +95,16 @@ class TextRewardConfig:
 
 
 @dataclass
-class TextTrainerConfig:
-    iterations: int = 100
-    max_minutes: float = 0.0  # > 0: stop (with a checkpoint) after this much wall time
-    # > 0: time the first budget_probe iterations, then plan the count (at most trainer.iterations) that fits
-    # this many minutes from the trainer's start, planned again at every checkpoint, with the learning-rate
-    # schedule fitted onto it (the image trainer's budget, flowrl/runtime/budget.py)
-    budget_minutes: float = 0.0
-    budget_probe: int = 5
-    lr: float = 1e-4
-    lr_schedule: str = "constant"  # constant, or decayed to 0 over trainer.iterations (cosine or linear), as the image trainer's
-    warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations (times lr_schedule)
-    weight_decay: float = 0.0
-    inner_epochs: int = 1
+class TextTrainerConfig(TrainerOptions):
+    """The runtime's trainer options (flowrl/runtime/options.py), and the text trainer's own."""
+
     micro_batch: int = 64  # sequences per training forward
-    max_grad_norm: float = 1.0
-    kl_beta: float = 0.0  # x the k3 KL estimator per token, against the reference
-    # an optimizer step whose gradient norm is NaN or inf is skipped (counted in skipped_steps); this many in a row stop the run
-    max_skipped_steps: int = 3
-    seed: int = 0
-    threads: int = 0  # torch threads on the CPU (the producer's too); 0: torch's default, or with run.async_rollouts half the cores each
 
 
 @dataclass
-class TextRunConfig:
-    output_dir: str = "runs"
-    name: Optional[str] = None
-    checkpoint_every: int = 10
-    progress: bool = True
-    cpu_processes: int = 1  # > 1 on a CPU: `flowrl train` starts this many processes joined by gloo (docs/text.md)
-    # a producer process collects batches ahead of the trainer with the newest weights it has received (docs/text.md)
-    async_rollouts: bool = False
-    max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
-    # with async_rollouts: 0, the producer is a process on this machine; a port, the trainer listens there for a producer
-    # started on another machine with `flowrl produce TRAINER_HOST:PORT` (docs/text.md)
-    producer_port: int = 0
-    producer_wait_minutes: float = 10.0  # how long the trainer waits for that producer to join before it stops
-    # with async_rollouts: producers sampling in turn (batch i by producer i mod N; uniform allocator), on this machine
-    # or, with producer_port, as many `flowrl produce` joining; N batches sample at once when max_staleness >= N - 1
-    producers: int = 1
-    producer_devices: list[str] = field(default_factory=list)  # one per producer on this machine (cpu, cuda:N); []: model.device
+class TextRunConfig(RunOptions):
+    """The runtime's run options (flowrl/runtime/options.py), and the text trainer's own."""
+
     # > 1, with async_rollouts: APRIL's partial rollouts. ceil(f x data.prompts_per_iteration) groups are in flight; a batch
     # is the first data.prompts_per_iteration groups to finish, the unfinished completions continue in the next batch
     over_provision: float = 1.0
@@ -190,8 +160,6 @@ def validate_off_policy(cfg: TextConfig) -> None:
     for key, value in (("loss.behaviour_cap", l.behaviour_cap), ("loss.m2po_tau", l.m2po_tau)):
         if not value > 0:
             raise ConfigError(f"{key} must be > 0; got {value}")
-    if r.max_staleness < 0:
-        raise ConfigError(f"run.max_staleness must be >= 0 (0: every batch sampled with the newest weights); got {r.max_staleness}")
     if r.async_rollouts and r.cpu_processes > 1:
         raise ConfigError("run.async_rollouts runs one text trainer process beside its producers; set run.cpu_processes: 1")
     check_producers(r, cfg.allocator.kind)
@@ -217,32 +185,24 @@ def validate_text(cfg: TextConfig) -> None:
     check_choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
     if "{prompt}" not in d.prompt_template:
         raise ConfigError(f"data.prompt_template must contain {{prompt}} (where the prompt column's text goes); got {d.prompt_template!r}")
+    validate_runtime(cfg)
     for key, value, low in (("data.prompts_per_iteration", d.prompts_per_iteration, 1), ("data.group_size", d.group_size, 2),
                             ("generation.max_new_tokens", g.max_new_tokens, 1), ("generation.batch_size", g.batch_size, 1),
-                            ("trainer.micro_batch", t.micro_batch, 1), ("trainer.inner_epochs", t.inner_epochs, 1),
-                            ("trainer.iterations", t.iterations, 1), ("lora.rank", cfg.lora.rank, 1),
-                            ("run.cpu_processes", cfg.run.cpu_processes, 1), ("trainer.max_skipped_steps", t.max_skipped_steps, 1),
-                            ("trainer.warmup_iterations", t.warmup_iterations, 0), ("trainer.budget_probe", t.budget_probe, 1)):
+                            ("trainer.micro_batch", t.micro_batch, 1), ("lora.rank", cfg.lora.rank, 1)):
         if value < low:
             raise ConfigError(f"{key} must be at least {low}; got {value}")
-    for key, value in (("trainer.budget_minutes", t.budget_minutes), ("trainer.max_minutes", t.max_minutes)):
-        if not value >= 0:
-            raise ConfigError(f"{key} must be >= 0 (0: none); got {value}")
     if g.temperature < 0:
         raise ConfigError(f"generation.temperature must be >= 0 (0: greedy); got {g.temperature}")
     if not 0 < g.top_p <= 1:
         raise ConfigError(f"generation.top_p must be in (0, 1]; got {g.top_p}")
-    check_choice("trainer.lr_schedule", t.lr_schedule, LR_SCHEDULES)
     check_choice("loss.aggregation", l.aggregation, AGGREGATIONS)
     check_choice("loss.ratio_level", l.ratio_level, RATIO_LEVELS)
     check_choice("advantage.std", cfg.advantage.std, ("group", "global", "none"))
     validate_off_policy(cfg)
     check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
-    for key, value in (("loss.clip_low", l.clip_low), ("loss.clip_high", l.clip_high), ("trainer.lr", t.lr)):
+    for key, value in (("loss.clip_low", l.clip_low), ("loss.clip_high", l.clip_high)):
         if not value > 0:
             raise ConfigError(f"{key} must be > 0; got {value}")
-    if t.kl_beta < 0:
-        raise ConfigError(f"trainer.kl_beta must be >= 0; got {t.kl_beta}")
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
     cfg.allocator.validate(d.group_size, ALLOCATOR_KINDS)
     from rewards.text import available_text_rewards

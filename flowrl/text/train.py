@@ -76,7 +76,8 @@ class TextTrainer(RunManager):
         self.collector = c = build_text_collector(cfg, acc)
         self.data, self.policy, self.reward, self.allocator = c.data, c.policy, c.reward, c.allocator
         self.params = self.policy.trainable_parameters()
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, weight_decay=t.weight_decay)
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                           weight_decay=t.weight_decay)
         # the training forwards go through DDP when there are several processes (it sums the
         # gradients at the last micro-batch); generation and the reference use the bare model
         self.train_model = acc.prepare_model(self.policy.model) if acc.num_processes > 1 else self.policy.model

@@ -1,0 +1,110 @@
+"""The `run` and `trainer` options the runtime reads, one definition for both trainers: the image
+config (flowrl/schema.py) and the text config (flowrl/text/config.py) extend these two sections
+with the few options only their trainer has. Each field's comment is its description in
+`flowrl config show`; RANGES declares the numeric ones' ranges once for both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from flowrl.core.lr_schedule import LR_SCHEDULES
+from flowrl.errors import check_choice, check_range
+
+
+@dataclass
+class TrainerOptions:
+    # the iteration count, and the length every iteration-based schedule is written for
+    iterations: int = 40
+    # > 0: time the first budget_probe iterations, then plan the count (at most trainer.iterations) that fits
+    # this many minutes from the trainer's start, again at every checkpoint from the speed measured so far, with
+    # the schedules fitted onto it (flowrl/runtime/budget.py, plan.json)
+    budget_minutes: float = 0.0
+    budget_probe: int = 5
+    max_minutes: float = 0.0  # > 0: also stop (with a checkpoint) after this much wall time
+    lr: float = 3e-4
+    # constant, or decayed to 0 over the run's iterations (cosine or linear), set at each iteration's start;
+    # resuming with more iterations stretches the rest of the curve, and a max_minutes stop cuts it short
+    lr_schedule: str = "constant"
+    warmup_iterations: int = 0  # the learning rate rises linearly to trainer.lr over this many iterations (times lr_schedule)
+    weight_decay: float = 1e-4  # AdamW's
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    inner_epochs: int = 1
+    # x the KL to the reference (the network with the adapter off, or a frozen copy): the objective's estimator
+    # (grpo: the exact Gaussian KL per step; nft: the mean squared velocity gap; text: k3 per token)
+    kl_beta: float = 0.04
+    max_grad_norm: float = 1.0
+    # an optimizer step whose gradient norm is NaN or inf is skipped (counted in skipped_steps); this many in a row stop the run
+    max_skipped_steps: int = 3
+    seed: int = 0
+    # torch threads on the CPU (the trainer's, and with run.async_rollouts the producer's too); 0: torch's default, or with
+    # run.async_rollouts half the cores each
+    threads: int = 0
+
+
+@dataclass
+class RunOptions:
+    output_dir: str = "runs"
+    name: Optional[str] = None  # default: a timestamp
+    checkpoint_every: int = 10  # iterations between checkpoints (0: only at the end)
+    progress: bool = True
+    # a CPU run with N > 1 runs as N processes joined by gloo (forked on Linux) that split
+    # each iteration's rollouts and the cores: for small models one process per core beats threads
+    cpu_processes: int = 1
+    # a producer process samples batches ahead of the trainer with the newest weights it has received
+    # (docs/usage.md, "Asynchronous rollouts"; every image rollout but offline; several image trainer processes with
+    # flat and two_stage)
+    async_rollouts: bool = False
+    max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
+    # with async_rollouts: 0, the producer is a process on this machine; a port, the trainer listens there for a producer
+    # started on another machine with `flowrl produce TRAINER_HOST:PORT` (weights and batches over a Gloo process group)
+    producer_port: int = 0
+    producer_wait_minutes: float = 10.0  # how long the trainer waits for that producer to join before it stops
+    # with async_rollouts: producers sampling in turn (batch i by producer i mod N; uniform allocator), on this machine
+    # or, with producer_port, as many `flowrl produce` joining; N batches sample at once when max_staleness >= N - 1
+    producers: int = 1
+    producer_devices: list[str] = field(default_factory=list)  # one per producer on this machine (cpu, cuda:N); []: model.device
+
+
+# each numeric option's range, with why where it helps (flowrl/errors.py `check_range`)
+RANGES: dict[str, str | tuple[str, str]] = {
+    "trainer.iterations": ">= 1",
+    "trainer.budget_minutes": ">= 0",
+    "trainer.budget_probe": ">= 1",
+    "trainer.max_minutes": ">= 0",
+    "trainer.lr": "> 0",
+    "trainer.warmup_iterations": ">= 0",
+    "trainer.weight_decay": ">= 0",
+    "trainer.adam_beta1": "[0, 1)",
+    "trainer.adam_beta2": "[0, 1)",
+    "trainer.adam_eps": "> 0",
+    "trainer.inner_epochs": ">= 1",
+    "trainer.kl_beta": ">= 0",
+    "trainer.max_grad_norm": "> 0",
+    "trainer.max_skipped_steps": ">= 1",
+    "trainer.threads": ">= 0",
+    "run.checkpoint_every": ">= 0",
+    "run.cpu_processes": ">= 1",
+    "run.max_staleness": (">= 0", "0: every batch sampled with the newest weights"),
+    "run.producer_port": ">= 0",
+    "run.producer_wait_minutes": "> 0",
+    "run.producers": ">= 1",
+}
+
+
+def check_ranges(cfg, ranges: dict[str, str | tuple[str, str]]) -> None:
+    """Every dotted key of `ranges` in its range: one sentence naming the first that is not."""
+    for key, spec in ranges.items():
+        spec, why = (spec, "") if isinstance(spec, str) else spec
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        check_range(key, value, spec, why)
+
+
+def validate_runtime(cfg) -> None:
+    """The `run` and `trainer` options every trainer shares (a trainer's own are checked by its config)."""
+    check_ranges(cfg, RANGES)
+    check_choice("trainer.lr_schedule", cfg.trainer.lr_schedule, LR_SCHEDULES)
