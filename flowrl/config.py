@@ -263,8 +263,25 @@ def _validate_async(cfg: Config) -> None:
 
 
 def validate(cfg: Config, validate_paths: bool = True) -> None:
-    m, s, d, t = cfg.model, cfg.sampling, cfg.data, cfg.trainer
+    """Every section in turn, then the registered parts' own checks: one sentence for the first mistake."""
     check_numbers(cfg)
+    _validate_model(cfg, validate_paths)
+    _validate_sampling(cfg.sampling)
+    rollout = rollout_class(cfg.rollout.kind)  # one sentence for an unknown kind, before anything checks its options
+    check_compatible(cfg)  # each part's own checks, and the objective's data from the rollout
+    _validate_sigma_range(cfg)
+    _validate_data(cfg, rollout, validate_paths)
+    _validate_search(cfg)  # before the rewards' check, so that an unknown search.reward is named as such
+    _validate_rewards(cfg, rollout, validate_paths)
+    check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
+    check_choice("advantage.std", cfg.advantage.std, ("group", "global"))
+    cfg.allocator.validate(cfg.data.group_size, KEEP_ALL_KINDS)  # the image rollouts train on every sample drawn
+    check_choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
+    _validate_run(cfg)
+
+
+def _validate_model(cfg: Config, validate_paths: bool) -> None:
+    m = cfg.model
     check_choice("model.kind", m.kind, MODEL_KINDS)
     check_choice("model.dtype", m.dtype, DTYPES)
     check_choice("model.compile", m.compile, COMPILE_MODES)
@@ -283,6 +300,8 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
 
+
+def _validate_sampling(s) -> None:
     check_choice("sampling.sampler", s.sampler, SAMPLERS)
     check_choice("sampling.logprob_reduction", s.logprob_reduction, LOGPROB_REDUCTIONS)
     check_choice("sampling.schedule", s.schedule, SCHEDULES)
@@ -290,30 +309,30 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     w = s.window
     check_choice("sampling.window.strategy", w.strategy, WINDOW_STRATEGIES)
     check_choice("sampling.window.at_end", w.at_end, WINDOW_ENDS)
-    if w.strategy != "all":
-        if not 1 <= w.size <= s.num_steps:
-            raise ConfigError(f"sampling.window.size must be between 1 and sampling.num_steps ({s.num_steps}); got {w.size}")
-        if w.choices and (w.strategy != "random" or not all(0 <= c <= s.num_steps - w.size for c in w.choices)):
-            raise ConfigError(f"sampling.window.choices needs sampling.window.strategy random and steps between 0 and "
-                              f"{s.num_steps - w.size} (sampling.num_steps - size); got {list(w.choices)} with strategy '{w.strategy}'")
-        if w.strategy == "progressive" and w.at_end == "roll_back" and s.num_steps < 3:
-            raise ConfigError(f"sampling.window.at_end roll_back needs sampling.num_steps >= 3 (its windows stop short of the "
-                              f"last two steps); got {s.num_steps}, or set sampling.window.at_end=clamp")
-        if w.strategy == "progressive" and w.at_end == "roll_back" and not 0 <= w.start <= s.num_steps - 3:
-            raise ConfigError(
-                f"sampling.window.start must be between 0 and {s.num_steps - 3} with sampling.window.at_end roll_back (its windows "
-                f"stop short of the last two of the {s.num_steps} steps); got {w.start}"
-            )
-        if (w.strategy == "fixed" or w.strategy == "progressive" and w.at_end == "clamp") and not 0 <= w.start <= s.num_steps - w.size:
-            raise ConfigError(
-                f"sampling.window.start must be between 0 and {s.num_steps - w.size} so the window of {w.size} steps fits in "
-                f"{s.num_steps} steps; got {w.start}"
-            )
+    if w.strategy == "all":
+        return
+    if not 1 <= w.size <= s.num_steps:
+        raise ConfigError(f"sampling.window.size must be between 1 and sampling.num_steps ({s.num_steps}); got {w.size}")
+    if w.choices and (w.strategy != "random" or not all(0 <= c <= s.num_steps - w.size for c in w.choices)):
+        raise ConfigError(f"sampling.window.choices needs sampling.window.strategy random and steps between 0 and "
+                          f"{s.num_steps - w.size} (sampling.num_steps - size); got {list(w.choices)} with strategy '{w.strategy}'")
+    if w.strategy == "progressive" and w.at_end == "roll_back" and s.num_steps < 3:
+        raise ConfigError(f"sampling.window.at_end roll_back needs sampling.num_steps >= 3 (its windows stop short of the "
+                          f"last two steps); got {s.num_steps}, or set sampling.window.at_end=clamp")
+    if w.strategy == "progressive" and w.at_end == "roll_back" and not 0 <= w.start <= s.num_steps - 3:
+        raise ConfigError(
+            f"sampling.window.start must be between 0 and {s.num_steps - 3} with sampling.window.at_end roll_back (its windows "
+            f"stop short of the last two of the {s.num_steps} steps); got {w.start}"
+        )
+    if (w.strategy == "fixed" or w.strategy == "progressive" and w.at_end == "clamp") and not 0 <= w.start <= s.num_steps - w.size:
+        raise ConfigError(
+            f"sampling.window.start must be between 0 and {s.num_steps - w.size} so the window of {w.size} steps fits in "
+            f"{s.num_steps} steps; got {w.start}"
+        )
 
 
-    rollout = rollout_class(cfg.rollout.kind)  # one sentence for an unknown kind, before anything checks its options
-    check_compatible(cfg)  # each part's own checks, and the objective's data from the rollout
-    _validate_sigma_range(cfg)
+def _validate_data(cfg: Config, rollout, validate_paths: bool) -> None:
+    d = cfg.data
     if rollout.needs_prompts and not d.prompts and not d.prompt_file:
         raise ConfigError("data.prompts is empty and data.prompt_file is not set; give prompts or a prompt file")
     if d.prompt_file and d.prompt_file.startswith("builtin:"):
@@ -323,10 +342,10 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
         raise ConfigError(f"data.prompt_file '{d.prompt_file}' does not exist; give a text file with one prompt per line "
                           "(the GPU presets' files: docs/usage.md) or data.prompts")
 
-    _validate_search(cfg)  # before the rewards' check, so that an unknown search.reward is named as such
+
+def _validate_rewards(cfg: Config, rollout, validate_paths: bool) -> None:
     if rollout.needs_rewards and not cfg.reward.weights:
         raise ConfigError("reward.weights is empty; name at least one reward, for example jpeg_compressibility: 1.0")
-
     judge = {cfg.reward.judge: 0.0} if cfg.reward.judge else {}
     searched = {cfg.search.reward: 0.0} if cfg.search.reward else {}
     scored = cfg.reward.weights if rollout.needs_rewards else {}  # an offline store's channels need no registered reward
@@ -336,13 +355,10 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
         raise ConfigError(f"reward.judge_range must be [low, high] with low < high (the judge's scores mapped onto 1-5); got {list(jr)}")
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
 
-    check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
-    check_choice("advantage.std", cfg.advantage.std, ("group", "global"))
-    cfg.allocator.validate(d.group_size, KEEP_ALL_KINDS)  # the image rollouts train on every sample drawn
-    check_choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
 
+def _validate_run(cfg: Config) -> None:
+    t = cfg.trainer
     check_choice("trainer.mixed_precision", t.mixed_precision, MIXED_PRECISION)
-
     check_choice("run.tracker", cfg.run.tracker, TRACKERS)
     check_choice("run.distributed", cfg.run.distributed, DISTRIBUTED)
     if any(m <= 0 for m in cfg.run.checkpoint_at_minutes):

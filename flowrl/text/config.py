@@ -11,11 +11,11 @@ from omegaconf import OmegaConf
 
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
+from flowrl.core.allocator_config import AllocatorConfig
 from flowrl.core.off_policy import OFF_POLICY_LOSSES, WEIGHT_LEVELS, WEIGHT_MODES
 from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
 from flowrl.errors import ConfigError, check_choice, check_producers
 from flowrl.runtime.options import RunOptions, TrainerOptions, validate_runtime
-from flowrl.schema import AllocatorConfig
 from flowrl.yaml_config import merge_config, preset_path, read_yaml
 
 TASK = "text"
