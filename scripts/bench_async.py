@@ -5,6 +5,7 @@ shapes default.
     python scripts/bench_async.py --minutes 10 --seeds 0 1 2                        # text: sync2, async1, async4
     python scripts/bench_async.py --task shapes --minutes 10 --seeds 0 1 2          # the shapes default
     python scripts/bench_async.py --minutes 2 --seeds 0 --parts async1              # one part, one seed
+    python scripts/bench_async.py --smoke                                           # the code path in seconds
 
 Parts, each using both cores of the 2-core box:
 - `sync2`: the synchronous trainer as two processes of one thread each (run.cpu_processes=2),
@@ -30,15 +31,22 @@ Each (part, seed) appends a line to --out as it finishes, and a rerun skips the 
 there; the table at the end gives, per part, the held-out gain (mean and standard error over
 seeds), samples per minute of the training loop, iterations, the mean staleness and effective
 sample size, and the trainer's and producer's idle fractions.
+
+--smoke: the code path in seconds, measuring nothing: one seed of async1 (unless --parts), two
+iterations of two prompts x two (text; the shapes task one iteration on a tiny random model,
+scripts/smoke.py), judged on a sixteenth of the held-out problems (text) or one prompt per
+category at 4 ODE steps (shapes); --out and --runs default to a temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,14 +68,15 @@ PARTS = {
 }
 
 
-def held_out_strict(run: Path | None) -> float:
-    """The shapes default's held-out strict accuracy, the mean over the arena's two eval sets."""
+def held_out_strict(run: Path | None, runs: Path, smoke: bool) -> float:
+    """The shapes default's held-out strict accuracy, the mean over the arena's two eval sets (its
+    base scores cached in RUNS/base_eval.json)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("arena", ROOT / "scripts" / "arena.py")
     arena = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(arena)
-    judge = arena.Judge(ROOT / "runs" / "bench-async", arena.PER_CATEGORY, smoke=False)
+    judge = arena.Judge(runs, 1 if smoke else arena.PER_CATEGORY, smoke=smoke)
     if run is None:
         scores = judge.base(arena.EVAL_SEEDS)
     else:
@@ -75,12 +84,23 @@ def held_out_strict(run: Path | None) -> float:
     return statistics.mean(scores.values())
 
 
-def held_out_exact_match(run: Path | None) -> float:
+def held_out_exact_match(run: Path | None, runs: Path, smoke: bool) -> float:
     from flowrl.text.arithmetic import exact_match_by_bucket, held_out
     from flowrl.text.cli import policy_for
 
     _, policy, _ = policy_for(str(run) if run else None, None if run else str(ROOT / "configs" / "text_add.yaml"), [])
-    return exact_match_by_bucket(policy.model, policy.tokenizer, held_out())["all"]
+    return exact_match_by_bucket(policy.model, policy.tokenizer, held_out()[:: 32 if smoke else 1])["all"]
+
+
+def smoke_overrides(task: str, tmp: Path) -> list[str]:
+    """--smoke's training overrides, after the task's and the part's: two tiny iterations (text, without the
+    CLI's held-out test at the end), or one on a tiny random shapes model."""
+    if task == "text":
+        return ["trainer.iterations=2", "data.prompts_per_iteration=2", "data.group_size=2", "data.eval_split=''"]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from smoke import shapes_overrides, tiny_shapes_model
+
+    return shapes_overrides(tiny_shapes_model(tmp / "model"))
 
 
 TASKS = {
@@ -95,8 +115,8 @@ TASKS = {
 }
 
 
-def train(task: str, part: str, seed: int, minutes: float, run: Path) -> dict:
-    args = [sys.executable, "-m", "flowrl.cli", "train", *TASKS[task]["train"](minutes), *PARTS[part],
+def train(task: str, part: str, seed: int, minutes: float, run: Path, smoke: list[str] = ()) -> dict:
+    args = [sys.executable, "-m", "flowrl.cli", "train", *TASKS[task]["train"](minutes), *PARTS[part], *smoke,
             f"trainer.seed={seed}", "run.progress=false", "--run-dir", str(run)]
     start = time.perf_counter()
     subprocess.run(args, check=True, cwd=ROOT)
@@ -137,17 +157,31 @@ def table(results: list[dict], base: float, score: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default="text", choices=list(TASKS))
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--parts", nargs="+", default=["sync2", "async1", "async4"], choices=list(PARTS))
+    ap.add_argument("--parts", nargs="+", default=None, choices=list(PARTS), help="default: sync2 async1 async4 (--smoke: async1)")
     ap.add_argument("--out", type=Path, default=None, help="default: docs/experiments/async-TASK.jsonl")
-    ap.add_argument("--runs", type=Path, default=ROOT / "runs" / "bench-async")
-    args = ap.parse_args()
+    ap.add_argument("--runs", type=Path, default=None, help="default: runs/bench-async")
+    ap.add_argument("--smoke", action="store_true", help="the code path in seconds, measuring nothing (see above)")
+    args = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        smoke: list[str] = []
+        if args.smoke:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_async-smoke-")))
+            smoke = smoke_overrides(args.task, tmp)
+            args.seeds, args.parts = args.seeds[:1], args.parts or ["async1"]
+            args.out, args.runs = args.out or tmp / "results.jsonl", args.runs or tmp / "runs"
+        return bench(args, smoke)
+
+
+def bench(args, smoke: list[str]) -> int:
     task = TASKS[args.task]
+    args.parts = args.parts or ["sync2", "async1", "async4"]
     args.out = args.out or ROOT / "docs" / "experiments" / task["out"]
+    args.runs = args.runs or ROOT / "runs" / "bench-async"
 
     results = [json.loads(line) for line in args.out.read_text().splitlines()] if args.out.is_file() else []
     for r in results:  # the text records name their samples completions
@@ -156,7 +190,7 @@ def main() -> int:
     done = {(r["part"], r["seed"], r["minutes"]) for r in results}
     base = next((r["held_out"] for r in results if r["part"] == "base"), None)
     if base is None:
-        base = task["judge"](None)
+        base = task["judge"](None, args.runs, args.smoke)
         results.append({"part": "base", "seed": None, "minutes": 0, "held_out": base})
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
@@ -166,8 +200,8 @@ def main() -> int:
             if (part, seed, args.minutes) in done:
                 continue
             run = args.runs / f"{part}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-            result = train(args.task, part, seed, args.minutes, run)
-            result["held_out"] = task["judge"](run)
+            result = train(args.task, part, seed, args.minutes, run, smoke)
+            result["held_out"] = task["judge"](run, args.runs, args.smoke)
             print(json.dumps(result), flush=True)
             results.append(result)
             with args.out.open("a") as f:

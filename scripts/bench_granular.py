@@ -3,6 +3,7 @@
 
     python scripts/bench_granular.py                       # 12 minutes per method, training seed 0
     python scripts/bench_granular.py --minutes 20 --train-seed 0 1 2
+    python scripts/bench_granular.py --smoke                # the code path in seconds: a tiny random model, one iteration each
 
 First prints the network calls a prompt waits for one after another (at unlimited batch) under
 the FLUX.1-dev preset's settings (T = 16, G = 12, branch steps 0-7, granularities [1, 2] and
@@ -22,8 +23,10 @@ against cumulative network evaluations) and `granular.json` to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,9 +56,24 @@ def main(argv=None) -> int:
     ap.add_argument("--train-seed", type=int, nargs="+", default=[0])
     ap.add_argument("--per-category", type=int, default=100)
     ap.add_argument("--eval-seed", type=int, default=10_000)
-    ap.add_argument("--out", default="bench_granular_out")
+    ap.add_argument("--out", default=None, help="where the runs, granular.json and granular.png go (default bench_granular_out; "
+                    "with --smoke a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="the code path on a tiny random shapes model (scripts/smoke.py): one "
+                    "iteration per method, branch steps [0, 1], one held-out prompt per category")
     args = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.smoke:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from smoke import shapes_overrides, tiny_shapes_model
 
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_granular-smoke-")))
+            args.overrides = [*shapes_overrides(tiny_shapes_model(tmp / "model")), "rollout.granular.branch_steps=[0,1]",
+                              *args.overrides]
+            args.per_category, args.train_seed, args.out = 1, args.train_seed[:1], args.out or str(tmp / "out")
+        return run(args)
+
+
+def run(args) -> int:
     from flowrl.cli import _load_run_policy
     from flowrl.cli import main as cli_main
     from flowrl.config import load_config
@@ -78,7 +96,7 @@ def main(argv=None) -> int:
     if args.minutes <= 0:
         return 0
 
-    out = Path(args.out)
+    out = Path(args.out or "bench_granular_out")
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, [*COMMON, *args.overrides])
     T = cfg.sampling.num_steps

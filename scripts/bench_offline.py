@@ -4,6 +4,7 @@ build time), judged as the default's recipes are (held-out strict, GenEval-style
 
     python scripts/bench_offline.py --seeds 0 1 2 --per-category 100 --eval-seeds 10000 20000
     python scripts/bench_offline.py --methods gdro --store-prompts 512 --seeds 0
+    python scripts/bench_offline.py --smoke       # the code path in seconds: a tiny random model, one iteration each
 
 Evaluates the base model once per eval set, then for each training seed and method: trains
 (`flowrl train` with the default preset plus the method's overrides; GDRO first builds a group
@@ -16,9 +17,11 @@ over seeds with its standard error, and its mean minutes. Results go to --out as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,10 +43,29 @@ def main(argv=None) -> int:
     ap.add_argument("--store-prompts", type=int, default=256, help="GDRO: groups in the store (data.group_size each)")
     ap.add_argument("--dgpo", nargs="*", default=[], help="extra overrides for DGPO")
     ap.add_argument("--gdro", nargs="*", default=[], help="extra overrides for GDRO")
-    ap.add_argument("--root", default=f"runs/bench-offline-{time.strftime('%Y%m%d-%H%M%S')}")
+    ap.add_argument("--root", default=None, help="where the stores and runs go (default runs/bench-offline-<time>; with "
+                    "--smoke a temporary directory)")
     ap.add_argument("--out", default=None, help="JSON results (default ROOT/bench_offline.json)")
+    ap.add_argument("--smoke", action="store_true", help="the code path on a tiny random shapes model (scripts/smoke.py): one "
+                    "iteration per method, a store of two groups, one eval set of one held-out prompt per category, one seed")
     args = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.smoke:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from smoke import shapes_overrides, tiny_shapes_model
 
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_offline-smoke-")))
+            tiny = shapes_overrides(tiny_shapes_model(tmp / "model"))
+            args.common = tiny
+            args.dgpo, args.gdro = [*tiny, *args.dgpo], [*tiny, *args.gdro]
+            args.seeds, args.eval_seeds, args.per_category, args.store_prompts = args.seeds[:1], args.eval_seeds[:1], 1, 2
+            args.root = args.root or str(tmp / "runs")
+        else:
+            args.common = []
+        return run(args)
+
+
+def run(args) -> int:
     from flowrl.cli import _load_run_policy
     from flowrl.cli import main as cli_main
     from flowrl.config import load_config
@@ -53,9 +75,9 @@ def main(argv=None) -> int:
     from flowrl.runtime.run_dir import RunDir
     from rewards import MultiReward
 
-    root = Path(args.root)
+    root = Path(args.root or f"runs/bench-offline-{time.strftime('%Y%m%d-%H%M%S')}")
     root.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(None, ["run.progress=false"])
+    cfg = load_config(None, [*args.common, "run.progress=false"])
     prompts = builtin_prompts("builtin:shapes-heldout", "--prompts", per_category=args.per_category)
     reward = MultiReward.from_config(cfg.reward)
     print(f"bench_offline: {len(prompts)} held-out images per eval set, eval sets {args.eval_seeds}, training seeds {args.seeds}, "

@@ -5,6 +5,7 @@ machine (shared memory for the weights, a spool file for the batch), measured si
 
     python scripts/bench_remote.py                                  # the default preset and SD3.5-Medium's
     python scripts/bench_remote.py --presets default --rounds 20
+    python scripts/bench_remote.py --smoke                          # the code path: the default preset, 2 rounds
 
 For each preset the producer samples nothing: a stand-in collector holds the preset's trainable
 LoRA tensors (shapes from its transformer's config on the meta device, rank and targets from the
@@ -120,11 +121,14 @@ def measure(preset: str, rounds: int) -> dict:
             "remote_s": statistics.median(remote_s), "rounds": rounds}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--presets", nargs="+", default=["default", "sd35_medium_pickscore_1gpu"])
     p.add_argument("--rounds", type=int, default=10)
-    args = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="the code path in seconds: the default preset's transport, 2 rounds")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.presets, args.rounds = ["default"], 2
     from flowrl.quiet import silence_known_messages
 
     silence_known_messages()

@@ -25,13 +25,17 @@ steps of a group of G (CFG doubles the batch) and one forward/backward per train
 the optimizer step; prints seconds per iteration and torch.cuda.max_memory_allocated. Without
 CUDA it says so and exits 0.
 
+--smoke: both code paths in seconds on the CPU, measuring nothing: the default benchmark on a
+one-layer transformer of width 32 (2 samples x 2 steps, one repeat), then the --gpu-iteration
+code on a one-layer SD3 transformer in fp32 on the CPU.
+
 Usage:  .venv/bin/python scripts/bench_rollout.py [--repeats 5] [--gpu-iteration]
+        .venv/bin/python scripts/bench_rollout.py --smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
@@ -61,6 +65,10 @@ SD35_MEDIUM = dict(
     dual_attention_layers=tuple(range(13)),
     qk_norm="rms_norm",
 )
+# --smoke's stand-in for SD3.5-Medium in the --gpu-iteration code: one narrow block, 8x8 latents
+TINY_SD3 = dict(sample_size=8, patch_size=2, in_channels=16, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+                joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, out_channels=16, pos_embed_max_size=16,
+                qk_norm="rms_norm")
 # Flow-GRPO's scripts/train_sd3.py LoRA targets (as configs/sd35_medium_pickscore_*.yaml)
 FLOW_GRPO_TARGETS = [
     "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
@@ -328,18 +336,24 @@ def gpu_iteration(config: dict, device: str = "cuda", dtype=torch.bfloat16, grou
 
 
 def run_gpu_iteration(args) -> int:
-    if not torch.cuda.is_available():
+    if args.smoke:  # the code path on the CPU: a one-block transformer in fp32, one timed iteration after one warm-up
+        config, device, dtype, name, text_tokens, rank = TINY_SD3, "cpu", torch.float32, "one-block (--smoke)", 8, 2
+    elif not torch.cuda.is_available():
         print("--gpu-iteration needs a CUDA GPU and torch.cuda.is_available() is False here; skipping the SD3.5-Medium iteration benchmark.")
         return 0
+    else:
+        config, device, dtype, name, text_tokens, rank = SD35_MEDIUM, "cuda", torch.bfloat16, "SD3.5-Medium-config", 205, 32
     hw = args.gpu_resolution // 8
     guidance = args.gpu_guidance
-    r = gpu_iteration(SD35_MEDIUM, "cuda", torch.bfloat16, group=args.gpu_group, steps=args.steps, latent_hw=hw,
-                      guidance=guidance, gradient_checkpointing=args.gpu_gradient_checkpointing, iterations=args.gpu_iterations)
-    print(f"gpu-iteration: {torch.cuda.get_device_name()}, torch {torch.__version__}; SD3.5-Medium-config SD3Transformer2DModel "
-          f"(random init, {r['params'] / 1e9:.2f}B params, bf16), LoRA r32 on {len(FLOW_GRPO_TARGETS)} projections "
-          f"({r['trainable'] / 1e6:.1f}M trainable, fp32), gradient checkpointing {'on' if args.gpu_gradient_checkpointing else 'off'}")
+    r = gpu_iteration(config, device, dtype, group=args.gpu_group, steps=args.steps, latent_hw=hw, text_tokens=text_tokens,
+                      guidance=guidance, lora_rank=rank, gradient_checkpointing=args.gpu_gradient_checkpointing,
+                      iterations=args.gpu_iterations)
+    where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"gpu-iteration: {where}, torch {torch.__version__}; {name} SD3Transformer2DModel "
+          f"(random init, {r['params'] / 1e9:.2f}B params, {str(dtype).removeprefix('torch.')}), LoRA r{rank} on {len(FLOW_GRPO_TARGETS)} "
+          f"projections ({r['trainable'] / 1e6:.1f}M trainable, fp32), gradient checkpointing {'on' if args.gpu_gradient_checkpointing else 'off'}")
     print(f"workload: {args.gpu_resolution}x{args.gpu_resolution} (latents 16x{hw}x{hw}), group {args.gpu_group}, {args.steps} flow_grpo steps, "
-          f"guidance {guidance} ({'CFG: batch ' + str(2 * args.gpu_group) if guidance != 1.0 else 'no CFG'}), 205 text tokens; "
+          f"guidance {guidance} ({'CFG: batch ' + str(2 * args.gpu_group) if guidance != 1.0 else 'no CFG'}), {text_tokens} text tokens; "
           f"{args.steps} sampling forwards + {args.steps} forward/backward + 1 AdamW step; median of {args.gpu_iterations} after 1 warm-up")
     print(f"sampling {r['sampling_s']:.3f} s + training {r['training_s']:.3f} s = {r['iteration_s']:.3f} s per iteration")
     print(f"torch.cuda.max_memory_allocated {r['max_memory_allocated'] / 2**30:.2f} GiB")
@@ -365,13 +379,19 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-guidance", type=float, default=4.5, help="CFG scale; 1.0 disables CFG")
     p.add_argument("--gpu-iterations", type=int, default=2)
     p.add_argument("--gpu-gradient-checkpointing", action="store_true")
+    p.add_argument("--smoke", action="store_true", help="both code paths on tiny transformers on the CPU, in seconds (no reading)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.gpu_iteration:
+    if args.smoke:
+        args.group, args.steps, args.width, args.layers, args.warmup, args.repeats = 2, 2, 32, 1, 0, 1
+        args.gpu_group, args.gpu_resolution, args.gpu_iterations = 2, 64, 1
+    if args.gpu_iteration and not args.smoke:
         return run_gpu_iteration(args)
     print(f"machine: {machine_name()}, python {platform.python_version()}")
     bench_rollout(args)
+    if args.smoke:
+        run_gpu_iteration(args)
     return 0
 
 

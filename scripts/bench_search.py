@@ -4,6 +4,7 @@
     python scripts/bench_search.py                                  # base model, bon / smc / dts_star
     python scripts/bench_search.py --run runs/default-preset-run    # and the RL-trained default, with and without search
     python scripts/bench_search.py --methods dts_star --samples 4 16 --prompts builtin:shapes-train --per-category 8
+    python scripts/bench_search.py --smoke                          # the code path in seconds: a tiny random model
 
 Every method searches the continuous `shapes_quality` reward (search.reward) on `search.num_steps`
 SDE steps, for each held-out prompt at budgets of 1, 4, 16 and 64 samples' worth of network
@@ -18,8 +19,10 @@ best-of-16's NFE, the issue's goal. Prints one row per (method, budget), a goal 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,10 +43,24 @@ def main(argv=None) -> int:
     ap.add_argument("--run", help="also search with this run's checkpoint (the RL-trained default)")
     ap.add_argument("--run-methods", nargs="+", default=None, choices=("bon", "smc", "dts", "dts_star"),
                     help="methods for --run (default: the last of --methods)")
-    ap.add_argument("--out", default="bench_search_out", help="folder for search.json and search.png")
+    ap.add_argument("--out", default=None, help="folder for search.json and search.png (default bench_search_out; with --smoke "
+                    "a temporary directory)")
     ap.add_argument("--merge", metavar="JSON", help="rows of an earlier run (its search.json) to report and plot with this one's")
+    ap.add_argument("--smoke", action="store_true", help="the code path on a tiny random shapes model (scripts/smoke.py): "
+                    "one held-out prompt per category, budgets of 1 and 2 samples")
     args = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.smoke:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from smoke import shapes_overrides, tiny_shapes_model
 
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_search-smoke-")))
+            args.overrides = [*shapes_overrides(tiny_shapes_model(tmp / "model")), *args.overrides]
+            args.per_category, args.samples, args.out = 1, [1, 2], args.out or str(tmp / "out")
+        return run(args)
+
+
+def run(args) -> int:
     from flowrl.cli import _load_run_policy
     from flowrl.config import load_config
     from flowrl.models import load_policy
@@ -53,7 +70,8 @@ def main(argv=None) -> int:
     from flowrl.train.prompts import read_prompt_file
     from rewards import MultiReward
 
-    torch.set_num_threads(2)
+    if not args.smoke:  # a smoke run's tiny model keeps torch's thread count
+        torch.set_num_threads(2)
     overrides = ["search.reward=shapes_quality", *args.overrides]
     cfg = load_config(None, overrides)
     prompts = read_prompt_file(args.prompts, per_category=args.per_category)
@@ -68,7 +86,7 @@ def main(argv=None) -> int:
           f"dts: branch every {q.branch_every}, width {q.width_c} N^{q.width_alpha}, uct {q.uct_c}, {q.in_flight} in flight", flush=True)
 
     rows = json.loads(Path(args.merge).read_text())["rows"] if args.merge else []
-    out = Path(args.out)
+    out = Path(args.out or "bench_search_out")
     out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:  # after every method, so a stopped run keeps what it measured

@@ -4,6 +4,7 @@
     python scripts/bench_shapes.py                      # the default preset, its own budget
     python scripts/bench_shapes.py trainer.max_minutes=10 --per-category 150
     python scripts/bench_shapes.py --per-category 100 --seed 10000 20000   # two eval sets
+    python scripts/bench_shapes.py --smoke              # the code path in seconds: a tiny random model, one iteration
 
 Evaluates the base model on the held-out prompts (one ODE sample per prompt and seed,
 `--per-category` images per category), trains the default preset (`flowrl train` with no
@@ -18,8 +19,10 @@ several hundredths from one eval set to another (BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,8 +37,21 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", default=None, help="where the training run goes (default runs/bench-shapes-<time>)")
     ap.add_argument("--seed", type=int, nargs="+", default=[10_000],
                     help="first eval seed of each eval set (training never uses these); several: one table and gain per set")
+    ap.add_argument("--smoke", action="store_true", help="the code path on a tiny random shapes model (scripts/smoke.py): one "
+                    "iteration, one held-out prompt per category, the run in a temporary directory unless --run-dir")
     args = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.smoke:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from smoke import shapes_overrides, tiny_shapes_model
 
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_shapes-smoke-")))
+            args.overrides = shapes_overrides(tiny_shapes_model(tmp / "model")) + args.overrides
+            args.per_category, args.run_dir = 1, args.run_dir or str(tmp / "run")
+        return run(args)
+
+
+def run(args) -> int:
     from flowrl.cli import _load_run_policy
     from flowrl.cli import main as cli_main
     from flowrl.config import load_config

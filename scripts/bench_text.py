@@ -3,6 +3,7 @@ supervised training on the true answers for the same budget, and the allocators 
 
     python scripts/bench_text.py --minutes 10 --seeds 0 1 2          # RL (uniform), SFT, VADE, successive elimination
     python scripts/bench_text.py --minutes 10 --seeds 0 --parts rl   # one part
+    python scripts/bench_text.py --smoke                             # the parts' code path in seconds, measuring nothing
 
 Every run starts from the shipped checkpoint (builtin:add) and is judged by greedy exact match on
 the 500 held-out problems, overall and per operand length. RL is `flowrl train configs/text_add.yaml`
@@ -35,10 +36,13 @@ from flowrl.text.policy import CausalLMPolicy
 from flowrl.text.train import TextTrainer
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "text_add.yaml"
+# --smoke: one iteration of 2 prompts x 2 per RL run, one SFT step of 8 problems, every 32nd held-out problem judged
+SMOKE = ["data.prompts_per_iteration=2", "data.group_size=2", "trainer.iterations=1"]
+JUDGED = slice(None)  # the held-out problems judged (--smoke: a sixteenth of them)
 
 
 def held_out_exact_match(policy: CausalLMPolicy) -> dict[str, float]:
-    return exact_match_by_bucket(policy.model, policy.tokenizer, held_out())
+    return exact_match_by_bucket(policy.model, policy.tokenizer, held_out()[JUDGED])
 
 
 def rl(seed: int, minutes: float, out: Path, overrides: list[str], iterations: int | None = None) -> dict:
@@ -105,15 +109,15 @@ def trl_grpo(seed: int, minutes: float, out: Path) -> dict:
             "held_out": held_out_exact_match(policy)}
 
 
-def sft(seed: int, minutes: float, lr: float) -> dict:
+def sft(seed: int, minutes: float, lr: float, batch: int = 256, max_steps: int = 0) -> dict:
     cfg = load_text_config(CONFIG, [f"trainer.seed={seed}"])
     policy = CausalLMPolicy.from_config(cfg.model)
     model = policy.model.train()
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     stream, steps, start = train_stream(seed=100 + seed), 0, time.perf_counter()
-    while time.perf_counter() - start < minutes * 60:
-        ids, mask, pos, labels = supervised_batch(policy.tokenizer, [next(stream) for _ in range(256)])
+    while time.perf_counter() - start < minutes * 60 and not (max_steps and steps >= max_steps):
+        ids, mask, pos, labels = supervised_batch(policy.tokenizer, [next(stream) for _ in range(batch)])
         model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -130,7 +134,13 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", nargs="+", default=["rl", "sft", "allocators"], choices=["rl", "sft", "allocators", "trl"])
     ap.add_argument("--sft-lr", type=float, default=0.0, help="SFT's learning rate; 0: the RL config's trainer.lr")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--smoke", action="store_true", help="the parts' code path in seconds, measuring nothing: one seed, one "
+                    "iteration of 2 prompts x 2 per RL run, one SFT step of 8 problems, every 32nd held-out problem judged")
     a = ap.parse_args(argv)
+    global JUDGED
+    small = []
+    if a.smoke:
+        a.seeds, small, JUDGED = a.seeds[:1], SMOKE, slice(None, None, 32)
     from flowrl.runtime.budget import machine_name
 
     base = held_out_exact_match(CausalLMPolicy.from_config(load_text_config(CONFIG).model))
@@ -140,7 +150,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if "rl" in a.parts:
             for seed in a.seeds:
-                r = rl(seed, a.minutes, Path(tmp) / f"rl{seed}", [])
+                r = rl(seed, a.minutes, Path(tmp) / f"rl{seed}", small)
                 results["rl"][seed] = r
                 print(f"RL seed {seed}: {r['iterations']} iterations ({r['rollouts']} rollouts) in {r['minutes']:.1f} min; "
                       f"held-out {r['held_out']['all']:.3f} (gain {r['held_out']['all'] - base['all']:+.3f}); "
@@ -149,15 +159,15 @@ def main(argv=None) -> int:
             print(f"RL mean gain {statistics.mean(gains):+.3f} over {len(gains)} seed(s) (goal +0.15)")
         if "sft" in a.parts:
             lr = a.sft_lr or load_text_config(CONFIG).trainer.lr
-            s = sft(a.seeds[0], a.minutes, lr)
+            s = sft(a.seeds[0], a.minutes, lr, *((8, 1) if a.smoke else ()))
             results["sft"][a.seeds[0]] = s
             print(f"SFT seed {a.seeds[0]} (lr {lr:g}): {s['steps']} steps in {s['minutes']:.1f} min; held-out {s['held_out']['all']:.3f} "
                   f"(gain {s['held_out']['all'] - base['all']:+.3f})", flush=True)
         if "allocators" in a.parts:
-            uniform = results["rl"].get(a.seeds[0]) or rl(a.seeds[0], a.minutes, Path(tmp) / "uniform", [])
+            uniform = results["rl"].get(a.seeds[0]) or rl(a.seeds[0], a.minutes, Path(tmp) / "uniform", small)
             results["allocators"]["uniform"] = uniform
             for kind in ("vade", "successive_elimination"):
-                r = rl(a.seeds[0], a.minutes, Path(tmp) / kind, [f"allocator.kind={kind}"], iterations=uniform["iterations"])
+                r = rl(a.seeds[0], a.minutes, Path(tmp) / kind, [*small, f"allocator.kind={kind}"], iterations=uniform["iterations"])
                 results["allocators"][kind] = r
             print(f"allocators at {uniform['rollouts']} rollouts each (seed {a.seeds[0]}):")
             for kind, r in results["allocators"].items():
@@ -166,7 +176,7 @@ def main(argv=None) -> int:
                       f"{r['held_out']['all'] - base['all']:+.3f}; {r['minutes']:.1f} min", flush=True)
         if "trl" in a.parts:
             for seed in a.seeds:
-                ours = results["rl"].get(seed) or rl(seed, a.minutes, Path(tmp) / f"rl{seed}", [])
+                ours = results["rl"].get(seed) or rl(seed, a.minutes, Path(tmp) / f"rl{seed}", small)
                 results["rl"][seed] = ours
                 r = trl_grpo(seed, a.minutes, Path(tmp) / f"trl{seed}")
                 results["trl"][seed] = r

@@ -23,7 +23,8 @@ of the training prompts, 2 fixed seeds each, with the EMA weights when EMA is on
 model's score on the same samples is printed as the baseline.
 
 Usage:
-  .venv/bin/python scripts/bench_tree.py --quick                     # a smoke run: 8 steps, 1 iteration
+  .venv/bin/python scripts/bench_tree.py --quick                     # a short run: 8 steps, 1 iteration
+  .venv/bin/python scripts/bench_tree.py --smoke                     # every code path in seconds, measuring nothing
   .venv/bin/python scripts/bench_tree.py --iterations 3 --reward-budget 600
   .venv/bin/python scripts/bench_tree.py --model builtin:shapes --reward shapes --reward-budget 600
   .venv/bin/python scripts/bench_tree.py --gpu-sampling                # tree vs flat sampling time on a GPU
@@ -202,33 +203,41 @@ class RandomTransformerPolicy:
 def gpu_sampling(args) -> int:
     """Sampling time of one BranchGRPO tree against one flat group of the same number of leaves on
     an SD3.5-Medium-sized random transformer (bf16, CFG): what the tree's shared prefixes save on a
-    GPU, where a level of few nodes does not fill a batch."""
-    if not torch.cuda.is_available():
+    GPU, where a level of few nodes does not fill a batch. With --smoke: a one-block transformer on
+    the CPU in fp32 (the code path)."""
+    from bench_rollout import SD35_MEDIUM, TINY_SD3
+
+    if args.smoke:
+        policy = RandomTransformerPolicy(TINY_SD3, args.gpu_resolution // 8, text_tokens=8, device="cpu", dtype=torch.float32)
+    elif not torch.cuda.is_available():
         print("--gpu-sampling needs a CUDA GPU; skipped")
         return 0
-    from bench_rollout import SD35_MEDIUM
-
+    else:
+        policy = RandomTransformerPolicy(SD35_MEDIUM, args.gpu_resolution // 8)
     from flowrl.core.tree import tree_nfe
     from flowrl.sampling.rollout import SamplerSpec, rollout
     from flowrl.sampling.schedules import shifted_sigmas
     from flowrl.sampling.tree import tree_rollout
 
-    policy = RandomTransformerPolicy(SD35_MEDIUM, args.gpu_resolution // 8)
+    cuda = policy.device.type == "cuda"
     splits = {t: 2 for t in args.split_steps}
     leaves = 2 ** len(splits)
     spec = SamplerSpec(shifted_sigmas(args.steps, 3.0), torch.ones(args.steps, dtype=torch.bool), "dance_grpo", args.noise)
 
     def timed(fn):
         fn()  # warm-up
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     flat = timed(lambda: rollout(policy, ["p"] * leaves, list(range(leaves)), spec, args.gpu_batch))
     tree = timed(lambda: tree_rollout(policy, ["p"], [0], spec, splits, args.gpu_batch))
-    print(f"gpu: {torch.cuda.get_device_name()}, SD3.5-Medium-sized transformer (random, bf16, CFG), "
+    where = f"{torch.cuda.get_device_name()}, SD3.5-Medium-sized" if cuda else "cpu, one-block (--smoke)"
+    print(f"gpu: {where} transformer (random, {str(policy.dtype).removeprefix('torch.')}, CFG), "
           f"{args.gpu_resolution}x{args.gpu_resolution}, {args.steps} steps, batch {args.gpu_batch}, {leaves} leaves per prompt")
     print(f"  flat  {leaves * args.steps} NFE  {flat:.2f} s")
     print(f"  tree  {tree_nfe(args.steps, splits, 1)} NFE  {tree:.2f} s  (splits at {sorted(splits)})")
@@ -260,8 +269,14 @@ def main(argv=None) -> int:
                    "random transformer on CUDA instead (sampling only)")
     p.add_argument("--gpu-resolution", type=int, default=512)
     p.add_argument("--gpu-batch", type=int, default=16, help="sampling batch (nodes per forward) on the GPU")
+    p.add_argument("--smoke", action="store_true", help="every code path in seconds, measuring nothing: 4 steps, splits 0-1 "
+                   "(4 leaves), one timed iteration, one training iteration and a one-prompt eval per method for --reward-budget, "
+                   "then --gpu-sampling's code on a one-block transformer on the CPU")
     args = p.parse_args(argv)
-    if args.gpu_sampling:
+    if args.smoke:
+        args.steps, args.split_steps, args.prune_depths, args.mix_window, args.warmup, args.iterations = 4, [0, 1], [2], 2, 0, 1
+        args.reward_budget, args.eval_prompts, args.gpu_resolution, args.gpu_batch = 1e-3, 1, 64, 4
+    if args.gpu_sampling and not args.smoke:
         return gpu_sampling(args)
     if args.quick:
         args.steps, args.split_steps, args.mix_window, args.warmup, args.iterations = 8, [0, 1, 2, 3], 2, 1, 1
@@ -273,10 +288,11 @@ def main(argv=None) -> int:
     from flowrl.errors import UserError
 
     try:
-        return run(args)
+        code = run(args)
     except UserError as exc:
         print(f"bench_tree: error: {exc}", file=sys.stderr)
         return 2
+    return gpu_sampling(args) if args.smoke else code
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ Usage:
   .venv/bin/python scripts/bench_two_stage.py                             # builtin:shapes, reward shapes
   .venv/bin/python scripts/bench_two_stage.py --iterations 6 --eval-every 3
   .venv/bin/python scripts/bench_two_stage.py --gpu --fidelity-prompts 0  # GPU throughput only
+  .venv/bin/python scripts/bench_two_stage.py --smoke                     # parts 1 and 2 in seconds on builtin:tiny-sd3
 Trailing key=value arguments override the config (e.g. sampling.num_steps=10).
 """
 
@@ -310,8 +311,14 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the transformer blocks in the GPU part (regional compilation)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 4 prompts x 4 seeds, 2 training iterations")
+    p.add_argument("--quick", action="store_true", help="a short run: 4 prompts x 4 seeds, 2 training iterations")
+    p.add_argument("--smoke", action="store_true", help="the code path of parts 1 and 2 in seconds, measuring nothing: "
+                   "builtin:tiny-sd3 with the jpeg reward, 2 prompts x 2 seeds, one training iteration of one prompt x 2 per method")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.reward, args.fidelity_prompts, args.fidelity_seeds = "builtin:tiny-sd3", "jpeg_compressibility", 2, 2
+        args.iterations, args.eval_every, args.eval_prompts, args.group_size, args.candidates_factor = 1, 1, 2, 2, 2
+        args.prompts_per_iteration = 1
     if args.quick:
         args.fidelity_prompts, args.fidelity_seeds, args.iterations, args.eval_every, args.eval_prompts = 4, 4, 2, 1, 4
         args.group_size, args.prompts_per_iteration = 4, 2

@@ -10,6 +10,7 @@ and exits 1 if there is any.
     .venv/bin/python scripts/check_metrics_unchanged.py            # compare with the record
     .venv/bin/python scripts/check_metrics_unchanged.py --record   # rewrite the record (after an intended change)
     .venv/bin/python scripts/check_metrics_unchanged.py --only tree
+    .venv/bin/python scripts/check_metrics_unchanged.py --smoke    # the code path: tiny_jpeg's first iteration only
 
 The record (scripts/reference_metrics.json) names the commit, machine and date it was made on.
 Floating-point results depend on the CPU's instruction set and thread count, so compare on the
@@ -52,8 +53,9 @@ def is_timing(key: str) -> bool:
     return key.startswith("time_") or key.endswith("_per_s")
 
 
-def run(name: str, tmp: Path) -> list[dict]:
+def run(name: str, tmp: Path, extra: list[str] = ()) -> list[dict]:
     config, *overrides = RUNS[name]
+    overrides += extra
     quiet = TEXT_QUIET if name == "text" else QUIET
     args = [sys.executable, "-m", "flowrl.cli", "train", *([config] if config else []), *overrides, *quiet,
             "--run-dir", str(tmp / name)]
@@ -79,18 +81,22 @@ def compare(name: str, got: list[dict], want: list[dict]) -> list[str]:
     return problems
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--record", action="store_true", help="write the record instead of comparing")
     p.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
     p.add_argument("--allow-new", action="store_true", help="metrics the record lacks are not differences")
-    args = p.parse_args()
-    names = args.only or list(RUNS)
+    p.add_argument("--smoke", action="store_true", help="the code path in seconds: the first iteration of tiny_jpeg (or of "
+                   "--only's runs), compared with the record's first")
+    args = p.parse_args(argv)
+    if args.smoke and args.record:
+        p.error("--smoke runs one iteration; it records nothing")
+    names = args.only or (["tiny_jpeg"] if args.smoke else list(RUNS))
     with tempfile.TemporaryDirectory() as tmp:
         results = {}
         for name in names:
             print(f"running {name} ...", flush=True)
-            results[name] = run(name, Path(tmp))
+            results[name] = run(name, Path(tmp), ["trainer.iterations=1"] if args.smoke else [])
     if args.record:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         old = json.loads(RECORD.read_text())["runs"] if RECORD.exists() else {}
@@ -102,7 +108,7 @@ def main() -> int:
     record = json.loads(RECORD.read_text())
     problems = []
     for name in names:
-        found = compare(name, results[name], record["runs"][name])
+        found = compare(name, results[name], record["runs"][name][: 1 if args.smoke else None])
         if args.allow_new:
             found = [f for f in found if "is new" not in f]
         problems += found

@@ -3,6 +3,7 @@
 
     python scripts/probe_relations.py                       # the shipped model
     python scripts/probe_relations.py --model DIR --prompts 100 --seeds 2
+    python scripts/probe_relations.py --smoke               # the code path in seconds: a tiny random model, 2 prompts
 
 1. Of the samples whose objects are all right (every colour, shape and count check holds),
    the fraction whose relation is right too. A model that ignores the relation scores about
@@ -15,7 +16,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -58,8 +61,22 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=2, help="samples per prompt")
     ap.add_argument("--seed", type=int, default=30000, help="first noise seed")
     ap.add_argument("overrides", nargs="*", help="config overrides of the default preset (model.device=cuda, ...)")
+    ap.add_argument("--smoke", action="store_true", help="the code path on a tiny random shapes model (scripts/smoke.py): "
+                    "two prompts, one seed, two ODE steps")
     args = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.smoke:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from smoke import shapes_overrides, tiny_shapes_model
 
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="probe_relations-smoke-")))
+            args.model = str(tiny_shapes_model(tmp / "model"))
+            args.overrides = [*shapes_overrides(args.model), *args.overrides]
+            args.prompts, args.seeds = 2, 1
+        return run(args)
+
+
+def run(args) -> int:
     from flowrl.config import load_config
     from flowrl.errors import UserError
     from flowrl.models import load_policy

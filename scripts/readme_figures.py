@@ -4,6 +4,7 @@ reward curve.
 
     .venv/bin/flowrl train --run-dir runs/readme-default            # the default preset, ~270 iterations
     .venv/bin/python scripts/readme_figures.py runs/readme-default  # -> docs/images/default_*.png
+    .venv/bin/python scripts/readme_figures.py --smoke               # the code path on a one-iteration tiny_jpeg run
 
 Writes OUT/default_before_after.png (the run's samples/iter_000000_before.png and its last
 samples/iter_NNNNNN.png side by side, titled with the iterations, the eval prompts below) and
@@ -14,7 +15,9 @@ the first and last iteration's training reward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,11 +25,28 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("run", type=Path, help="a finished run directory")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "images")
+    p.add_argument("run", type=Path, nargs="?", help="a finished run directory")
+    p.add_argument("--out", type=Path, default=None, help="default docs/images (with --smoke a temporary directory)")
     p.add_argument("--name", default="default", help="file name prefix")
+    p.add_argument("--smoke", action="store_true", help="the code path in seconds: the figures of a one-iteration tiny_jpeg run "
+                   "with sample grids, trained first (in a temporary directory unless RUN is given)")
     args = p.parse_args(argv)
+    if args.run is None and not args.smoke:
+        p.error("the run directory is required")
+    with contextlib.ExitStack() as stack:
+        if args.smoke:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="readme_figures-smoke-")))
+            args.run, args.out = args.run or tmp / "run", args.out or tmp / "images"
+            from flowrl.cli import main as flowrl
 
+            if flowrl(["train", "tiny_jpeg", "trainer.iterations=1", "run.sample_every=1", "data.group_size=2", "sampling.batch_size=4",
+                       "sampling.eval_num_steps=2", "run.tracker=none", "run.progress=false", "--run-dir", str(args.run)]) != 0:
+                return 1
+        return figures(args)
+
+
+def figures(args) -> int:
+    args.out = args.out or ROOT / "docs" / "images"
     import matplotlib
 
     matplotlib.use("Agg")

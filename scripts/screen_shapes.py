@@ -3,6 +3,7 @@
 
     python scripts/screen_shapes.py recipes.txt --seeds 0 1 2 --parallel 13 --minutes 8 \\
         --common run.cpu_processes=1 sampling.batch_size=32
+    python scripts/screen_shapes.py recipes.txt --seeds 0 --smoke   # every run a bench_shapes --smoke run (seconds)
 
 recipes.txt holds one recipe per line, `name: override override ...` (`preset:` with nothing after
 it runs the preset itself; blank lines and # comments are skipped). Every recipe runs once per
@@ -21,12 +22,14 @@ CUDA MPS (`nvidia-cuda-mps-control -d`, started by hand): about 5 minutes for 27
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -59,9 +62,10 @@ def parse_recipes(text: str, source: str = "recipes") -> list[tuple[str, list[st
     return recipes
 
 
-def bench_command(run_dir: Path, seed: int, overrides: list[str], common: list[str], per_category: int, eval_seeds: list[int]) -> list[str]:
-    return [sys.executable, str(BENCH), "--per-category", str(per_category), "--seed", *map(str, eval_seeds),
-            "--run-dir", str(run_dir), *common, *overrides, f"trainer.seed={seed}"]
+def bench_command(run_dir: Path, seed: int, overrides: list[str], common: list[str], per_category: int, eval_seeds: list[int],
+                  smoke: bool = False) -> list[str]:
+    return [sys.executable, str(BENCH), *(["--smoke"] if smoke else []), "--per-category", str(per_category),
+            "--seed", *map(str, eval_seeds), "--run-dir", str(run_dir), *common, *overrides, f"trainer.seed={seed}"]
 
 
 def run_all(jobs: dict[str, list[str]], out: Path, parallel: int, minutes: float, threads: int, poll_s: float = 2.0) -> dict[str, str]:
@@ -137,7 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=1, help="runs at a time")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per run")
     ap.add_argument("--minutes", type=float, default=60.0, help="stop runs still going after this long")
-    ap.add_argument("--out", default=None, help="where runs and logs go (default runs/screen-<time>)")
+    ap.add_argument("--out", default=None, help="where runs and logs go (default runs/screen-<time>; with --smoke a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="every run is bench_shapes --smoke (a tiny random model, one iteration): "
+                    "the screen's code path in seconds per run")
     args = ap.parse_args(argv)
 
     try:
@@ -145,9 +151,16 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as exc:
         print(f"screen_shapes: error: {exc}", file=sys.stderr)
         return 2
+    with contextlib.ExitStack() as stack:
+        if args.out is None and args.smoke:
+            args.out = stack.enter_context(tempfile.TemporaryDirectory(prefix="screen_shapes-smoke-"))
+        return screen(args, recipes)
+
+
+def screen(args, recipes: list[tuple[str, list[str]]]) -> int:
     out = Path(args.out or f"runs/screen-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    jobs = {f"{name}_s{s}": bench_command(out / f"{name}_s{s}", s, overrides, args.common, args.per_category, args.eval_seeds)
+    jobs = {f"{name}_s{s}": bench_command(out / f"{name}_s{s}", s, overrides, args.common, args.per_category, args.eval_seeds, args.smoke)
             for name, overrides in recipes for s in args.seeds}
     print(f"screen_shapes: {len(recipes)} recipes x {len(args.seeds)} seeds = {len(jobs)} runs, {args.parallel} at a time, "
           f"{args.threads} thread(s) each, at most {args.minutes:g} min; logs in {out}", flush=True)

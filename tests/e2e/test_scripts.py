@@ -1,0 +1,268 @@
+"""Every script in scripts/ runs: each one's smoke mode (--smoke, or the tiny option it already
+had) on the tiniest workload, checked by what it prints or writes; and every script is either
+smoke-tested here or named below with the test elsewhere that runs it, so that a new script
+without one fails the suite.
+
+The smoke runs are in-process (load_script(name).main([...])) except where the script itself
+starts fresh interpreters (bench_async's and check_metrics_unchanged's `flowrl train`). They write
+only under pytest's tmp_path."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from script_loader import SCRIPTS, load_script
+
+TESTS = Path(__file__).resolve().parents[1]
+
+# ---- which test runs each script -----------------------------------------------------------------
+# script -> the test in this file that runs its smoke mode
+SMOKE_TESTS = {
+    "bench_allocation": "test_bench_allocation_asserts_the_capped_budgets_and_reports_the_uncapped_spending",
+    "bench_async": "test_bench_async_trains_a_part_in_a_fresh_process_and_judges_it",
+    "bench_granular": "test_bench_granular_trains_both_methods_and_writes_its_results",
+    "bench_offline": "test_bench_offline_trains_dgpo_and_gdro_from_its_store",
+    "bench_remote": "test_bench_remote_times_both_transports",
+    "bench_rollout": "test_bench_rollout_prints_the_overhead_and_runs_the_gpu_iteration_code",
+    "bench_search": "test_bench_search_searches_with_every_method_and_writes_its_rows",
+    "bench_shapes": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
+    "bench_text": "test_bench_text_runs_rl_sft_and_the_allocators",
+    "bench_tree": "test_bench_tree_times_every_method_trains_them_and_samples_a_tree",
+    "bench_two_stage": "test_bench_two_stage_measures_fidelity_and_trains_both_methods",
+    "check_metrics_unchanged": "test_check_metrics_unchanged_compares_a_fresh_run_with_the_record",
+    "pretrain_text": "test_pretrain_text_exports_a_model",
+    "probe_relations": "test_probe_relations_prints_both_measures",
+    "readme_figures": "test_readme_figures_draws_both_figures_of_a_run",
+    "screen_shapes": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
+    # the shapes scripts' shared --smoke model and overrides (a helper without a main)
+    "smoke": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
+}
+# script -> (test file, test) elsewhere whose test runs the script's main path (or, for a helper
+# module without a main, the scripts that import it) on a tiny workload
+COVERED_ELSEWHERE = {
+    # the GPU checks' one command, with --cpu-smoke
+    "gpu_checks": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
+    # the arenas' --smoke: one cell end to end, its JSON line, resume and report
+    "arena": ("e2e/test_arena.py", "test_smoke_run_records_one_line_resumes_and_reports"),
+    "arena_text": ("e2e/test_arena.py", "test_text_arena_smoke_run_records_resumes_and_reports"),
+    # gpu_checks.sh --cpu-smoke runs bench_explore --cpu-smoke, bench_compile (eager, 2 iterations on a
+    # random_pipeline.py --tiny pipeline) and bench_fsdp_memory --cpu-smoke, each through gpu_bench.py
+    "bench_compile": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
+    "bench_explore": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
+    "bench_fsdp_memory": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
+    "random_pipeline": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
+    "gpu_bench": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
+    "bench_presets": ("e2e/test_gpu_checks.py", "test_bench_presets_trains_every_algorithms_preset_from_a_saved_random_pipeline"),
+    "bench_text_preset": ("e2e/test_gpu_checks.py", "test_bench_text_preset_trains_the_qwen_preset_from_a_saved_random_model"),
+    "bench_families": ("models/test_models.py", "test_the_families_bench_trains_each_family_through_the_trainer_on_the_cpu"),
+    "plan_memory": ("train/test_distributed.py", "test_plan_memory_script_prints_the_table_and_refuses_bad_launches"),
+    "pretrain_shapes": ("models/test_shapes_model.py", "test_pretraining_is_deterministic_and_resumes_exactly"),
+    # the converters' convert() (all their main does besides parsing two paths) on tiny checkpoints the tests save
+    "convert_aesthetic_head": ("reward/test_rewards.py", "test_aesthetic_converter_turns_the_original_pth_into_safetensors"),
+    "convert_hps_checkpoint": ("reward/test_rewards.py", "test_hps_converter_keeps_the_state_dict"),
+    "convert_imagereward_checkpoint": ("reward/test_imagereward.py", "test_converted_vision_tower_matches_blip_vit"),
+}
+
+
+def test_every_script_is_smoke_tested_here_or_covered_by_a_named_test():
+    scripts = sorted(p.stem for p in SCRIPTS.iterdir() if p.suffix in (".py", ".sh"))
+    missing = [s for s in scripts if s not in SMOKE_TESTS and s not in COVERED_ELSEWHERE]
+    assert not missing, f"scripts without a smoke test in tests/e2e/test_scripts.py (SMOKE_TESTS) or a named test elsewhere: {missing}"
+    assert not set(SMOKE_TESTS) & set(COVERED_ELSEWHERE)
+    assert sorted(set(SMOKE_TESTS) | set(COVERED_ELSEWHERE)) == scripts, "an entry names a script that is gone"
+    here = globals()
+    assert all(callable(here.get(test)) for test in SMOKE_TESTS.values())
+    for script, (path, test) in COVERED_ELSEWHERE.items():
+        text = (TESTS / path).read_text()
+        assert f"def {test}(" in text, f"{script}: tests/{path} has no {test}"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_state(restore_threads):
+    """One torch thread (the tiny models ran some twenty times slower on two threads of a 2-core machine
+    busy with other work), put back afterwards like accelerate's state, which keeps one precision per process."""
+    import torch
+    from accelerate.state import AcceleratorState
+
+    torch.set_num_threads(1)
+    AcceleratorState._reset_state()
+    yield
+    AcceleratorState._reset_state()
+
+
+def ratio(text: str, pattern: str) -> float:
+    """The number in the printed line `pattern` (a regex with one group) matches."""
+    found = re.search(pattern, text, re.MULTILINE)
+    assert found, f"no line matches {pattern!r} in:\n{text[-3000:]}"
+    return float(found.group(1))
+
+
+# ---- the smoke runs ----------------------------------------------------------------------------------
+def test_bench_allocation_asserts_the_capped_budgets_and_reports_the_uncapped_spending(capsys):
+    assert load_script("bench_allocation").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    # every allocator ran; the capped ones spent exactly the budget (asserted inside), the uncapped report theirs
+    assert ratio(out, r"^vade degenerate ([\d.]+)x uniform$") > 0
+    assert ratio(out, r"^successive_elimination informative ([\d.]+)x uniform$") > 0
+    assert ratio(out, r"^dars rollouts ([\d.]+)x uniform \(uncapped\)$") > 1  # DARS tops up its hard prompts
+    assert ratio(out, r"^reinforce_ada rollouts ([\d.]+)x uniform \(uncapped\)$") > 1
+    assert re.search(r"^dars_budget +degenerate [\d.]+ .* rollouts/iteration 128 ", out, re.MULTILINE)
+    assert re.search(r"^goal: .* -> (PASS|FAIL)$", out, re.MULTILINE)
+
+
+def test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds(tmp_path, capsys, monkeypatch):
+    # the screen end to end with its runs in this process: bench_shapes.main gets the very command line the
+    # screen builds (run_all, which starts them as processes, is tested in test_screen_shapes.py)
+    screen, bench = load_script("screen_shapes"), load_script("bench_shapes")
+    commands = []
+
+    def in_process(jobs, out, parallel, minutes, threads):
+        for name, cmd in jobs.items():
+            assert cmd[1] == str(screen.BENCH) and cmd[2] == "--smoke"
+            commands.append(cmd)
+            assert bench.main(cmd[2:]) == 0
+        return {name: "done" for name in jobs}
+
+    monkeypatch.setattr(screen, "run_all", in_process)
+    recipes = tmp_path / "recipes.txt"
+    recipes.write_text("kl: trainer.kl_beta=0.1\n")
+    out = tmp_path / "screen"
+    assert screen.main([str(recipes), "--seeds", "3", "--eval-seeds", "10000", "--smoke", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    (cmd,) = commands
+    assert cmd[-2:] == ["trainer.kl_beta=0.1", "trainer.seed=3"]
+    summary = json.loads((out / "kl_s3" / "bench_shapes.json").read_text())
+    assert summary["iterations"] == 1 and summary["rollouts"] == 4
+    assert summary["trained"]["overall"]["n"] == 4  # one held-out prompt per category
+    assert summary["gain"] == pytest.approx(summary["trained"]["overall"]["strict"] - summary["base"]["overall"]["strict"])
+    assert f"held-out strict gain {summary['gain']:+.3f}" in printed
+    row = next(line for line in printed.splitlines() if line.startswith("kl "))
+    assert row.split()[1:] == [f"{summary['gain']:+.3f}", f"{summary['gain']:+.3f}", "1/1"]
+
+
+def test_bench_granular_trains_both_methods_and_writes_its_results(tmp_path, capsys):
+    assert load_script("bench_granular").main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert "goal at most 2T + 2 = 34: met" in capsys.readouterr().out
+    results = json.loads((tmp_path / "granular.json").read_text())
+    runs = {r["method"]: r for r in results["runs"]}
+    assert list(runs) == ["flat", "granular"] and all(r["iterations"] == 1 and 0 <= r["strict"] <= 1 for r in runs.values())
+    # flat: 4 chains x 3 steps; G2RPO's two branch steps add branches and tails to each prompt's anchor
+    assert runs["flat"]["nfe_per_iteration"] == 12 and runs["granular"]["nfe_per_iteration"] > 12
+    assert (tmp_path / "granular.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_offline_trains_dgpo_and_gdro_from_its_store(tmp_path, capsys):
+    out = tmp_path / "offline.json"
+    assert load_script("bench_offline").main(["--smoke", "--out", str(out)]) == 0
+    assert "store-s0: 2 groups of 2" in capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert list(results["base"]) == ["10000"]
+    runs = {r["method"]: r for r in results["runs"]}
+    assert list(runs) == ["dgpo", "gdro"] and all(r["iterations"] == 1 for r in runs.values())
+    assert runs["gdro"]["build_minutes"] > 0 == runs["dgpo"]["build_minutes"]
+    assert runs["gdro"]["gain"] == pytest.approx(runs["gdro"]["trained"]["10000"] - results["base"]["10000"])
+
+
+def test_bench_search_searches_with_every_method_and_writes_its_rows(tmp_path):
+    assert load_script("bench_search").main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "search.json").read_text())["rows"]
+    # three methods at budgets of 1 and 2 samples of 3 steps, on the 4 prompts
+    assert [(r["method"], r["budget_nfe"]) for r in rows] == [(m, b) for m in ("bon", "smc", "dts_star") for b in (3, 6)]
+    assert all(r["nfe_per_prompt"] <= r["budget_nfe"] and 0 <= r["strict"] <= 1 for r in rows)
+    assert (tmp_path / "search.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probe_relations_prints_both_measures(capsys):
+    assert load_script("probe_relations").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert 0 <= ratio(out, r": 2 position samples, strict ([\d.]+), objects right") <= 1
+    assert 0 <= ratio(out, r"mean pixel difference ([\d.]+) of 255$") <= 255
+
+
+def test_pretrain_text_exports_a_model(tmp_path):
+    assert load_script("pretrain_text").main(["--smoke", "--out", str(tmp_path / "model")]) == 0
+    info = json.loads((tmp_path / "model" / "pretrain.json").read_text())
+    assert info["step"] == 1 and info["parameters"] > 10**6 and 0 <= info["held_out_exact_match"] <= 1
+    assert (tmp_path / "model" / "model.safetensors").is_file() and (tmp_path / "model" / "tokenizer.json").is_file()
+
+
+def test_bench_rollout_prints_the_overhead_and_runs_the_gpu_iteration_code(capsys):
+    assert load_script("bench_rollout").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert ratio(out, r"^rollout overhead ([\d.]+)x bare forwards") > 0
+    assert ratio(out, r"^sampling [\d.]+ s \+ training [\d.]+ s = ([\d.]+) s per iteration$") > 0
+
+
+def test_bench_tree_times_every_method_trains_them_and_samples_a_tree(capsys):
+    assert load_script("bench_tree").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    for method in ("tree", "tree+depth", "mix"):
+        assert ratio(out, rf"^{re.escape(method)} ([\d.]+)x flat$") > 0
+    edges = {m: int(ratio(out, rf"^{re.escape(m)} +[\d.]+ +(\d+) ")) for m in ("flat", "tree", "tree+depth", "mix")}
+    assert edges["flat"] == 4 * 4 and edges["tree+depth"] < edges["tree"]  # 4 leaves x 4 steps; pruning trains fewer
+    assert out.count(": 1 iterations in ") == 4 and ratio(out, r"^untrained: eval reward (-?[\d.]+)$") < 0
+    assert ratio(out, r"^tree sampling ([\d.]+)x flat$") > 0
+
+
+def test_bench_two_stage_measures_fidelity_and_trains_both_methods(capsys):
+    assert load_script("bench_two_stage").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert -1 <= ratio(out, r"^spearman (-?[\d.]+) +\(nvfp4") <= 1
+    # one iteration of one prompt x K=2; two-stage explored M=4 candidates for 4 steps in nvfp4
+    assert re.search(r"^flat +1 +2 +8 +0 ", out, re.MULTILINE) and re.search(r"^two_stage +1 +2 +8 +16 ", out, re.MULTILINE)
+
+
+def test_bench_text_runs_rl_sft_and_the_allocators(tmp_path):
+    out = tmp_path / "text.json"
+    assert load_script("bench_text").main(["--smoke", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["rl"]["0"]["iterations"] == 1 and results["rl"]["0"]["rollouts"] == 4
+    assert results["sft"]["0"]["steps"] == 1
+    assert list(results["allocators"]) == ["uniform", "vade", "successive_elimination"]
+    assert all(0 <= r["held_out"]["all"] <= 1 for part in ("rl", "sft", "allocators") for r in results[part].values())
+
+
+def test_bench_remote_times_both_transports(capsys, monkeypatch):
+    bench = load_script("bench_remote")
+    monkeypatch.setitem(sys.modules, "bench_remote", bench)  # the stand-in collector is pickled by its module's name
+    assert bench.main(["--smoke"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("default "))
+    tensors, weights_mb, batch_mb, local_s, remote_s, remote_over_local = map(float, row.split()[1:])
+    assert tensors > 0 and weights_mb > 0 and batch_mb > 0 and remote_over_local > 0
+
+
+def test_readme_figures_draws_both_figures_of_a_run(tmp_path, capsys):
+    assert load_script("readme_figures").main(["--smoke", "--out", str(tmp_path)]) == 0
+    for name in ("default_before_after.png", "default_reward_curve.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    assert re.search(r"^training reward: iteration 0 -?[\d.]+, iteration 0 -?[\d.]+$", capsys.readouterr().out, re.MULTILINE)
+
+
+# ---- the scripts that start `flowrl train` as a process of its own ---------------------------------
+@pytest.mark.slow  # ~9 s on the 2-core box: a fresh interpreter imports the image stack before its one iteration
+def test_check_metrics_unchanged_compares_a_fresh_run_with_the_record(capsys):
+    check = load_script("check_metrics_unchanged")
+    # the comparison names every kind of difference
+    assert check.compare("r", [{"a": 1, "b": 2}], [{"a": 1, "c": 3}, {}]) == [
+        "r: 1 iterations, recorded 2", "r iteration 0: 'b' is new (2)", "r iteration 0: 'c' missing (recorded 3)"]
+    # one iteration through the CLI in a fresh process; bit for bit only on the recording kind of machine
+    code = check.main(["--smoke"])
+    out = capsys.readouterr().out
+    found = re.search(r"^tiny_jpeg: (identical|(\d+) differences) \(1 iterations, against commit \w+\)$", out, re.MULTILINE)
+    assert found, out
+    assert code == (0 if found.group(1) == "identical" else 1)
+
+
+def test_bench_async_trains_a_part_in_a_fresh_process_and_judges_it(tmp_path, capsys):
+    out = tmp_path / "async.jsonl"
+    assert load_script("bench_async").main(["--smoke", "--out", str(out), "--runs", str(tmp_path / "runs")]) == 0
+    base, row = [json.loads(line) for line in out.read_text().splitlines()]
+    assert base["part"] == "base" and 0 <= base["held_out"] <= 1
+    # a trainer beside one producer: the batches it trained on were at most one update old
+    assert (row["part"], row["iterations"]) == ("async1", 2) and 0 <= row["staleness"] <= 1 and 0 <= row["held_out"] <= 1
+    assert re.search(r"^async1 +1 +[+-][\d.]+ +\d+ +2 ", capsys.readouterr().out, re.MULTILINE)
