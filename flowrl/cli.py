@@ -43,7 +43,20 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="flowrl", description="RL alignment of rectified-flow text-to-image models")
     p.add_argument("--version", action="version", version=f"flowrl {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    _train_parser(sub)
+    _sample_parser(sub)
+    _eval_parser(sub)
+    _offline_parser(sub)
+    _export_parser(sub)
+    _config_parser(sub)
+    sub.add_parser("rewards", help="list the registered rewards")
+    _produce_parser(sub)
+    _serve_reward_parser(sub)
+    return p
 
+
+def _train_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `flowrl train` and its arguments."""
     t = sub.add_parser("train", help="run RL training: GRPO, DiffusionNFT, DGPO or GDRO (no CONFIG: the default preset, DGPO on the shapes model)",
                        epilog=f"presets (CONFIG): {', '.join(preset_names())}. Overrides may come anywhere on the line.")
     t.add_argument("config", nargs="?", help="a YAML file or a preset name from configs/")
@@ -51,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
     t.add_argument("--run-dir", metavar="DIR", help="write the run here instead of run.output_dir/run.name")
 
+
+def _sample_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `flowrl sample` and its arguments."""
     s = sub.add_parser("sample", help="sample a PNG grid from a run's latest checkpoint (EMA weights when present) or a base model; "
                        "--search aligns the samples at inference time")
     src = s.add_mutually_exclusive_group(required=True)
@@ -69,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
     _search_arguments(s)
     s.add_argument("overrides", nargs="*", help="dot-list overrides of the config (search.lam=20 ...)")
 
+
+def _eval_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `flowrl eval` and its arguments."""
     e = sub.add_parser("eval", help="mean reward per channel on a prompt file")
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", metavar="DIR", help="a run directory (its latest checkpoint)")
@@ -84,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     _search_arguments(e)
     e.add_argument("overrides", nargs="*", help="dot-list overrides of the config (model.guidance_scale=3.0 ...)")
 
+
+def _offline_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `flowrl offline build` and its arguments."""
     o = sub.add_parser("offline", help="group stores for offline training (objective.kind gdro, rollout.kind offline)")
     osub = o.add_subparsers(dest="offline_command", required=True)
     b = osub.add_parser("build", help="sample data.group_size images per prompt once, score them, write a group store")
@@ -95,6 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=_int(1), metavar="N", help="N prompts drawn from the prompt set (default: all of it)")
     b.add_argument("--shard-groups", type=_int(1), default=32, metavar="G", help="groups per shard file (default 32)")
 
+
+def _export_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `flowrl export` and its arguments."""
     x = sub.add_parser("export", help="a run's checkpoint for plain diffusers: its LoRA (load_lora_weights), or with --merge "
                        "a standalone pipeline directory with the weights fused into the transformer")
     x.add_argument("--run", required=True, metavar="DIR", help="a run directory (its latest checkpoint; EMA weights when present)")
@@ -102,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--merge", action="store_true", help="write the whole pipeline, the LoRA fused in (`<Pipeline>.from_pretrained(DIR)`)")
     x.add_argument("-o", "--out", required=True, metavar="DIR", help="a new or empty directory")
 
+
+def _config_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `flowrl config show` and its arguments."""
     c = sub.add_parser("config", help="print a resolved config")
     csub = c.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="the resolved config as YAML, each key with its description",
@@ -109,14 +137,18 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("config", nargs="?", help="a YAML file or a preset name (default: the default preset)")
     show.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. trainer.lr=1e-5")
 
-    sub.add_parser("rewards", help="list the registered rewards")
 
+def _produce_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `flowrl produce` and its arguments."""
     pr = sub.add_parser("produce", help="sample asynchronous rollouts on this machine for a trainer on another one "
                         "(run.async_rollouts with run.producer_port; docs/usage.md)")
     pr.add_argument("address", metavar="TRAINER_HOST:PORT", help="the trainer's machine and its run.producer_port")
     pr.add_argument("--threads", type=_int(0), default=0, help="torch threads on a CPU (default 0: torch's default)")
     pr.add_argument("--wait-minutes", type=float, default=10.0, help="how long to wait for the trainer to listen (default 10)")
 
+
+def _serve_reward_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `flowrl serve-reward` and its arguments."""
     r = sub.add_parser("serve-reward", help="serve a registered reward over HTTP for remote clients (reward `remote`)")
     r.add_argument("name", help="a reward listed by `flowrl rewards`")
     r.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -124,7 +156,6 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("-o", "--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a reward option, as under reward.options.NAME (repeat), e.g. -o device=cuda -o batch_size=16")
     r.add_argument("--verbose", action="store_true", help="log every request")
-    return p
 
 
 def _search_arguments(p: argparse.ArgumentParser) -> None:

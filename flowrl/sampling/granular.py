@@ -109,7 +109,6 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
     `tail_indices(k, g, T, tail_grid, tail_end)`."""
     prompts, seeds = list(prompts), [int(s) for s in seeds]
     P, T, G = len(prompts), spec.num_steps, group_size
-    M, L = len(branch_steps), len(granularities)
     shape = tuple(policy.latent_shape())
     sig = spec.sigmas
     for p in dict.fromkeys(prompts):  # each prompt encoded alone (see FlowPolicy.encode)
@@ -117,6 +116,20 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
     tails = [[tail_indices(k, g, T, tail_grid, tail_end) for g in granularities] for k in branch_steps]  # [M][L]
     bar = tqdm(total=granular_nfe(T, branch_steps, granularities, G, tail_grid, tail_end) * P, desc=desc, disable=not progress,
                leave=False, unit="nfe")
+    anchors, branch_v, nfe, calls = _anchor(policy, prompts, seeds, spec, branch_steps, batch_size, shape, bar)
+    branch_next, log_probs = _branches(policy, anchors, branch_v, seeds, spec, branch_steps, G, shape)
+    state, tail_nfe, tail_calls = _tails(policy, branch_next, tails, len(granularities), prompts, sig, T, batch_size, shape, bar)
+    nfe, calls = nfe + tail_nfe, calls + tail_calls
+    bar.close()
+    return GranularBatch(anchors, branch_next, log_probs, state, list(branch_steps), list(granularities), prompts,
+                         torch.as_tensor(list(prompt_ids) if prompt_ids is not None else range(P), dtype=torch.long),
+                         torch.as_tensor(seeds, dtype=torch.long), nfe, calls)
+
+
+def _anchor(policy, prompts: list[str], seeds: list[int], spec: SamplerSpec, branch_steps: Sequence[int], batch_size: int,
+            shape: tuple, bar) -> tuple[torch.Tensor, dict, int, int]:
+    """The anchors' ODE chains: (every latent [P, T + 1, *latent], the velocity at each branch step, rows, calls)."""
+    P, T, sig = len(prompts), spec.num_steps, spec.sigmas
     # the anchor: ODE from the group's noise, keeping every latent and the velocity at branch steps
     x = seeded_noise(seeds, INITIAL, shape, policy.device)
     anchors = torch.empty((P, T + 1, *shape))
@@ -131,6 +144,13 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
             branch_v[t] = v
         x = ode_step(x, v, float(sig[t]), float(sig[t + 1])).next_x
         anchors[:, t + 1] = x.cpu()
+    return anchors, branch_v, nfe, calls
+
+
+def _branches(policy, anchors: torch.Tensor, branch_v: dict, seeds: list[int], spec: SamplerSpec, branch_steps: Sequence[int],
+              G: int, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """The branches' SDE steps from the anchors: (x'_{k+1} [P, M, G, *latent], their log-probs [P, M, G])."""
+    P, M = anchors.shape[0], len(branch_steps)
     # the branches: G noises around one mean per (prompt, step)
     branch_next = torch.empty((P, M, G, *shape))
     log_probs = torch.zeros((P, M, G))
@@ -140,6 +160,14 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
         out = spec.step(k, xk, branch_v[k].repeat_interleave(G, 0), noise=noise)
         branch_next[:, m] = out.next_x.view(P, G, *shape).cpu()
         log_probs[:, m] = out.log_prob.view(P, G).cpu()
+    return branch_next, log_probs
+
+
+def _tails(policy, branch_next: torch.Tensor, tails: list[list[list[int]]], L: int, prompts: list[str], sig: torch.Tensor,
+           T: int, batch_size: int, shape: tuple, bar) -> tuple[torch.Tensor, int, int]:
+    """The ODE tails from every branch, batched by sigma: (the finished tails [P, M, L, G, *latent], rows, calls)."""
+    P, M, G = branch_next.shape[0], len(tails), branch_next.shape[2]
+    nfe = calls = 0
     # the tails: tail (p, m, l, i) stands at sigma index where[m, l], the pos[m, l]-th of its indices
     # (a branch at the last step is finished already); every index advances, in one batched call,
     # the tails standing there to their next index
@@ -161,10 +189,7 @@ def granular_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec:
         state[:, ml[:, 0], ml[:, 1]] = (rows.to(policy.device) + dt.to(policy.device) * v.view(rows.shape)).cpu()
         where[ml[:, 0], ml[:, 1]] = nxt
         pos[ml[:, 0], ml[:, 1]] += 1
-    bar.close()
-    return GranularBatch(anchors, branch_next, log_probs, state, list(branch_steps), list(granularities), prompts,
-                         torch.as_tensor(list(prompt_ids) if prompt_ids is not None else range(P), dtype=torch.long),
-                         torch.as_tensor(seeds, dtype=torch.long), nfe, calls)
+    return state, nfe, calls
 
 
 def branch_edges(policy, batch: GranularBatch, spec: SamplerSpec, m: int, prompt_slice: slice) -> StepOutput:

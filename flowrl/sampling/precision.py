@@ -281,6 +281,16 @@ class FirstBlockCache(nn.Module):
         return out
 
 
+def _check_copy_options(precision: str, backend: str, fp8_scaling: str) -> None:
+    """Refuse an exploration copy's unknown precision, backend or fp8 scaling."""
+    if precision not in EXPLORE_PRECISIONS:
+        raise UserError(f"rollout.two_stage.explore_precision must be one of {', '.join(EXPLORE_PRECISIONS)}; got '{precision}'")
+    if backend not in BACKENDS:
+        raise UserError(f"rollout.two_stage.backend must be one of {', '.join(BACKENDS)}; got '{backend}'")
+    if fp8_scaling not in FP8_SCALINGS:
+        raise UserError(f"rollout.two_stage.fp8_scaling must be one of {', '.join(FP8_SCALINGS)}; got '{fp8_scaling}'")
+
+
 class ExplorationCopy:
     """The current policy in `precision` (EXPLORE_PRECISIONS) for stage-1 exploration.
 
@@ -294,16 +304,33 @@ class ExplorationCopy:
 
     def __init__(self, policy, precision: str, backend: str = "auto", high_precision_layers=HIGH_PRECISION_LAYERS,
                  fp8_scaling: str = "row", min_features: int = 0, first_block_cache: float = 0.0):
-        if precision not in EXPLORE_PRECISIONS:
-            raise UserError(f"rollout.two_stage.explore_precision must be one of {', '.join(EXPLORE_PRECISIONS)}; got '{precision}'")
-        if backend not in BACKENDS:
-            raise UserError(f"rollout.two_stage.backend must be one of {', '.join(BACKENDS)}; got '{backend}'")
-        if fp8_scaling not in FP8_SCALINGS:
-            raise UserError(f"rollout.two_stage.fp8_scaling must be one of {', '.join(FP8_SCALINGS)}; got '{fp8_scaling}'")
+        _check_copy_options(precision, backend, fp8_scaling)
         self.source, self.requested, self.fp8_scaling = policy, precision, fp8_scaling
-        device = policy.device
         self.quantized: list[str] = []
         self._torchao_loaded: set[str] = set()
+        compute = self._choose_mode(policy, precision, backend, first_block_cache)
+        self.compute_dtype = compute
+        self.cache: FirstBlockCache | None = None
+        if self.mode == "identity":
+            self.net, self.policy, self.label = None, policy, None
+            return
+        self.label = {"plain": str(compute).removeprefix("torch."), "emulated": f"{precision}-emulated", "torchao": precision}[self.mode]
+        if precision == "fp8" and self.mode != "plain":
+            self.label += f"-{fp8_scaling}"
+        net = self._build_network(policy, precision, compute, high_precision_layers, fp8_scaling, min_features)
+        self.net = net
+        view = copy.copy(policy)  # shares the prompt cache, the text encoders and the VAE
+        view.net = _CastInputs(net, compute) if compute != policy.dtype else net
+        if first_block_cache:
+            self.cache = view.net = FirstBlockCache(view.net, net, first_block_cache)
+            self.label += f"+fbc{first_block_cache:g}"  # no training precision is called so: the GRPO guard refuses these samples
+        view.precision = self.label
+        self.policy = view
+        self.resync()
+
+    def _choose_mode(self, policy, precision: str, backend: str, first_block_cache: float) -> torch.dtype:
+        """Set `self.mode` (identity | plain | emulated | torchao) and return the copy's compute dtype."""
+        device = policy.device
         if precision in DTYPES:
             self.mode = "identity" if DTYPES[precision] == policy.dtype and not first_block_cache else "plain"
             compute = DTYPES[precision]
@@ -316,17 +343,14 @@ class ExplorationCopy:
                                 f"device is {device}: use backend auto or emulated")
             _import_torchao()
             self.mode, compute = "torchao", torch.bfloat16
-        self.compute_dtype = compute
-        self.cache: FirstBlockCache | None = None
-        if self.mode == "identity":
-            self.net, self.policy, self.label = None, policy, None
-            return
-        self.label = {"plain": str(compute).removeprefix("torch."), "emulated": f"{precision}-emulated", "torchao": precision}[self.mode]
-        if precision == "fp8" and self.mode != "plain":
-            self.label += f"-{fp8_scaling}"
+        return compute
 
+    def _build_network(self, policy, precision: str, compute: torch.dtype, high_precision_layers, fp8_scaling: str,
+                       min_features: int) -> nn.Module:
+        """An empty copy of the policy's network in `compute`, its quantisable linears chosen (and faked when emulated)."""
         from accelerate import init_empty_weights
 
+        device = policy.device
         src = policy.transformer
         with init_empty_weights():  # every tensor is loaded from the policy by resync()
             net = type(src).from_config(src.config)
@@ -348,15 +372,7 @@ class ExplorationCopy:
                                                        fp8_scaling))
         prefixes = tuple(n + "." for n in self.quantized)
         self._plain = {n: t for n, t in [*net.named_parameters(), *net.named_buffers()] if not n.startswith(prefixes)}
-        self.net = net
-        view = copy.copy(policy)  # shares the prompt cache, the text encoders and the VAE
-        view.net = _CastInputs(net, compute) if compute != policy.dtype else net
-        if first_block_cache:
-            self.cache = view.net = FirstBlockCache(view.net, net, first_block_cache)
-            self.label += f"+fbc{first_block_cache:g}"  # no training precision is called so: the GRPO guard refuses these samples
-        view.precision = self.label
-        self.policy = view
-        self.resync()
+        return net
 
     @torch.no_grad()
     def resync(self) -> float:

@@ -96,20 +96,31 @@ def dts(problem, seeds: Sequence[int], budgets: Sequence[int], sampler: str = "f
                         batch.append(_Rollout(p, node, node, t0, t0, x, v, seed))
             if batch:
                 _roll_out(problem, spec, T, batch, trees, states, depth_of_step, progress)
-                finished = torch.stack([r.x for r in batch])
-                rewards = problem.score(finished, [r.tree for r in batch])
-                for r, reward in zip(batch, rewards.tolist()):
-                    ledgers[r.tree].charge(decodes=1, reward_calls=1)
-                    leaf = trees[r.tree].add(r.node)
-                    states[r.tree][leaf] = (r.x, None)
-                    trees[r.tree].backup(leaf, reward)
-                    trees[r.tree].finish_expansion(r.start)
-        chosen = [trees[p].best_leaf() if star else trees[p].draw(gens[p]) for p in range(P)]
-        result.add(mark, torch.stack([states[p][n][0] for p, n in enumerate(chosen)]),
-                   torch.tensor([trees[p].value[n] for p, n in enumerate(chosen)]),
-                   [dict(ledgers[p].as_dict(), nodes=len(trees[p]), samples=len(trees[p].leaves())) for p in range(P)],
-                   time.perf_counter() - start_time)
+                _score_leaves(problem, batch, trees, states, ledgers)
+        _answer(result, mark, trees, states, ledgers, gens, star, start_time)
     return result
+
+
+def _score_leaves(problem, batch: list[_Rollout], trees, states, ledgers) -> None:
+    """Score the finished rollouts of `batch`, add each as a leaf of its tree and back its reward up."""
+    finished = torch.stack([r.x for r in batch])
+    rewards = problem.score(finished, [r.tree for r in batch])
+    for r, reward in zip(batch, rewards.tolist()):
+        ledgers[r.tree].charge(decodes=1, reward_calls=1)
+        leaf = trees[r.tree].add(r.node)
+        states[r.tree][leaf] = (r.x, None)
+        trees[r.tree].backup(leaf, reward)
+        trees[r.tree].finish_expansion(r.start)
+
+
+def _answer(result: SearchResult, mark: int, trees, states, ledgers, gens, star: bool, start_time: float) -> None:
+    """Add each tree's answer at budget `mark` to `result`: its best leaf (DTS*) or a draw from it (DTS)."""
+    P = len(trees)
+    chosen = [trees[p].best_leaf() if star else trees[p].draw(gens[p]) for p in range(P)]
+    result.add(mark, torch.stack([states[p][n][0] for p, n in enumerate(chosen)]),
+               torch.tensor([trees[p].value[n] for p, n in enumerate(chosen)]),
+               [dict(ledgers[p].as_dict(), nodes=len(trees[p]), samples=len(trees[p].leaves())) for p in range(P)],
+               time.perf_counter() - start_time)
 
 
 def _roll_out(problem, spec, T: int, batch: list[_Rollout], trees, states, depth_of_step, progress) -> None:

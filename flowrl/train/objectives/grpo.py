@@ -108,10 +108,7 @@ class GRPO(Objective):
             order = torch.randperm(len(groups), generator=gen).tolist() if experience.shuffle else list(range(len(groups)))
             for gi, group_index in enumerate(order):
                 group = groups[group_index]
-                closes_step = (gi + 1) % accum == 0 or gi == len(order) - 1
-                first = (gi // accum) * accum
-                step_len = min(accum, len(order) - first)  # the last step's share may be short
-                step_kept = sum(sum(kept[j]) for j in order[first : first + step_len])
+                closes_step, step_len, step_kept = _optimizer_step_share(gi, order, accum, kept)
                 for k, mb in enumerate(group):
                     sync = closes_step and k == len(group) - 1
                     with contextlib.nullcontext() if sync else ctx.accelerator.no_sync(ctx.policy.net):
@@ -134,6 +131,12 @@ class GRPO(Objective):
                     grad_norms.append(ctx.optimizer_step())
         bar.close()
         ctx.policy.transformer.eval()
+        return self._update_stats(sums, count, grad_norms, first_ratio_dev, groups, proximal)
+
+    def _update_stats(self, sums: dict, count: int, grad_norms: list, first_ratio_dev: float | None,
+                      groups: list[list[TransitionBatch]], proximal: list[list[torch.Tensor]] | None) -> dict:
+        """The update's statistics, reduced over every process, with the behaviour weights' on a stale batch."""
+        ctx = self.ctx
         # over every process's micro-batches: the logged loss is the global batch's on any number of processes
         acc = ctx.accelerator
         totals = acc.reduce(torch.tensor([*sums.values(), count], dtype=torch.float64, device=acc.device), "sum").tolist()
@@ -191,6 +194,15 @@ class GRPO(Objective):
             kl = mb.kl(out, ref, keep).mean()
             loss = loss + t.kl_beta * kl
         return loss, pl, kl
+
+
+def _optimizer_step_share(gi: int, order: list[int], accum: int, kept: list[list[int]]) -> tuple[bool, int, int]:
+    """(whether the gi-th group closes its optimizer step, the step's groups, the step's kept transitions)."""
+    closes_step = (gi + 1) % accum == 0 or gi == len(order) - 1
+    first = (gi // accum) * accum
+    step_len = min(accum, len(order) - first)  # the last step's share may be short
+    step_kept = sum(sum(kept[j]) for j in order[first : first + step_len])
+    return closes_step, step_len, step_kept
 
 
 def off_policy_loss(g, log_prob: torch.Tensor, proximal: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,

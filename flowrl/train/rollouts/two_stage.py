@@ -202,7 +202,7 @@ class TwoStageRollout(Rollout):
         """Explore the pool in low precision, select, regenerate the selection in the training
         precision; the regenerated samples with their advantages (the allocator sees them)."""
         ctx, ts, it = self.ctx, self.ts, iteration
-        cfg, acc = ctx.cfg, ctx.accelerator
+        cfg = ctx.cfg
         spec, weights = training_spec(cfg, it, ctx.policy, ctx.plan), ctx.reward_fn.channel_weights
         counts = ctx.allocator.first_stage(it)  # uniform (validated): K per chosen prompt
         pool_ids = torch.repeat_interleave(torch.arange(len(ctx.prompts)), counts // cfg.data.group_size * ts.candidates).tolist()
@@ -220,20 +220,7 @@ class TwoStageRollout(Rollout):
         selected = select_per_group(cfg.selection.kind, explore_total, pool.prompt_ids,
                                     {int(p): int(counts[p]) for p in pool.prompt_ids.unique()}, pool.valid, gen)
 
-        # stage 2: regenerate the selected seeds in the training precision (or the whole pool, to measure fidelity)
-        t2 = time.perf_counter()
-        fid = {}
-        if not ts.regenerate:  # training-precision samples of the training sampler, or clean samples for nft (validated)
-            train_stage, regenerated = subset_stage(pool, selected, acc.num_processes, acc.process_index), 0
-        elif ts.fidelity_every and it % ts.fidelity_every == 0:
-            full = self.flat.sample_stage(pool_ids, seeds, spec, f"iter {it} regenerating the pool", it)
-            fid = fidelity(explore_total, full.rewards.float() @ weights, pool.valid & full.valid, pool.prompt_ids)
-            train_stage, regenerated = subset_stage(full, selected, acc.num_processes, acc.process_index), len(pool_ids)
-        else:
-            train_stage = self.flat.sample_stage([pool_ids[i] for i in selected.tolist()], [seeds[i] for i in selected.tolist()],
-                                                 spec, f"iter {it} regenerating", it)
-            regenerated = len(selected)
-        regen_s = time.perf_counter() - t2 - (train_stage.reward_wait if regenerated else 0.0)
+        train_stage, regenerated, fid, regen_s = self._regenerate(pool, selected, pool_ids, seeds, spec, explore_total, weights, it)
 
         # train on the regenerated samples, with advantages from their own rewards
         rewards, prompt_ids, valid = train_stage.rewards, train_stage.prompt_ids, train_stage.valid
@@ -259,6 +246,26 @@ class TwoStageRollout(Rollout):
             "time_reward_wait": pool.reward_wait + (train_stage.reward_wait if regenerated else 0.0),
         }
         return FlatBatch(it, spec, [train_stage], rewards, prompt_ids, valid, advantages, metrics)
+
+    def _regenerate(self, pool: Stage, selected: torch.Tensor, pool_ids: list[int], seeds: list[int], spec: SamplerSpec,
+                    explore_total: torch.Tensor, weights: torch.Tensor, it: int) -> tuple[Stage, int, dict, float]:
+        """Stage 2: (the stage to train on, the samples regenerated, the fidelity metrics, the regeneration's seconds)."""
+        ts, acc = self.ts, self.ctx.accelerator
+        # stage 2: regenerate the selected seeds in the training precision (or the whole pool, to measure fidelity)
+        t2 = time.perf_counter()
+        fid = {}
+        if not ts.regenerate:  # training-precision samples of the training sampler, or clean samples for nft (validated)
+            train_stage, regenerated = subset_stage(pool, selected, acc.num_processes, acc.process_index), 0
+        elif ts.fidelity_every and it % ts.fidelity_every == 0:
+            full = self.flat.sample_stage(pool_ids, seeds, spec, f"iter {it} regenerating the pool", it)
+            fid = fidelity(explore_total, full.rewards.float() @ weights, pool.valid & full.valid, pool.prompt_ids)
+            train_stage, regenerated = subset_stage(full, selected, acc.num_processes, acc.process_index), len(pool_ids)
+        else:
+            train_stage = self.flat.sample_stage([pool_ids[i] for i in selected.tolist()], [seeds[i] for i in selected.tolist()],
+                                                 spec, f"iter {it} regenerating", it)
+            regenerated = len(selected)
+        regen_s = time.perf_counter() - t2 - (train_stage.reward_wait if regenerated else 0.0)
+        return train_stage, regenerated, fid, regen_s
 
     def experience(self, batch: FlatBatch) -> Experience:
         return flat_experience(self.ctx, batch, with_transitions=TRANSITIONS in self.provides(self.ctx.cfg))
