@@ -23,7 +23,7 @@ from flowrl.core.search import BACKUPS, POTENTIALS, RESAMPLINGS
 from flowrl.core.selection import SELECTION_KINDS
 from flowrl.devices import DTYPES
 from flowrl.errors import ConfigError, check_choice, check_producers
-from flowrl.models import POLICY_CLASSES, VIDEO_KINDS
+from flowrl.models import FAMILIES
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.models.compile import COMPILE_MODES
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
@@ -41,7 +41,6 @@ from flowrl.train.sharding import DISTRIBUTED
 from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml, refuse_moved_keys
 from rewards import available_rewards, check_reward_config
 
-MODEL_KINDS = tuple(POLICY_CLASSES)
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
 REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")
@@ -282,7 +281,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
 
 def _validate_model(cfg: Config, validate_paths: bool) -> None:
     m = cfg.model
-    check_choice("model.kind", m.kind, MODEL_KINDS)
+    check_choice("model.kind", m.kind, FAMILIES)
     check_choice("model.dtype", m.dtype, DTYPES)
     check_choice("model.compile", m.compile, COMPILE_MODES)
     if validate_paths:
@@ -291,12 +290,12 @@ def _validate_model(cfg: Config, validate_paths: bool) -> None:
         value = getattr(m, key)
         if value <= 0 or value % 16:
             raise ConfigError(f"model.{key} must be a positive multiple of 16; got {value}")
-    if m.kind in VIDEO_KINDS and (m.num_frames < 1 or (m.num_frames - 1) % 4):
+    if FAMILIES[m.kind].video and (m.num_frames < 1 or (m.num_frames - 1) % 4):
         raise ConfigError(f"model.num_frames must be 1 plus a multiple of 4 (the VAE packs 4 frames into each latent frame after "
                           f"the first), such as 5, 13 or 81; got {m.num_frames}")
-    if m.kind not in VIDEO_KINDS and m.num_frames != 1:
-        raise ConfigError(f"model.num_frames must be 1 for model.kind {m.kind} (an image family; video: {', '.join(VIDEO_KINDS)}); "
-                          f"got {m.num_frames}")
+    if not FAMILIES[m.kind].video and m.num_frames != 1:
+        video = ", ".join(FAMILIES.where(lambda f: f.video))
+        raise ConfigError(f"model.num_frames must be 1 for model.kind {m.kind} (an image family; video: {video}); got {m.num_frames}")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
 

@@ -18,13 +18,15 @@ import torch
 from flowrl.devices import DTYPES, pick_device
 from flowrl.errors import UserError
 from flowrl.models.compile import compile_network, padded_velocity
+from flowrl.models.tiny import TINY_BUILDERS
 from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.schema import LoraConfig, ModelConfig
 
 
 BUILTIN_PREFIX = "builtin:"
-# model.path builtin:NAME; each tiny-* is built by flowrl.models.tiny.build_tiny_*
-BUILTIN_MODELS = ("shapes", "tiny-sd3", "tiny-flux", "tiny-flux2", "tiny-flux2-klein", "tiny-qwen-image", "tiny-z-image", "tiny-sana", "tiny-wan")
+# model.path builtin:NAME: the pretrained shapes model shipped in the package, and each tiny pipeline
+# flowrl/models/tiny.py builds (its `builtin` decorator names them)
+BUILTIN_MODELS = ("shapes", *TINY_BUILDERS)
 # sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
 # (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
 # sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
@@ -43,13 +45,11 @@ def builtin_model_dir(name: str) -> Path:
     """Materialise a built-in tiny pipeline once into the cache, then load it like any other."""
     import os
 
-    from flowrl.models import tiny
-
     root = Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")) / "builtin"
     target = root / name
     if not (target / "model_index.json").is_file():
         tmp = root / f".{name}.tmp{os.getpid()}"
-        getattr(tiny, "build_" + name.replace("-", "_"))(tmp)  # builtin:tiny-qwen-image -> build_tiny_qwen_image
+        TINY_BUILDERS[name](tmp)
         try:
             tmp.replace(target)  # atomic; another process may have won the race
         except OSError:
@@ -80,12 +80,6 @@ def absent_components(path: str) -> dict[str, None]:
         return {}
     entries = json.loads(index.read_text())
     return {k: None for k, v in entries.items() if isinstance(v, list) and len(v) == 2 and v[0] is None}
-
-
-# model_index.json's class -> model.kind
-PIPELINE_KINDS = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "Flux2Pipeline": "flux2", "Flux2KleinPipeline": "flux2_klein",
-                  "QwenImagePipeline": "qwen_image", "ZImagePipeline": "z_image", "SanaPipeline": "sana",
-                  "WanPipeline": "wan"}
 
 
 def pad_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -121,10 +115,42 @@ def euler_scheduler(scheduler):
     return FlowMatchEulerDiscreteScheduler(shift=float(scheduler.config.get("flow_shift", 1.0) or 1.0))
 
 
-class FlowPolicy:
-    """Shared machinery; subclasses implement encoding, the transformer call and latent layout."""
+class DiffusersClass:
+    """A class attribute that names a diffusers class by a string attribute of its owner and imports it
+    on first use: importing an adapter does not import its pipeline (a few seconds each)."""
 
-    pipeline_class: Any = None
+    def __init__(self, name_attribute: str):
+        self.name_attribute = name_attribute
+
+    def __get__(self, obj, owner) -> Any:
+        name = getattr(owner, self.name_attribute)
+        if not name:
+            return None
+        import diffusers
+
+        return getattr(diffusers, name)
+
+
+class FlowPolicy:
+    """Shared machinery; subclasses implement encoding, the transformer call and latent layout.
+
+    A family's facts are its class attributes below (a subclass sets those it differs on and
+    registers itself with `flowrl.models.register_family`); nothing about a family lives elsewhere."""
+
+    kind = ""  # model.kind: the name it is registered under in flowrl.models.FAMILIES
+    pipeline_name = ""  # its diffusers pipeline class, by name (model_index.json's _class_name)
+    pipeline_class = DiffusersClass("pipeline_name")  # that class, imported from diffusers on first use
+    video = False  # samples are videos [B, 3, F, H, W] (model.num_frames); else images [B, 3, H, W]
+    trains_with_cfg = False  # its presets train through classifier-free guidance: two rows per sample in a forward
+    cross_attention = False  # its blocks attend to the prompt rather than carry the prompt's tokens in the sequence
+    token_patch: int | None = 2  # latent pixels per side of one image token; None: the transformer config's patch_size
+    latent_scale = 8  # image pixels per latent pixel on a side (the VAE's spatial downsampling)
+    prompt_tokens = 512  # prompt tokens per sample at model.max_sequence_length 0 (its pipeline's default)
+    extra_prompt_tokens = 0  # tokens the sequence carries beside the prompt's (SD3: CLIP's 77)
+    # published hub id -> the configs the memory planner builds it from on the meta device (no download):
+    # {"transformer": (diffusers class, kwargs), "text_encoders": [(transformers model class, (config
+    # class, kwargs))], "vae": (diffusers class, kwargs)}; a subclass family declares its own
+    known_models: dict[str, dict[str, Any]] = {}
     variable_length = False  # prompt embeddings of each prompt's own length, padded per batch (`_batch`)
 
     def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
@@ -167,10 +193,10 @@ class FlowPolicy:
         try:
             pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path))
         except (OSError, ValueError) as exc:
-            raise UserError(f"model.path '{cfg.path}' could not be loaded as a {cls.pipeline_class.__name__}: {str(exc).splitlines()[0]}") from None
+            raise UserError(f"model.path '{cfg.path}' could not be loaded as a {cls.pipeline_name}: {str(exc).splitlines()[0]}") from None
         except ImportError as exc:  # a component's class needs a package flowrl does not (FLUX.2 [dev]'s processor: torchvision)
             missing = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-            raise UserError(f"model.path '{cfg.path}' needs a package that is not installed to load its {cls.pipeline_class.__name__}: "
+            raise UserError(f"model.path '{cfg.path}' needs a package that is not installed to load its {cls.pipeline_name}: "
                             f"{missing}") from None
         return cls(pipe, cfg, device if device is not None else pick_device(cfg.device))
 
@@ -184,10 +210,13 @@ class FlowPolicy:
             found = DiffusionPipeline.load_config(path).get("_class_name")
         except Exception:  # no index to read (yet): from_pretrained gives its own sentence
             return
-        expected = cls.pipeline_class.__name__
+        expected = cls.pipeline_name
         if found and found != expected:
-            kind = PIPELINE_KINDS.get(found)
-            fix = f"set model.kind={kind}" if kind else f"flowrl loads {' and '.join(PIPELINE_KINDS)} pipelines"
+            from flowrl.models import pipeline_kinds
+
+            kinds = pipeline_kinds()
+            kind = kinds.get(found)
+            fix = f"set model.kind={kind}" if kind else f"flowrl loads {' and '.join(kinds)} pipelines"
             raise UserError(f"model.path '{given}' holds a {found}, not the {expected} that model.kind needs; {fix}")
 
     def _modules(self):

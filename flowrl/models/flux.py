@@ -7,15 +7,17 @@ import copy
 
 import numpy as np
 import torch
-from diffusers import FluxPipeline
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
+from flowrl.models import register_family
 from flowrl.models.base import FlowPolicy, pack_2x2, unpack_2x2
+from flowrl.models.sd3 import CLIP_L, T5_XXL, VAE_16
 
 
 def flux_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
     """The sigmas `FluxPipeline.__call__` samples on (diffusers 0.42): linspace(1, 1 / T, T) given
     to the scheduler with `mu` interpolated from the packed latents' token count (dynamic shifting)."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+
     c = scheduler.config
     sigmas = None if c.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
     mu = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
@@ -25,10 +27,22 @@ def flux_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch
     return scheduler.sigmas.float().cpu()
 
 
+@register_family
 class FluxPolicy(FlowPolicy):
     """Guidance-distilled FLUX.1-dev: guidance enters as an embedding, one forward per step."""
 
-    pipeline_class = FluxPipeline
+    kind = "flux"
+    pipeline_name = "FluxPipeline"
+    known_models = {
+        "black-forest-labs/FLUX.1-dev": {
+            "transformer": ("FluxTransformer2DModel", {
+                "attention_head_dim": 128, "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 4096,
+                "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
+                "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]}),
+            "text_encoders": [("CLIPTextModel", CLIP_L), ("T5EncoderModel", T5_XXL)],
+            "vae": VAE_16,
+        },
+    }
 
     def _encode_uncached(self, prompts):
         embeds, pooled, text_ids = self.pipe.encode_prompt(
@@ -45,7 +59,7 @@ class FluxPolicy(FlowPolicy):
     def _velocity(self, x, sigma, cond):
         b = x.shape[0]
         h, w = self._latent_hw()
-        img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+        img_ids = self.pipeline_class._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
         txt_ids = torch.zeros(cond["embeds"].shape[1], 3, device=self.device, dtype=self.dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:

@@ -13,26 +13,40 @@ import copy
 
 import numpy as np
 import torch
-from diffusers import Flux2KleinPipeline, Flux2Pipeline
-from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_timesteps
 
+from flowrl.models import register_family
 from flowrl.models.base import FlowPolicy
 
 
 def flux2_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
     """The sigmas `Flux2KleinPipeline.__call__` samples on (diffusers 0.42): linspace(1, 1 / T, T)
     shifted by an empirical mu of the token count and of T itself."""
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_timesteps
+
     sigmas = None if scheduler.config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_steps, num_steps)
     scheduler = copy.deepcopy(scheduler)  # set_timesteps changes the scheduler's state
     retrieve_timesteps(scheduler, num_steps, "cpu", sigmas=sigmas, mu=compute_empirical_mu(image_seq_len, num_steps))
     return scheduler.sigmas.float().cpu()
 
 
+@register_family
 class Flux2KleinPolicy(FlowPolicy):
     """v = v_neg + g (v_cond - v_neg) when model.guidance_scale is above 1 and the pipeline is not
     the distilled model (`is_distilled` in its config), as the pipeline guides; else one forward."""
 
-    pipeline_class = Flux2KleinPipeline
+    kind = "flux2_klein"
+    pipeline_name = "Flux2KleinPipeline"
+    known_models = {
+        "black-forest-labs/FLUX.2-klein-9B": {
+            "transformer": ("Flux2Transformer2DModel", {
+                "num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32, "attention_head_dim": 128,
+                "joint_attention_dim": 12288, "guidance_embeds": False}),  # the other fields: the class's defaults, as FLUX.2 [dev]'s
+            "text_encoders": [("Qwen3ForCausalLM", ("Qwen3Config", {  # Qwen3-8B
+                "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}))],
+            "vae": ("AutoencoderKLFlux2", {}),
+        },
+    }
 
     def _encode_uncached(self, prompts):
         return {**self._encode_texts(prompts), **self.negative_once(lambda: self._encode_texts([""]))}  # the pipeline's negative
@@ -88,6 +102,8 @@ class Flux2KleinPolicy(FlowPolicy):
         return mean, std
 
     def encode_images(self, images):
+        from diffusers import Flux2KleinPipeline  # its latent layout, [dev]'s too
+
         x = images.to(self.device, torch.float32) * 2 - 1
         with torch.no_grad():
             latents = self.vae.encode(x.to(self.dtype)).latent_dist.mode().float()
@@ -96,6 +112,8 @@ class Flux2KleinPolicy(FlowPolicy):
         return Flux2KleinPipeline._pack_latents((patches - mean) / std)
 
     def decode(self, latents):
+        from diffusers import Flux2KleinPipeline
+
         h, w = self._latent_hw()
         b, _, c = latents.shape
         patches = latents.to(self.device, self.dtype).permute(0, 2, 1).reshape(b, c, h // 2, w // 2)  # the packing undone
@@ -105,12 +123,27 @@ class Flux2KleinPolicy(FlowPolicy):
         return (image.float() / 2 + 0.5).clamp(0, 1)
 
 
+@register_family
 class Flux2Policy(Flux2KleinPolicy):
     """FLUX.2 [dev]: guidance-distilled, so model.guidance_scale goes into the transformer's guidance
     embedding for every row, as `Flux2Pipeline.__call__` passes it, with one forward and no negative
     prompt (as FLUX.1 [dev])."""
 
-    pipeline_class = Flux2Pipeline
+    kind = "flux2"
+    pipeline_name = "Flux2Pipeline"
+    known_models = {
+        "black-forest-labs/FLUX.2-dev": {
+            "transformer": ("Flux2Transformer2DModel", {}),  # the class's defaults are FLUX.2 [dev]'s (8 + 48 blocks, 6144 wide)
+            "text_encoders": [("Mistral3ForConditionalGeneration", ("Mistral3Config", {  # Mistral-Small-3.1-24B, as Flux2Pipeline loads it
+                "text_config": {"model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
+                                "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                                "tie_word_embeddings": False},
+                "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                                  "num_attention_heads": 16, "head_dim": 64, "image_size": 1540, "patch_size": 14},
+                "tie_word_embeddings": False}))],
+            "vae": ("AutoencoderKLFlux2", {}),
+        },
+    }
 
     def _encode_uncached(self, prompts):
         return self._encode_texts(prompts)

@@ -7,18 +7,34 @@ conditional one's norm (Flow-GRPO trains through the same guided velocity)."""
 from __future__ import annotations
 
 import torch
-from diffusers import QwenImagePipeline
 
+from flowrl.models import register_family
 from flowrl.models.base import FlowPolicy, pack_2x2, pad_cat, unpack_2x2
 from flowrl.models.flux import flux_pipeline_sigmas
 
 
+@register_family
 class QwenImagePolicy(FlowPolicy):
     """v = rescale(v_neg + g (v_cond - v_neg)) on the negative prompt `negative_prompt` when
     model.guidance_scale (the pipeline's true_cfg_scale) is above 1, as `QwenImagePipeline.__call__`
     does; at 1 the conditional velocity alone, one forward."""
 
-    pipeline_class = QwenImagePipeline
+    kind = "qwen_image"
+    pipeline_name = "QwenImagePipeline"
+    trains_with_cfg = True
+    known_models = {
+        "Qwen/Qwen-Image": {
+            "transformer": ("QwenImageTransformer2DModel", {
+                "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56], "guidance_embeds": False, "in_channels": 64,
+                "joint_attention_dim": 3584, "num_attention_heads": 24, "num_layers": 60, "out_channels": 16, "patch_size": 2}),
+            "text_encoders": [("Qwen2_5_VLForConditionalGeneration", ("Qwen2_5_VLConfig", {  # Qwen2.5-VL-7B-Instruct, as the pipeline loads it
+                "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                                "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
+                "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                                  "out_hidden_size": 3584}}))],
+            "vae": ("AutoencoderKLQwenImage", {}),  # the class's defaults are Qwen-Image's VAE (z_dim 16, 8x spatial)
+        },
+    }
     variable_length = True
     negative_prompt = " "  # what Flow-GRPO trains and evaluates Qwen-Image with
 

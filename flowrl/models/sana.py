@@ -14,14 +14,31 @@ from __future__ import annotations
 import inspect
 
 import torch
-from diffusers import SanaPipeline
 
+from flowrl.models import register_family
 from flowrl.models.base import FlowPolicy, euler_scheduler
 from flowrl.models.sd3 import sd3_pipeline_sigmas
 
 
+@register_family
 class SanaPolicy(FlowPolicy):
-    pipeline_class = SanaPipeline
+    kind = "sana"
+    pipeline_name = "SanaPipeline"
+    trains_with_cfg = True
+    cross_attention = True
+    token_patch = None  # its config's patch_size (1) over the autoencoder's latents
+    latent_scale = 32  # the deep-compression autoencoder
+    known_models = {
+        "Efficient-Large-Model/Sana_1600M_1024px_diffusers": {
+            "transformer": ("SanaTransformer2DModel", {}),  # the class's defaults are SANA 1.6B's (20 layers, 2240 wide)
+            "text_encoders": [("Gemma2Model", ("Gemma2Config", {  # Gemma 2 2B
+                "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256}))],
+            "vae": ("AutoencoderDC", {  # DC-AE f32c32: the class's defaults with linear attention in the three deep stages
+                "encoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
+                "decoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3}),
+        },
+    }
 
     @property
     def complex_human_instruction(self) -> list[str]:

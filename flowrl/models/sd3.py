@@ -5,15 +5,27 @@ from __future__ import annotations
 import copy
 
 import torch
-from diffusers import StableDiffusion3Pipeline
-from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
 
+from flowrl.models import register_family
 from flowrl.models.base import FlowPolicy
+
+# the published configs of the text encoders and the VAE SD3 shares with FLUX.1 (and Z-Image, the VAE)
+CLIP_L = ("CLIPTextConfig", {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                             "projection_dim": 768, "vocab_size": 49408})
+CLIP_G = ("CLIPTextConfig", {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 20,
+                             "projection_dim": 1280, "vocab_size": 49408})
+T5_XXL = ("T5Config", {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
+                       "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False})
+VAE_16 = ("AutoencoderKL", {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
+                            "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+                            "layers_per_block": 2})
 
 
 def sd3_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.Tensor:
     """The sigmas `StableDiffusion3Pipeline.__call__` samples on (diffusers 0.42): the scheduler's
     own `set_timesteps`, with `mu` from the image's token count when it shifts dynamically."""
+    from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift, retrieve_timesteps
+
     kwargs = {}
     if scheduler.config.get("use_dynamic_shifting", None):
         c = scheduler.config
@@ -24,10 +36,27 @@ def sd3_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch.
     return scheduler.sigmas.float().cpu()
 
 
+@register_family
 class SD3Policy(FlowPolicy):
     """Classifier-free guidance: v = v_uncond + g (v_cond - v_uncond), empty negative prompt."""
 
-    pipeline_class = StableDiffusion3Pipeline
+    kind = "sd3"
+    pipeline_name = "StableDiffusion3Pipeline"
+    trains_with_cfg = True
+    token_patch = None  # patches of its config's patch_size over the 8x VAE latents
+    prompt_tokens = 256  # T5's, model.max_sequence_length's default
+    extra_prompt_tokens = 77  # CLIP's, in front of T5's
+    known_models = {
+        "stabilityai/stable-diffusion-3.5-medium": {
+            "transformer": ("SD3Transformer2DModel", {
+                "attention_head_dim": 64, "caption_projection_dim": 1536, "in_channels": 16, "joint_attention_dim": 4096,
+                "num_attention_heads": 24, "num_layers": 24, "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048,
+                "pos_embed_max_size": 384, "qk_norm": "rms_norm", "sample_size": 128, "dual_attention_layers": list(range(13))}),
+            "text_encoders": [("CLIPTextModelWithProjection", CLIP_L), ("CLIPTextModelWithProjection", CLIP_G),
+                              ("T5EncoderModel", T5_XXL)],
+            "vae": VAE_16,
+        },
+    }
 
     def _encode_uncached(self, prompts):
         pe, npe, pooled, npooled = self.pipe.encode_prompt(

@@ -2,17 +2,31 @@
 
 They exist so that tests and the built-in default preset exercise the real loading code
 (`from_pretrained` of a local pipeline directory) without downloading anything. The
-architectures are the real diffusers classes, only with very small widths.
+architectures are the real diffusers classes, only with very small widths. Each builder that
+`@builtin("tiny-NAME")` marks is also `model.path: builtin:tiny-NAME`.
 """
 
 from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 _LETTERS = string.ascii_lowercase + string.digits
+
+# builtin:NAME -> the function that saves that tiny pipeline into a directory (flowrl.models.base.BUILTIN_MODELS)
+TINY_BUILDERS: dict[str, Callable[[str | Path], Path]] = {}
+
+
+def builtin(name: str):
+    """Decorator: the builder is the built-in model `builtin:<name>`."""
+    def add(build):
+        TINY_BUILDERS[name] = build
+        return build
+
+    return add
 
 
 def _clip_tokenizer():
@@ -91,6 +105,7 @@ def _vae(latent_channels: int, seed: int, shift_factor: float | None):
     )
 
 
+@builtin("tiny-sd3")
 def build_tiny_sd3(path: str | Path, seed: int = 0, width: int = 32, num_layers: int = 2) -> Path:
     """Save a tiny random `StableDiffusion3Pipeline` to `path` and return the path."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
@@ -128,6 +143,7 @@ def build_tiny_sd3(path: str | Path, seed: int = 0, width: int = 32, num_layers:
     return Path(path)
 
 
+@builtin("tiny-flux")
 def build_tiny_flux(path: str | Path, seed: int = 0, width: int = 32) -> Path:
     """Save a tiny random `FluxPipeline` (guidance-distilled, like FLUX.1-dev) to `path`."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -202,6 +218,7 @@ def _qwen_tokenizer(extra_specials: tuple[str, ...] = ()):
     return Qwen2Tokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), additional_special_tokens=specials[1:])
 
 
+@builtin("tiny-qwen-image")
 def build_tiny_qwen_image(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny random `QwenImagePipeline` to `path`: Qwen2.5-VL text encoder, the 3D-causal
     Qwen-Image VAE (8x spatial downsampling and per-channel latent mean/std, as the real one has),
@@ -240,6 +257,7 @@ _CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['con
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+@builtin("tiny-z-image")
 def build_tiny_z_image(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny random `ZImagePipeline` to `path`: a Qwen3 text encoder behind a chat template,
     FLUX.1's kind of VAE (AutoencoderKL with a shift factor) and the single-stream transformer with
@@ -282,6 +300,7 @@ def _flux2_transformer_and_vae(seed: int, text_dim: int, guidance_embeds: bool):
     return transformer, vae
 
 
+@builtin("tiny-flux2-klein")
 def build_tiny_flux2_klein(path: str | Path, seed: int = 0, distilled: bool = False) -> Path:
     """Save a tiny random `Flux2KleinPipeline` to `path`: a 27-layer Qwen3 (the pipeline stacks the
     hidden states of layers 9, 18 and 27), the FLUX.2 VAE and transformer (`_flux2_transformer_and_vae`);
@@ -308,6 +327,7 @@ _MISTRAL_TEMPLATE = ("{% for m in messages %}[{{ m['role'] | upper }}]{% for c i
                      "[/{{ m['role'] | upper }}]{% endfor %}")
 
 
+@builtin("tiny-flux2")
 def build_tiny_flux2(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny random `Flux2Pipeline` (FLUX.2 [dev]) to `path`: a 30-layer Mistral 3 (the pipeline
     stacks the hidden states of layers 10, 20 and 30) with a tiny Pixtral vision tower, the FLUX.2 VAE,
@@ -335,6 +355,7 @@ def build_tiny_flux2(path: str | Path, seed: int = 0) -> Path:
     return Path(path)
 
 
+@builtin("tiny-sana")
 def build_tiny_sana(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny random `SanaPipeline` to `path` with the scheduler SANA ships, DPM-Solver++ on
     flow sigmas (flow_shift 3): a Gemma 2 text encoder, the deep-compression autoencoder with two
@@ -364,6 +385,7 @@ def build_tiny_sana(path: str | Path, seed: int = 0) -> Path:
     return Path(path)
 
 
+@builtin("tiny-wan")
 def build_tiny_wan(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny random `WanPipeline` (Wan2.1 text-to-video) to `path` with the scheduler Wan ships,
     UniPC on flow sigmas (flow_shift 3): a UMT5 text encoder, the causal 3D Wan VAE (8x in space, 4x in

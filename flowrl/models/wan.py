@@ -14,15 +14,32 @@ timesteps are not supported."""
 from __future__ import annotations
 
 import torch
-from diffusers import WanPipeline
 
 from flowrl.errors import UserError
+from flowrl.models import register_family
 from flowrl.models.base import FlowPolicy, euler_scheduler
 from flowrl.models.sd3 import sd3_pipeline_sigmas
 
 
+@register_family
 class WanPolicy(FlowPolicy):
-    pipeline_class = WanPipeline
+    kind = "wan"
+    pipeline_name = "WanPipeline"
+    video = True
+    trains_with_cfg = True
+    cross_attention = True
+    known_models = {
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {
+            "transformer": ("WanTransformer3DModel", {
+                "attention_head_dim": 128, "cross_attn_norm": True, "eps": 1e-6, "ffn_dim": 8960, "freq_dim": 256, "in_channels": 16,
+                "num_attention_heads": 12, "num_layers": 30, "out_channels": 16, "patch_size": [1, 2, 2],
+                "qk_norm": "rms_norm_across_heads", "text_dim": 4096}),
+            "text_encoders": [("UMT5EncoderModel", ("UMT5Config", {  # UMT5-XXL's encoder
+                "d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 256384,
+                "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}))],
+            "vae": ("AutoencoderKLWan", {}),  # the class's defaults are Wan2.1's VAE (z_dim 16, 8x spatial, 4x temporal)
+        },
+    }
     negative_prompt = ""  # WanPipeline's when none is given
 
     def __init__(self, pipe, cfg, device="cpu"):

@@ -7,14 +7,26 @@ v = v_cond + g (v_cond - v_neg) on the empty negative prompt (off at g = 0, Turb
 from __future__ import annotations
 
 import torch
-from diffusers import ZImagePipeline
 
+from flowrl.models import register_family
 from flowrl.models.base import FlowPolicy
 from flowrl.models.flux import flux_pipeline_sigmas
+from flowrl.models.sd3 import VAE_16
 
 
+@register_family
 class ZImagePolicy(FlowPolicy):
-    pipeline_class = ZImagePipeline
+    kind = "z_image"
+    pipeline_name = "ZImagePipeline"
+    known_models = {
+        "Tongyi-MAI/Z-Image-Turbo": {
+            "transformer": ("ZImageTransformer2DModel", {}),  # the class's defaults are the released model's (dim 3840, 30 layers)
+            "text_encoders": [("Qwen3Model", ("Qwen3Config", {  # Qwen3-4B
+                "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}))],
+            "vae": VAE_16,  # FLUX.1's
+        },
+    }
     variable_length = True
 
     def _encode_uncached(self, prompts):

@@ -11,110 +11,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from flowrl.errors import UserError
-from flowrl.models.base import PIPELINE_KINDS
+from flowrl.models import FAMILIES, pipeline_kinds
 
 GIB = 1024**3
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-# the published configs of the models the presets name, so a plan needs no download; any other
-# model is read from its own directory or hub id (only the config files)
-KNOWN_MODELS = {
-    "black-forest-labs/FLUX.1-dev": {
-        "kind": "flux",
-        "transformer": ("FluxTransformer2DModel", {
-            "attention_head_dim": 128, "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 4096,
-            "num_attention_heads": 24, "num_layers": 19, "num_single_layers": 38, "patch_size": 1,
-            "pooled_projection_dim": 768, "axes_dims_rope": [16, 56, 56]}),
-        "text_encoders": [("CLIPTextModel", "clip_l"), ("T5EncoderModel", "t5_xxl")],
-    },
-    "stabilityai/stable-diffusion-3.5-medium": {
-        "kind": "sd3",
-        "transformer": ("SD3Transformer2DModel", {
-            "attention_head_dim": 64, "caption_projection_dim": 1536, "in_channels": 16, "joint_attention_dim": 4096,
-            "num_attention_heads": 24, "num_layers": 24, "out_channels": 16, "patch_size": 2, "pooled_projection_dim": 2048,
-            "pos_embed_max_size": 384, "qk_norm": "rms_norm", "sample_size": 128, "dual_attention_layers": list(range(13))}),
-        "text_encoders": [("CLIPTextModelWithProjection", "clip_l"), ("CLIPTextModelWithProjection", "clip_g"),
-                          ("T5EncoderModel", "t5_xxl")],
-    },
-    "Qwen/Qwen-Image": {
-        "kind": "qwen_image",
-        "transformer": ("QwenImageTransformer2DModel", {
-            "attention_head_dim": 128, "axes_dims_rope": [16, 56, 56], "guidance_embeds": False, "in_channels": 64,
-            "joint_attention_dim": 3584, "num_attention_heads": 24, "num_layers": 60, "out_channels": 16, "patch_size": 2}),
-        "text_encoders": [("Qwen2_5_VLForConditionalGeneration", "qwen25_vl_7b")],
-        "vae": ("AutoencoderKLQwenImage", {}),  # the class's defaults are Qwen-Image's VAE (z_dim 16, 8x spatial)
-    },
-    "Tongyi-MAI/Z-Image-Turbo": {
-        "kind": "z_image",
-        "transformer": ("ZImageTransformer2DModel", {}),  # the class's defaults are the released model's (dim 3840, 30 layers)
-        "text_encoders": [("Qwen3Model", "qwen3_4b")],  # and FLUX.1's VAE
-    },
-    "black-forest-labs/FLUX.2-klein-9B": {
-        "kind": "flux2_klein",
-        "transformer": ("Flux2Transformer2DModel", {
-            "num_layers": 8, "num_single_layers": 24, "num_attention_heads": 32, "attention_head_dim": 128,
-            "joint_attention_dim": 12288, "guidance_embeds": False}),  # the other fields: the class's defaults, as FLUX.2 [dev]'s
-        "text_encoders": [("Qwen3ForCausalLM", "qwen3_8b")],
-        "vae": ("AutoencoderKLFlux2", {}),
-    },
-    "Efficient-Large-Model/Sana_1600M_1024px_diffusers": {
-        "kind": "sana",
-        "transformer": ("SanaTransformer2DModel", {}),  # the class's defaults are SANA 1.6B's (20 layers, 2240 wide)
-        "text_encoders": [("Gemma2Model", "gemma2_2b")],
-        "vae": ("AutoencoderDC", {  # DC-AE f32c32: the class's defaults with linear attention in the three deep stages
-            "encoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
-            "decoder_block_types": ["ResBlock"] * 3 + ["EfficientViTBlock"] * 3}),
-    },
-    "black-forest-labs/FLUX.2-dev": {
-        "kind": "flux2",
-        "transformer": ("Flux2Transformer2DModel", {}),  # the class's defaults are FLUX.2 [dev]'s (8 + 48 blocks, 6144 wide)
-        "text_encoders": [("Mistral3ForConditionalGeneration", "mistral_small_31")],
-        "vae": ("AutoencoderKLFlux2", {}),
-    },
-    "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": {
-        "kind": "wan",
-        "transformer": ("WanTransformer3DModel", {
-            "attention_head_dim": 128, "cross_attn_norm": True, "eps": 1e-6, "ffn_dim": 8960, "freq_dim": 256, "in_channels": 16,
-            "num_attention_heads": 12, "num_layers": 30, "out_channels": 16, "patch_size": [1, 2, 2],
-            "qk_norm": "rms_norm_across_heads", "text_dim": 4096}),
-        "text_encoders": [("UMT5EncoderModel", "umt5_xxl")],
-        "vae": ("AutoencoderKLWan", {}),  # the class's defaults are Wan2.1's VAE (z_dim 16, 8x spatial, 4x temporal)
-    },
-}
-ENCODER_CONFIGS = {  # transformers config kwargs
-    "clip_l": ("CLIPTextConfig", {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
-                                  "num_attention_heads": 12, "projection_dim": 768, "vocab_size": 49408}),
-    "clip_g": ("CLIPTextConfig", {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32,
-                                  "num_attention_heads": 20, "projection_dim": 1280, "vocab_size": 49408}),
-    "t5_xxl": ("T5Config", {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
-                            "vocab_size": 32128, "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}),
-    "qwen25_vl_7b": ("Qwen2_5_VLConfig", {  # Qwen2.5-VL-7B-Instruct, the whole model as QwenImagePipeline loads it
-        "text_config": {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-                        "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False},
-        "vision_config": {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "out_hidden_size": 3584}}),
-    "mistral_small_31": ("Mistral3Config", {  # Mistral-Small-3.1-24B, the whole model as Flux2Pipeline loads it
-        "text_config": {"model_type": "mistral", "vocab_size": 131072, "hidden_size": 5120, "intermediate_size": 32768,
-                        "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                        "tie_word_embeddings": False},
-        "vision_config": {"model_type": "pixtral", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-                          "num_attention_heads": 16, "head_dim": 64, "image_size": 1540, "patch_size": 14},
-        "tie_word_embeddings": False}),
-    "qwen3_8b": ("Qwen3Config", {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-                                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}),
-    "gemma2_2b": ("Gemma2Config", {"vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-                                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256}),
-    "umt5_xxl": ("UMT5Config", {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24,
-                                "vocab_size": 256384, "feed_forward_proj": "gated-gelu", "is_encoder_decoder": False}),
-    "qwen3_4b": ("Qwen3Config", {"vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36,
-                                 "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}),
-}
-VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block_out_channels": [128, 256, 512, 512],
-              "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 2}
+
+def known_models() -> dict[str, dict]:
+    """The published configs of the models the presets name, so a plan needs no download: every
+    registered family's own `known_models` (never one inherited from the family it extends), each
+    with its model.kind. Any other model is read from its own directory or hub id (the configs only)."""
+    return {name: {"kind": kind, **spec} for kind, family in FAMILIES.items()
+            for name, spec in vars(family).get("known_models", {}).items()}
+
+
+KNOWN_MODELS = known_models()  # the families registered on import
+
 # bytes of saved activations per token per transformer block per hidden unit, in 16-bit training
 # with fused (SDPA / flash) attention that stores no seq x seq matrix. Korthikanti et al. 2022
 # (arXiv:2205.05198) count 34 for a block of attention and a 4x MLP; SD3.5's blocks also carry
@@ -123,8 +39,7 @@ VAE_CONFIG = {"in_channels": 3, "out_channels": 3, "latent_channels": 16, "block
 # H200), where 34 would predict 23 GiB of activations against the 36.6 measured. The same value
 # is assumed for FLUX's blocks, unmeasured.
 ACTIVATION_BYTES_PER_HIDDEN = 54
-CFG_KINDS = ("sd3", "qwen_image", "wan", "sana")  # families whose presets train through classifier-free guidance
-CROSS_ATTENTION_KINDS = ("wan", "sana")  # families whose blocks attend to the prompt rather than carry its tokens
+
 
 @dataclass
 class Launch:
@@ -167,6 +82,11 @@ class Model:
     frozen_params: int  # text encoders and VAE
 
     @property
+    def family(self):
+        """The model family's adapter class: its facts (flowrl/models/base.py's FlowPolicy)."""
+        return FAMILIES[self.kind]
+
+    @property
     def hidden(self) -> int:
         c = self.transformer.config
         return c.dim if "dim" in c else c.num_attention_heads * c.attention_head_dim  # Z-Image names its width `dim`
@@ -178,10 +98,9 @@ class Model:
 
     def image_tokens(self, height: int, width: int, frames: int = 1) -> int:
         c = self.transformer.config
-        # SD3 and SANA patch by their config (SANA: 1, on the deep-compression autoencoder's 32x latents); FLUX.1,
-        # FLUX.2, Qwen-Image, Z-Image and Wan make 2x2 latent patches tokens
-        patch = c.patch_size if self.kind in ("sd3", "sana") else 2
-        scale = 32 if self.kind == "sana" else 8
+        # the family's patch on its VAE's latents (SD3 and SANA: their config's; the others make 2x2 latent patches tokens)
+        patch = self.family.token_patch or c.patch_size
+        scale = self.family.latent_scale
         latent_frames = (frames - 1) // 4 + 1  # Wan's VAE: the first frame, then 4 frames per latent frame
         return latent_frames * (height // scale // patch) * (width // scale // patch)
 
@@ -203,23 +122,25 @@ def load_model(name: str) -> Model:
     import diffusers
     import transformers
 
-    if name in KNOWN_MODELS:
-        spec = KNOWN_MODELS[name]
+    known = known_models()
+    if name in known:
+        spec = known[name]
         cls_name, kwargs = spec["transformer"]
         transformer = on_meta(lambda: getattr(diffusers, cls_name)(**kwargs))
-        frozen = sum(count(on_meta(lambda e=e: getattr(transformers, c)(getattr(transformers, ENCODER_CONFIGS[e][0])(**ENCODER_CONFIGS[e][1]))))
+        frozen = sum(count(on_meta(lambda c=c, e=e: getattr(transformers, c)(getattr(transformers, e[0])(**e[1]))))
                      for c, e in spec["text_encoders"])
-        vae_class, vae_kwargs = spec.get("vae", ("AutoencoderKL", VAE_CONFIG))
+        vae_class, vae_kwargs = spec["vae"]
         frozen += count(on_meta(lambda: getattr(diffusers, vae_class)(**vae_kwargs)))
         return Model(name, spec["kind"], transformer, frozen)
     try:
         index = diffusers.DiffusionPipeline.load_config(name)
     except Exception as exc:
-        raise UserError(f"model '{name}' is neither a known model ({', '.join(KNOWN_MODELS)}) nor a readable diffusers "
+        raise UserError(f"model '{name}' is neither a known model ({', '.join(known)}) nor a readable diffusers "
                         f"pipeline directory or hub id ({type(exc).__name__})") from None
-    kind = PIPELINE_KINDS.get(index.get("_class_name"))
+    kinds = pipeline_kinds()
+    kind = kinds.get(index.get("_class_name"))
     if kind is None:
-        raise UserError(f"model '{name}' holds a {index.get('_class_name')}; the planner knows {' and '.join(PIPELINE_KINDS)}")
+        raise UserError(f"model '{name}' holds a {index.get('_class_name')}; the planner knows {' and '.join(kinds)}")
     transformer, frozen = None, 0
     for component, entry in index.items():
         library = {"diffusers": diffusers, "transformers": transformers}.get(entry[0]) if isinstance(entry, list) else None
@@ -288,12 +209,14 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     gathered = 2 * low * unit if sharded else 0.0  # the block computing and the next one prefetched
     rows.append(("gathered blocks (fsdp2)", gathered, f"2 x the largest block ({unit / 1e6:.0f}M) x {low} B" if sharded else "-"))
 
-    # prompt tokens: T5's (SD3 256, FLUX 512 by default); Qwen-Image's vary with the prompt, at most 512 by default
-    t5 = launch.max_sequence_length or (256 if model.kind == "sd3" else 512)
-    if model.kind in CROSS_ATTENTION_KINDS:  # the prompt is read by cross-attention, not carried through the blocks
+    # prompt tokens: the family's pipeline default (SD3's T5 256, FLUX's 512); Qwen-Image's vary with the prompt,
+    # at most 512 by default
+    family = model.family
+    t5 = launch.max_sequence_length or family.prompt_tokens
+    if family.cross_attention:  # the prompt is read by cross-attention, not carried through the blocks
         t5 = 0
-    tokens = model.image_tokens(launch.height, launch.width, launch.frames) + t5 + (77 if model.kind == "sd3" else 0)
-    rows_per_forward = launch.batch * (2 if model.kind in CFG_KINDS else 1)  # trained with CFG: two halves per sample
+    tokens = model.image_tokens(launch.height, launch.width, launch.frames) + t5 + family.extra_prompt_tokens
+    rows_per_forward = launch.batch * (2 if family.trains_with_cfg else 1)  # trained with CFG: two halves per sample
     per_block = ACTIVATION_BYTES_PER_HIDDEN * model.hidden * tokens * rows_per_forward
     if launch.gradient_checkpointing:  # each block's 16-bit input kept, one block's activations recomputed at a time
         acts = len(blocks) * 2 * model.hidden * tokens * rows_per_forward + per_block
