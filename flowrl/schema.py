@@ -1,7 +1,7 @@
 """The config's schema: one dataclass per section of a run's YAML file (model, lora, sampling,
 rollout, data, reward, advantage, allocator, selection, objective, trainer, run, search), with
 each field's default and, in a comment beside or above it, its meaning (what `flowrl config show`
-prints). Sections defined elsewhere: the allocator's (flowrl/core/allocator_config.py, shared
+prints). Sections defined elsewhere: the allocator's (flowrl/allocator_config.py, shared
 with the text config), the runtime's run and trainer options that the sections here extend
 (flowrl/runtime/options.py), and each rollout's and objective's options, in the part's own file
 (flowrl/config.py's `config_class` adds them from the registries). Nothing here loads or checks a
@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from flowrl.core.allocator_config import AllocatorConfig
+from flowrl.allocator_config import AllocatorConfig
 from flowrl.runtime.options import RunOptions, TrainerOptions
 
 

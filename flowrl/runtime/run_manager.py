@@ -206,8 +206,11 @@ class RunManager:
         pass
 
     def checkpoint(self) -> None:
+        """The trainer's checkpoint (`save`), then the run's reward curve redrawn (rank 0, which holds the metrics)."""
         t0 = self.now()
         self.save()
+        if self.accelerator.is_main_process:
+            self.run.plot_reward_curve(self.run.read_metrics())
         self.measured.add_checkpoint(self.now() - t0)
 
     def finish(self) -> None:

@@ -9,13 +9,12 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from flowrl.allocator_config import AllocatorConfig
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
-from flowrl.core.allocator_config import AllocatorConfig
-from flowrl.core.off_policy import OFF_POLICY_LOSSES, WEIGHT_LEVELS, WEIGHT_MODES
-from flowrl.core.token_losses import AGGREGATIONS, RATIO_LEVELS
 from flowrl.errors import ConfigError, check_choice, check_producers
 from flowrl.runtime.options import RunOptions, TrainerOptions, validate_runtime
+from flowrl.text.objective import TEXT_OBJECTIVES, TextLossConfig
 from flowrl.yaml_config import merge_config, preset_path, read_yaml
 
 TASK = "text"
@@ -63,22 +62,6 @@ class TextGenerationConfig:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     batch_size: int = 256  # sequences per generation batch
-
-
-@dataclass
-class TextLossConfig:
-    aggregation: str = "token_mean"  # seq_mean_token_mean (GRPO) | token_mean (DAPO) | seq_mean_token_sum_norm (Dr. GRPO) | seq_mean_token_sum
-    ratio_level: str = "token"  # token | sequence (GSPO)
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # > clip_low: DAPO's clip-higher (0.28)
-    overlong_mask: bool = False  # DAPO: completions cut at max_new_tokens carry no loss
-    # with run.async_rollouts (docs/text.md, "Asynchronous rollouts"): decoupled (AReaL's PPO: the clip against the
-    # weights at the update's start, times the behaviour weight) | m2po (M2PO's second-moment mask, no clip)
-    off_policy: str = "decoupled"
-    behaviour_weight: str = "none"  # decoupled's weight exp(proximal - behaviour): none (as it is) | truncate (TIS) | mask (rejection)
-    behaviour_cap: float = 2.0  # truncate and mask: the cap on the behaviour weight (TIS: 2)
-    behaviour_level: str = "token"  # token | sequence (the geometric mean of the sequence's token weights)
-    m2po_tau: float = 0.04  # m2po: the bound on the mean squared log-ratio of the kept tokens
 
 
 @dataclass
@@ -153,21 +136,14 @@ def load_text_config(path: str | Path, overrides: list[str] | None = None) -> Te
 
 
 def validate_off_policy(cfg: TextConfig) -> None:
-    l, r = cfg.loss, cfg.run
-    check_choice("loss.off_policy", l.off_policy, OFF_POLICY_LOSSES)
-    check_choice("loss.behaviour_weight", l.behaviour_weight, WEIGHT_MODES)
-    check_choice("loss.behaviour_level", l.behaviour_level, WEIGHT_LEVELS)
-    for key, value in (("loss.behaviour_cap", l.behaviour_cap), ("loss.m2po_tau", l.m2po_tau)):
-        if not value > 0:
-            raise ConfigError(f"{key} must be > 0; got {value}")
+    """The run's asynchronous options (the objective checks its own off-policy loss)."""
+    r = cfg.run
     if r.async_rollouts and r.cpu_processes > 1:
         raise ConfigError("run.async_rollouts runs one text trainer process beside its producers; set run.cpu_processes: 1")
     check_producers(r, cfg.allocator.kind)
     if r.producers > 1 and r.over_provision > 1:
         raise ConfigError("run.over_provision carries a producer's unfinished completions into its next batch, which needs one "
                           f"producer; set run.producers: 1 (got {r.producers})")
-    if l.off_policy == "m2po" and l.aggregation != "token_mean":  # its objective is the mean over the batch's tokens
-        raise ConfigError(f"loss.off_policy: m2po is a token-mean objective; set loss.aggregation: token_mean (got {l.aggregation})")
     if not r.over_provision >= 1:
         raise ConfigError(f"run.over_provision must be >= 1 (1: off); got {r.over_provision}")
     if r.over_provision > 1:
@@ -176,12 +152,10 @@ def validate_off_policy(cfg: TextConfig) -> None:
                               f"true and run.max_staleness >= 1; got async_rollouts {r.async_rollouts}, max_staleness {r.max_staleness}")
         if cfg.allocator.kind != "uniform":
             raise ConfigError(f"run.over_provision draws its groups uniformly; set allocator.kind: uniform (got {cfg.allocator.kind})")
-    if r.async_rollouts and l.ratio_level != "token":
-        raise ConfigError("run.async_rollouts trains with a token-level off-policy loss (loss.off_policy); set loss.ratio_level: token")
 
 
 def validate_text(cfg: TextConfig) -> None:
-    d, g, l, t = cfg.data, cfg.generation, cfg.loss, cfg.trainer
+    d, g, t = cfg.data, cfg.generation, cfg.trainer
     check_choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
     if "{prompt}" not in d.prompt_template:
         raise ConfigError(f"data.prompt_template must contain {{prompt}} (where the prompt column's text goes); got {d.prompt_template!r}")
@@ -195,14 +169,10 @@ def validate_text(cfg: TextConfig) -> None:
         raise ConfigError(f"generation.temperature must be >= 0 (0: greedy); got {g.temperature}")
     if not 0 < g.top_p <= 1:
         raise ConfigError(f"generation.top_p must be in (0, 1]; got {g.top_p}")
-    check_choice("loss.aggregation", l.aggregation, AGGREGATIONS)
-    check_choice("loss.ratio_level", l.ratio_level, RATIO_LEVELS)
     check_choice("advantage.std", cfg.advantage.std, ("group", "global", "none"))
+    TEXT_OBJECTIVES.get(cfg.loss.kind).validate(cfg)
     validate_off_policy(cfg)
     check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
-    for key, value in (("loss.clip_low", l.clip_low), ("loss.clip_high", l.clip_high)):
-        if not value > 0:
-            raise ConfigError(f"{key} must be > 0; got {value}")
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
     cfg.allocator.validate(d.group_size, ALLOCATOR_KINDS)
     from rewards.text import available_text_rewards

@@ -13,13 +13,13 @@ looks parts up by name and checks a config against them.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
 
 from flowrl.registry import Registry
+from flowrl.runtime import parts as runtime_parts
 from flowrl.runtime.budget import SchedulePlan
 from flowrl.schema import Config
 from flowrl.train.experience import Experience
@@ -111,43 +111,22 @@ class Rollout:
         pass
 
 
-class Objective:
-    """Turns an `Experience` into optimizer steps and returns its statistics. `needs` is the
-    training data it consumes (one of experience.DATA_KINDS)."""
+class Objective(runtime_parts.Objective):
+    """Turns an `Experience` into optimizer steps and returns its statistics (the runtime's
+    objective protocol, flowrl/runtime/parts.py, with the image trainer's TrainContext as `ctx`).
+    `needs` is the training data it consumes (one of experience.DATA_KINDS)."""
 
-    name: ClassVar[str]
-    options: ClassVar[type | None] = None  # a dataclass: the config's objective.<name> section, with its defaults
     needs: ClassVar[str]
     # runs under run.distributed fsdp2: every process runs the same number of forwards and backwards
     # (tested with it)
     shards: ClassVar[bool] = False
-
-    def __init__(self, ctx: TrainContext):
-        self.ctx = ctx
-
-    @classmethod
-    def validate(cls, cfg: "Config") -> None:
-        """Raise ConfigError for settings this objective cannot run with."""
+    ctx: TrainContext
 
     @classmethod
     def requires(cls, cfg: "Config") -> dict[str, str]:
         """Data beyond `needs` that its options call for under `cfg`: {data kind: the option that
         needs it} (experience.DATA_KINDS), checked against what the rollout provides."""
         return {}
-
-    def behaviour_weights(self):
-        """The weights rollouts sample with, as a context manager (default: the current ones)."""
-        return contextlib.nullcontext()
-
-    def update(self, experience: Experience) -> dict:
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Tensor files for the checkpoint ({file name: tensors}); restored by load_state_dict."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor] | None], checkpoint: str) -> None:
-        pass
 
 
 register_rollout = ROLLOUTS.register

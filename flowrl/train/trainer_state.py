@@ -56,7 +56,6 @@ def save_trainer(tr) -> Path | None:
                                {"policy_version": tr.iteration, "num_processes": acc.num_processes, "distributed": lay.name,
                                 **tr.budget_state()},
                                export=export, sharded=sharded, allocator=tr.allocator.state_dict(), **objective_state)
-        tr.run.plot_reward_curve(tr.run.read_metrics())
     acc.wait_for_everyone()
     return path
 

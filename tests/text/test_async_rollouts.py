@@ -43,10 +43,10 @@ def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, res
 
 
 def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run(tmp_path, capsys, monkeypatch, restore_threads):
-    from flowrl.text.train import TextTrainer
     from flowrl.runtime.producers import RolloutProducer
+    from flowrl.text.objective import TokenPolicyGradient
 
-    update = TextTrainer.update
+    update = TokenPolicyGradient.update
 
     def slow_update(self, exp, proximal=None):  # a trainer slower than the producer: it runs ahead as far as allowed
         time.sleep(1.5)
@@ -65,7 +65,7 @@ def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run
                     break
         return take(self, iteration)
 
-    monkeypatch.setattr(TextTrainer, "update", slow_update)
+    monkeypatch.setattr(TokenPolicyGradient, "update", slow_update)
     monkeypatch.setattr(RolloutProducer, "take", take_then_kill)
     run = tmp_path / "run"
     assert main(["train", *FAST, "trainer.iterations=8", "run.checkpoint_every=2", "run.async_rollouts=true",
@@ -90,7 +90,7 @@ def test_async_settings_that_cannot_work_are_refused(override, message):
 
     with pytest.raises(ConfigError, match=message):
         load_text_config("configs/text_add.yaml", ["run.async_rollouts=true", *override.split()])
-    with pytest.raises(ConfigError, match="run.max_staleness must be >= 0"):
+    with pytest.raises(ConfigError, match="run.max_staleness must be a finite number >= 0"):
         load_text_config("configs/text_add.yaml", ["run.max_staleness=-1"])
 
 
@@ -99,7 +99,8 @@ def test_a_stale_batch_takes_its_proximal_log_probs_from_the_steps_first_forward
     first training forward of the step has exactly those, so its detached log-probs are what a
     separate forward would recompute, and a second inner epoch (other weights) keeps them."""
     from flowrl.text.config import load_text_config
-    from flowrl.text.train import StepProximal, TextTrainer
+    from flowrl.text.objective import StepProximal
+    from flowrl.text.train import TextTrainer
 
     cfg = load_text_config(FAST[0], [*FAST[1:], "trainer.inner_epochs=2", "trainer.micro_batch=6", "run.checkpoint_every=0"])
     trainer = TextTrainer(cfg, run_dir=tmp_path / "run")
@@ -108,7 +109,7 @@ def test_a_stale_batch_takes_its_proximal_log_probs_from_the_steps_first_forward
     with torch.no_grad():  # what AReaL's `recompute` does: one forward of the batch with the step's starting weights
         recomputed = trainer.policy.log_probs(gen, rows, temp)[0].float() * gen.completion_mask
     proximal = StepProximal(gen)
-    stats = trainer.update(exp, proximal)
+    stats = trainer.objective.update(exp, proximal)
     assert bool(proximal.taken.all()) and stats["off_policy/ess"] > 0
     assert torch.allclose(proximal.log_probs, recomputed, atol=1e-5)
     with torch.no_grad():  # the update moved the weights: the live policy is not the proximal one any more
@@ -124,7 +125,8 @@ def test_m2po_in_the_trainer_is_the_core_objective_on_a_stale_batch(tmp_path, re
     token-mean objective, as flowrl/core/off_policy.py writes them."""
     from flowrl.core.off_policy import m2po_mask, m2po_policy_loss
     from flowrl.text.config import load_text_config
-    from flowrl.text.train import StepProximal, TextTrainer
+    from flowrl.text.objective import StepProximal
+    from flowrl.text.train import TextTrainer
 
     cfg = load_text_config(FAST[0], [*FAST[1:], "loss.off_policy=m2po", "trainer.micro_batch=16", "run.checkpoint_every=0"])
     trainer = TextTrainer(cfg, run_dir=tmp_path / "run")
@@ -140,7 +142,7 @@ def test_m2po_in_the_trainer_is_the_core_objective_on_a_stale_batch(tmp_path, re
     keep = m2po_mask(proximal, gen.log_probs.float(), mask, cfg.loss.m2po_tau)
     expected = m2po_policy_loss(proximal, gen.log_probs.float(), exp.local_advantages, mask, keep).loss
     assert 0 < int(keep.sum()) < int(mask.sum())  # stale enough that the mask drops tokens
-    stats = trainer.update(exp, StepProximal(gen))
+    stats = trainer.objective.update(exp, StepProximal(gen))
     assert stats["loss"] == pytest.approx(float(expected), rel=1e-4, abs=1e-6)
 
 
