@@ -340,7 +340,11 @@ def test_config_guard_rejects_mixed_precision_and_bad_two_stage_settings(tiny_sd
     msg = str(err.value)
     assert msg.startswith(field) and msg.count(". ") == 0 and "\n" not in msg
     if field.startswith("objective.kind"):
-        assert "unless rollout.two_stage.regenerate is true" in msg and msg.endswith("objective.kind may be dgpo, gdro, nft with it")
+        from flowrl.train.experience import SAMPLES
+        from flowrl.train.parts import OBJECTIVES
+
+        able = ", ".join(OBJECTIVES.where(lambda o: o.needs == SAMPLES))  # every registered clean-sample objective
+        assert "unless rollout.two_stage.regenerate is true" in msg and msg.endswith(f"objective.kind may be {able} with it")
 
 
 def test_guard_allows_training_on_same_precision_candidates_and_the_cli_exits_2(tmp_path, tiny_sd3_dir, capsys):
