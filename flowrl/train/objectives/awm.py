@@ -169,7 +169,7 @@ class AWM(Objective):
         pg, ratio = awm_policy_loss(l, l.detach(), adv.double(), o.clip_range)
         loss = pg.mean()
         beta, beta_ema = self.kl_weights()
-        logged = {"policy_loss": loss.item(), "awm_error": float(m.mean()), "ratio_mean": float(ratio.mean())}
+        logged = {"policy_loss": loss.item(), "awm_error": m.mean().item(), "ratio_mean": ratio.mean().item()}
         if beta > 0:
             kl = ((v - v_ref) ** 2).mean()
             loss = loss + beta * kl
