@@ -44,3 +44,15 @@ def assert_resume_repeats(args: list[str], straight: Path, stopped: Path) -> Non
     assert run_metrics(stopped) == run_metrics(straight)
     a, b = trainable(straight, 4), trainable(stopped, 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def lora_grads(loss: torch.Tensor, policy) -> torch.Tensor:
+    """The gradient of `loss` on the policy's trainable weights, flattened (the graph is kept)."""
+    params = list(policy.named_trainable_parameters().values())
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params, retain_graph=True)])
+
+
+def assert_close_relative(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-6) -> None:
+    """The largest gap within `rel` of the reference's largest magnitude."""
+    scale = ref.abs().max().clamp(min=1e-30)
+    assert ((ours - ref).abs().max() / scale).item() <= rel, ((ours - ref).abs().max().item(), scale.item())

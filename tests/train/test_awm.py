@@ -12,22 +12,10 @@ import torch
 
 from flowrl.config import load_config
 from flowrl.errors import ConfigError
-from flowrl.models import load_policy
 from flowrl.train.experience import Experience
 from flowrl.train.objectives.awm import AWM, AWMOptions, awm_indices, awm_policy_loss, awm_weighting, trained_timesteps
+from run_checks import assert_close_relative, lora_grads
 
-REL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def policy(tiny_sd3_dir):
-    cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "lora.rank=4", "lora.alpha=8"])
-    p = load_policy(cfg.model)
-    p.add_lora(cfg.lora, seed=0)
-    with torch.no_grad():  # a trained-looking adapter: the policy and the base network differ
-        for n, w in p.named_trainable_parameters().items():
-            w.copy_(0.3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(len(n))))
-    return p
 
 
 def _awm(tiny_sd3_dir, policy, overrides=()):
@@ -36,16 +24,6 @@ def _awm(tiny_sd3_dir, policy, overrides=()):
     obj.ctx = SimpleNamespace(cfg=cfg, policy=policy, params=policy.named_trainable_parameters())
     obj.opts, obj.ema = cfg.objective.awm, object()
     return obj
-
-
-def _grads(loss, policy) -> torch.Tensor:
-    params = list(policy.named_trainable_parameters().values())
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params, retain_graph=True)])
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    scale = ref.abs().max().clamp(min=1e-30)
-    assert ((ours - ref).abs().max() / scale).item() <= REL, ((ours - ref).abs().max().item(), scale.item())
 
 
 def test_the_weightings_are_the_reference_codes():
@@ -104,14 +82,14 @@ def test_awm_loss_and_gradient_are_the_reference_codes(tiny_sd3_dir, policy, bet
     v_ema = v.detach() + 0.05 * torch.randn(v.shape, generator=g)
     ours, logged = obj.step_loss(v, v_ref, v_ema, x0, eps, sigma, adv)
     ref = _reference_loss(v, v_ref, v_ema, x0, eps, sigma, adv, 0.25, 1.0, beta, 1.0)
-    _close(ours.detach(), ref.detach())
-    _close(_grads(ours, policy), _grads(ref, policy))
+    assert_close_relative(ours.detach(), ref.detach())
+    assert_close_relative(lora_grads(ours, policy), lora_grads(ref, policy))
     assert ("kl_ema" in logged) == (beta > 0)  # nested: the EMA term only beside the reference's
     # on-policy the ratio is 1, so the gradient is that of mean_i A_i l_i (the whole algorithm)
     m = ((v.double() - (eps - x0).double()) ** 2).mean(dim=(1, 2, 3))
     plain = (adv.double() * awm_weighting(m, sigma, "ghuber", 0.25)).mean()
     if beta == 0:
-        _close(_grads(ours, policy), _grads(plain, policy))
+        assert_close_relative(lora_grads(ours, policy), lora_grads(plain, policy))
 
 
 def test_the_clip_stops_a_ratio_past_it_in_the_advantages_direction():

@@ -13,25 +13,13 @@ import pytest
 import torch
 
 from flowrl.config import load_config
-from flowrl.models import load_policy
 from flowrl.train.experience import Experience
 from flowrl.train.objectives.dgpo import DGPO
 from flowrl.train.objectives.gdro import GDRO
 from flowrl.train.objectives.implicit import FlowErrors, GroupBatch
 from flowrl.train.objectives.nft import NFT, trained_timesteps
+from run_checks import assert_close_relative, lora_grads
 
-REL = 1e-6
-
-
-@pytest.fixture(scope="module")
-def policy(tiny_sd3_dir):
-    cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "lora.rank=4", "lora.alpha=8"])
-    p = load_policy(cfg.model)
-    p.add_lora(cfg.lora, seed=0)
-    with torch.no_grad():  # a trained-looking adapter: the policy and the reference differ
-        for n, w in p.named_trainable_parameters().items():
-            w.copy_(0.3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(len(n))))
-    return p
 
 
 def _objective(cls, tiny_sd3_dir, policy, overrides):
@@ -49,16 +37,6 @@ def _batch(policy, n=6, groups=(0, 0, 0, 1, 1, 1), seed=0):
     eps = torch.randn(n, *policy.latent_shape(), generator=g)
     prompts = ["a red circle"] * 3 + ["two blue squares"] * 3
     return x0, eps, torch.tensor(groups), prompts
-
-
-def _grads(loss, policy) -> torch.Tensor:
-    params = list(policy.named_trainable_parameters().values())
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params, retain_graph=True)])
-
-
-def _close(ours: torch.Tensor, ref: torch.Tensor) -> None:
-    scale = ref.abs().max().clamp(min=1e-30)
-    assert ((ours - ref).abs().max() / scale).item() <= REL, ((ours - ref).abs().max().item(), scale.item())
 
 
 def _velocities(policy, x0, eps, sigma, prompts):
@@ -111,8 +89,8 @@ def test_dgpo_loss_and_gradient_are_the_reference_codes(tiny_sd3_dir, policy, cl
     err_old = ((v_old - u) ** 2).mean((1, 2, 3)) if clip else None
     ours, stats = obj.loss(_experience(adv), batch, errors, err_old)
     ref = _dgpo_reference_loss(v, v_ref, u, adv, groups, 100.0, 3, clip or None, v_old)
-    _close(ours.detach(), ref.detach())
-    _close(_grads(ours, policy), _grads(ref, policy))
+    assert_close_relative(ours.detach(), ref.detach())
+    assert_close_relative(lora_grads(ours, policy), lora_grads(ref, policy))
     if clip:
         assert 0 < stats["clip_fraction"] < 1  # the clip acts on some samples, not all
 
@@ -159,8 +137,8 @@ def test_gdro_loss_and_gradient_are_the_papers(tiny_sd3_dir, policy):
     obj.tie_keys = torch.zeros(6)
     ours, _ = obj.loss(exp, GroupBatch(x0, prompts, groups, torch.arange(6), 1.0), errors, None)
     ref = _gdro_reference_loss(v, v_ref, u, rewards, groups, 6.0, 0.05, 1.0)
-    _close(ours.detach(), ref.detach())
-    _close(_grads(ours, policy), _grads(ref, policy))
+    assert_close_relative(ours.detach(), ref.detach())
+    assert_close_relative(lora_grads(ours, policy), lora_grads(ref, policy))
 
 
 # ---- DiffusionNFT ---------------------------------------------------------------------------
@@ -197,8 +175,8 @@ def test_nft_loss_and_gradient_are_the_reference_codes(tiny_sd3_dir, policy, bet
     r = 0.5 + 0.5 * obj.optimality(exp).clamp(-1, 1)
     ours = obj.loss(v, v_old, u, r, t) + 0.01 * ((v - v_ref) ** 2).mean()
     ref = _nft_reference_loss(v, v_old, v_ref, x0, x_t, t, adv, beta, 5.0, 0.01)
-    _close(ours.detach(), ref.detach())
-    _close(_grads(ours, policy), _grads(ref, policy))
+    assert_close_relative(ours.detach(), ref.detach())
+    assert_close_relative(lora_grads(ours, policy), lora_grads(ref, policy))
 
 
 def test_nft_trains_each_sample_on_its_own_permutation_of_the_sampling_grid(tiny_sd3_dir, policy):
@@ -267,8 +245,8 @@ def test_grpo_guard_loss_and_gradient_are_the_reference_codes(tiny_sd3_dir, poli
     ours, terms, _ = obj.micro_batch_loss(mb)
     out = evaluate()
     ref = _guard_reference_loss(out.mean, behaviour.mean, behaviour.next_x, out.std, sigma - sigma_next, adv, 2e-6)
-    _close(ours.detach(), ref.detach())
-    _close(_grads(ours, policy), _grads(ref, policy))
+    assert_close_relative(ours.detach(), ref.detach())
+    assert_close_relative(lora_grads(ours, policy), lora_grads(ref, policy))
     plain = torch.exp(out.log_prob - behaviour.log_prob).detach()  # Flow-GRPO's ratio: biased below 1
     assert (terms.ratio - 1).abs().mean() < (plain - 1).abs().mean()
 
