@@ -131,8 +131,3 @@ class Objective(runtime_parts.Objective):
 
 register_rollout = ROLLOUTS.register
 register_objective = OBJECTIVES.register
-
-
-def options_of(cfg: "Config", part) -> Any:
-    """`part`'s own section of `cfg` (rollout.<name> or objective.<name>)."""
-    return getattr(cfg.rollout if issubclass(part, Rollout) else cfg.objective, part.name)

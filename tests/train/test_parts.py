@@ -201,3 +201,17 @@ def test_an_objective_from_outside_the_package_brings_its_options(plugin_config,
     assert [(r["toy_sigma"], r["toy_weight"]) for r in got] == [(0.3, 2.0)] * 2
     assert any(v.abs().sum() > 0 for k, v in trainable(run, 2).items() if "lora_B" in k)  # the adapter moved
     assert "plugins:\n- my_flowrl_parts" in (run / "config.yaml").read_text()  # a resume imports it again
+
+
+def test_a_registry_imports_a_lazy_entry_on_first_use_and_names_the_choices():
+    from flowrl.registry import Registry
+
+    reg = Registry("thing.kind")
+    reg.register_lazy("noise", "flowrl.sampling.noise:seeded_noise")  # a module path, imported when first looked up
+    reg.register(lambda: None, name="plain")
+    assert reg.names() == ("noise", "plain") and "noise" in reg
+    assert reg.get("noise") is seeded_noise
+    with pytest.raises(ConfigError, match="^thing.kind must be one of noise, plain; got 'nois'$"):
+        reg.get("nois")
+    reg.unregister("plain")
+    assert reg.names() == ("noise",)
