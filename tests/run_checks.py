@@ -56,3 +56,24 @@ def assert_close_relative(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e
     """The largest gap within `rel` of the reference's largest magnitude."""
     scale = ref.abs().max().clamp(min=1e-30)
     assert ((ours - ref).abs().max() / scale).item() <= rel, ((ours - ref).abs().max().item(), scale.item())
+
+
+def shuffle_advantages_within_groups(monkeypatch) -> None:
+    """The learning tests' control: every engine that takes group advantages through
+    flowrl.train.rollouts.common (flat, windowed, two-stage, offline) gets them permuted within
+    each group (fixed generator). Nothing else changes, so the update keeps its size and noise
+    but loses its link to the reward: a reward that still rises did so by drift, not learning."""
+    import flowrl.train.rollouts.common as common
+
+    estimate = common.estimate_advantages
+    generator = torch.Generator().manual_seed(1234)
+
+    def shuffled(kind, rewards, group_ids, *args, **kwargs):
+        out = estimate(kind, rewards, group_ids, *args, **kwargs)
+        advantages = out.advantages.clone()
+        for group in group_ids.unique():
+            members = (group_ids == group).nonzero().flatten()
+            advantages[members] = out.advantages[members[torch.randperm(len(members), generator=generator)]]
+        return out._replace(advantages=advantages)
+
+    monkeypatch.setattr(common, "estimate_advantages", shuffled)

@@ -18,7 +18,7 @@ from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.train.loop import Trainer
 from flowrl.train.rollouts.common import training_spec
-from run_checks import assert_resume_repeats, run_metrics, trainable
+from run_checks import assert_resume_repeats, run_metrics, shuffle_advantages_within_groups, trainable
 
 FAST = [
     "sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
@@ -239,24 +239,33 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
     assert len(run_metrics(run)) == 1  # nothing already written is lost
 
 
+# Training-reward gain (mean of the last 8 iterations minus the first 8) of the default tiny_jpeg
+# preset (Flow-GRPO, 60 iterations) on the tiny random SD3, JPEG compressibility in kB, measured on a
+# 2-core Intel Xeon (family 6 model 167), 2026-11-29, trainer seeds 0-3:
+#   engine                                +0.21  +0.33  +0.61  +0.34
+#   control (advantages shuffled in group) +0.08  -0.07  -0.19  -0.01   (mean -0.05, SE 0.055)
+# The threshold sits 3.5 control standard errors above the control's mean, under every engine seed.
+GRPO_GAIN_THRESHOLD = 0.15
+
+
 @pytest.mark.slow
-def test_grpo_raises_the_reward(tmp_path, tiny_sd3_dir):
-    """The default preset (60 iterations, fixed seed) on a tiny random SD3 raises JPEG
-    incompressibility (DDPO's toy reward, the size of the JPEG) by more than the within-batch
-    reward spread. Its compressibility twin rose only as a late, CPU-dependent breakout (on an AMD
-    EPYC without AVX-512 not within 60 iterations: -3.82 kB at the start and at the end); the
-    size rises steadily on either CPU (three seeds there: +0.12 to +0.18 kB against a spread of
-    0.09 to 0.11)."""
+@pytest.mark.parametrize("arm", ["engine", pytest.param("control", marks=pytest.mark.skipif(
+    not os.environ.get("FLOWRL_CONTROLS"), reason="the controls run on request (FLOWRL_CONTROLS=1): they show the threshold can fail"))])
+def test_grpo_raises_jpeg_compressibility_and_its_shuffled_control_does_not(tmp_path, tiny_sd3_dir, monkeypatch, arm):
+    """Flow-GRPO learns on the tiny random SD3: JPEG compressibility (DDPO's toy reward, minus
+    the JPEG's size) is one that SDE noise cannot raise, since noise makes images harder to
+    compress. The control is the same run with its advantages permuted within each group; with
+    FLOWRL_CONTROLS=1 it runs too and must stay under the threshold, which shows that the
+    threshold separates learning from drift."""
+    if arm == "control":
+        shuffle_advantages_within_groups(monkeypatch)
     cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "run.tracker=none", "run.progress=false", "run.sample_every=0",
-                             "run.checkpoint_every=0", "reward.weights={jpeg_incompressibility: 1.0}", *LEARNING_RECIPE])
+                                    "run.checkpoint_every=0"])
     history = Trainer(cfg, run_dir=tmp_path / "run").train()
     rewards = torch.tensor([r["reward_mean"] for r in history])
-    first, last = rewards[:8].mean().item(), rewards[-8:].mean().item()
-    spread = torch.tensor([r["reward_std"] for r in history[:8]]).mean().item()
-    assert last - first > 1.0 * spread, (first, last, spread)
-
-
-LEARNING_RECIPE: list[str] = []  # the default preset's own recipe
+    gain = (rewards[-8:].mean() - rewards[:8].mean()).item()
+    learned = gain > GRPO_GAIN_THRESHOLD
+    assert learned == (arm == "engine"), (arm, gain)
 
 
 @pytest.mark.slow
