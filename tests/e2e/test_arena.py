@@ -20,7 +20,7 @@ from flowrl.train.loop import Trainer
 from script_loader import load_script
 
 ARENA_DIR = CONFIG_DIR / "arena"
-CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm")
+CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference")
 FAST = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
         "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8", "run.sample_every=0"]
 
@@ -59,12 +59,16 @@ def test_the_cells_are_the_algorithms_they_name():
     assert (cfg["dgpo"].trainer.kl_beta, cfg["dgpo"].trainer.lr, cfg["dgpo"].trainer.lr_schedule) == (
         default.trainer.kl_beta, default.trainer.lr, default.trainer.lr_schedule)
     assert cfg["nft"].rollout.kind == "flat"
+    # the two DGPO cells differ in their stepping alone: flowrl's (measured first) and the reference's
+    assert (cfg["dgpo"].objective.dgpo.stepping, cfg["dgpo_reference"].objective.dgpo.stepping) == ("micro_batch", "iteration")
+    cfg["dgpo_reference"].objective.dgpo.stepping = "micro_batch"
+    assert cfg["dgpo_reference"] == cfg["dgpo"]
     assert {c: cfg[c].objective.kind for c in CELLS} == {
         "flow_grpo": "grpo", "mixgrpo": "grpo", "branchgrpo": "grpo", "g2rpo": "grpo", "sol_rl": "nft", "nft": "nft",
-        "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm"}
+        "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm", "dgpo_reference": "dgpo"}
     assert {c: cfg[c].rollout.kind for c in CELLS} == {
         "flow_grpo": "flat", "mixgrpo": "flat", "branchgrpo": "tree", "g2rpo": "granular", "sol_rl": "two_stage", "nft": "flat",
-        "dgpo": "flat", "gdro_offline": "offline", "awm": "flat"}
+        "dgpo": "flat", "gdro_offline": "offline", "awm": "flat", "dgpo_reference": "flat"}
     assert cfg["flow_grpo"].sampling.sampler == "flow_grpo" and cfg["flow_grpo"].sampling.window.strategy == "all"
     assert cfg["mixgrpo"].sampling.window.strategy == "progressive"
     assert cfg["branchgrpo"].rollout.tree.prune_depths

@@ -164,8 +164,8 @@ def test_group_objective_presets_keep_their_papers_settings():
     assert (dgpo.model.height, dgpo.model.guidance_scale, dgpo.sampling.num_steps, dgpo.data.group_size) == (512, 4.5, 10, 16)
     o = dgpo.objective.dgpo
     assert (o.beta, o.timesteps, o.clip_range, o.guidance_scale, dgpo.trainer.kl_beta) == (100.0, 4, 0.01, 1.0, 0.02)
-    assert (o.loss_form, o.sigma_draw, o.grid_points, o.sigmas_per_step, o.clip_old, o.sample_with_old_after) == (
-        "reference", "grid", 5, 2, "ema", 500)
+    assert (o.loss_form, o.sigma_draw, o.grid_points, o.stepping, o.clip_old, o.sample_with_old_after) == (
+        "reference", "grid", 5, "iteration", "ema", 500)
     assert (dgpo.data.prompts_per_iteration, dgpo.lora.rank, dgpo.lora.alpha) == (8, 64, 128)
     assert dgpo.sampling.batch_size % dgpo.data.group_size == 0  # whole groups per micro-batch
     gdro = load_config(_preset("flux1_dev_gdro_1gpu"), validate_paths=False)

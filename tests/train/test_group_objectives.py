@@ -16,7 +16,7 @@ from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.core.group_losses import listwise_group_loss
 from flowrl.core.seeds import sample_seed
-from flowrl.errors import UserError
+from flowrl.errors import ConfigError, UserError
 from flowrl.models import load_policy
 from flowrl.offline.store import GroupStore, StoredGroup, StoreWriter
 from flowrl.runtime.checkpoint import checkpoint_name, load_checkpoint
@@ -154,7 +154,8 @@ def test_gdro_trains_from_the_store_without_a_sampler_call(tmp_path, store, tiny
 def test_dgpo_trains_online_with_its_clip_kl_and_old_sampler(tmp_path, tiny_sd3_dir):
     run = tmp_path / "run"
     args = ["train", "tiny_jpeg", *TINY, f"model.path={tiny_sd3_dir}", "objective.kind=dgpo", "objective.dgpo.timesteps=2",
-            "objective.dgpo.grid_points=3", "objective.dgpo.sigmas_per_step=1", "objective.dgpo.sample_with_old_after=1",
+            "objective.dgpo.grid_points=3", "objective.dgpo.stepping=micro_batch", "objective.dgpo.sigmas_per_step=1",
+            "objective.dgpo.sample_with_old_after=1",
             "trainer.kl_beta=0.1", "trainer.iterations=2", "run.checkpoint_every=2", "--run-dir", str(run)]
     assert main(args) == 0
     rows = run_metrics(run)
@@ -165,6 +166,45 @@ def test_dgpo_trains_online_with_its_clip_kl_and_old_sampler(tmp_path, tiny_sd3_
     assert any(v.abs().sum() > 0 for k, v in trainable(run, 2).items() if "lora_B" in k)
     ckpt = load_checkpoint(run / "checkpoints" / checkpoint_name(2))
     assert int(ckpt["dgpo_steps"]["steps"][0]) == 4 and set(ckpt["dgpo_old"]) == set(ckpt["params"])
+
+
+def test_dgpo_steps_once_per_iteration_and_its_old_model_follows_the_references_schedule(tmp_path, tiny_sd3_dir):
+    """DGPO's code (Luo-Yihong/DGPO) accumulates the gradient over all its batches and training
+    timesteps and steps once per epoch; its old model is then updated after each step with decay
+    min(0.3, 0.001 x steps), steps counted before that update. tiny_jpeg's 4-step grid: the
+    default grid_points (the first half, at least `timesteps`) is the whole grid."""
+    run = tmp_path / "run"
+    args = ["train", "tiny_jpeg", *TINY, f"model.path={tiny_sd3_dir}", "objective.kind=dgpo", "sampling.batch_size=4", "sampling.num_steps=4",
+            "trainer.iterations=3", "run.checkpoint_every=1", "--run-dir", str(run)]
+    assert main(args) == 0
+    rows = run_metrics(run)
+    # 2 micro-batches (one group of 4 each) x 4 sigmas = 8 pairs, one optimizer step
+    assert [(r["trained_transitions"], r["optimizer_steps"]) for r in rows] == [(8, 1)] * 3
+    for i in (1, 2, 3):
+        ckpt = load_checkpoint(run / "checkpoints" / checkpoint_name(i))
+        assert int(ckpt["dgpo_steps"]["steps"][0]) == i
+    old = lambda i: load_checkpoint(run / "checkpoints" / checkpoint_name(i))["dgpo_old"]
+    for i in (1, 2, 3):
+        decay = min(0.3, 0.001 * (i - 1))  # the decay at step i - 1 (0: the first update copies)
+        new, prev = trainable(run, i), (old(i - 1) if i > 1 else None)
+        for k in new:
+            expected = new[k] if prev is None else decay * prev[k] + (1 - decay) * new[k]
+            assert torch.allclose(old(i)[k], expected, atol=1e-7), (i, k)
+
+
+def test_dgpo_stepping_plans_the_references_and_flowrls_steps():
+    from flowrl.train.objectives.stepping import step_plan
+
+    # the reference: every (micro-batch, sigma) pair of the epoch in one step
+    assert step_plan(2, 4, "iteration") == [[(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]]
+    # flowrl's: every 2 sigmas of a micro-batch; a short last chunk steps alone
+    assert step_plan(2, 3, "micro_batch", 2) == [[(0, 0), (0, 1)], [(0, 2)], [(1, 0), (1, 1)], [(1, 2)]]
+    # gradient accumulation: whole micro-batches, 2 per step, the last one alone
+    assert step_plan(3, 2, "micro_batch", 0, 2) == [[(0, 0), (0, 1), (1, 0), (1, 1)], [(2, 0), (2, 1)]]
+    with pytest.raises(ConfigError, match="objective.dgpo.sigmas_per_step"):
+        load_config("tiny_jpeg", ["objective.kind=dgpo", "objective.dgpo.stepping=micro_batch", "trainer.gradient_accumulation_steps=2"])
+    with pytest.raises(ConfigError, match="objective.dgpo.stepping must be one of"):
+        load_config("tiny_jpeg", ["objective.kind=dgpo", "objective.dgpo.stepping=epoch"])
 
 
 def test_dgpo_log_sigmoid_form_starts_at_log_2(tmp_path, tiny_sd3_dir):

@@ -9,8 +9,9 @@ back-propagates mean_i sigmoid((beta / G) sum_j A_j delta_j).detach() A_i err_i
 (flowrl.core.group_losses.dgpo_weighted_error_loss; `loss_form: log_sigmoid` is the paper's
 -log sigmoid, beta times stronger). The trained velocity is the conditional one (guidance 1).
 Per epoch, `timesteps` distinct sigmas drawn from the first `grid_points` of the rollout's own
-sampling grid, shared by every micro-batch, each with fresh group-shared noise; an optimizer step
-every `sigmas_per_step` of them. Options: the clip against an "old" model (a sample whose error
+sampling grid (by default its first half), shared by every micro-batch, each with fresh group-shared
+noise; one optimizer step per epoch over all of them, as the code's gradient accumulation
+(`stepping: micro_batch` steps every `sigmas_per_step` sigmas of a micro-batch). Options: the clip against an "old" model (a sample whose error
 ratio exp(err_old - err) has left [1 - c, 1 + c] in its advantage's direction stops pulling; the
 old model is the code's EMA of the weights, decay min(0.3, 0.001 x steps), which also samples the
 rollouts after `sample_with_old_after` optimizer steps), and the KL to the reference
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import contextlib
+import math
 
 import torch
 
@@ -32,6 +34,7 @@ from flowrl.errors import ConfigError, UserError, check_choice, check_positive
 from flowrl.runtime.ema import EMA
 from flowrl.train.experience import SAMPLES, Experience
 from flowrl.train.objectives.implicit import ImplicitRewardObjective, flow_errors
+from flowrl.train.objectives.stepping import check_stepping
 from flowrl.train.parts import register_objective
 
 LOSS_FORMS = ("reference", "log_sigmoid")
@@ -43,6 +46,14 @@ def ema_old_decay(steps: int) -> float:
     """The decay of DGPO's "old" model at the optimizer step that follows `steps` earlier ones:
     min(0.3, 0.001 steps), so the first update copies the weights."""
     return min(0.3, 0.001 * steps)
+
+
+def grid_points(opts, num_steps: int) -> int:
+    """How many of the sampling grid's first sigmas the training sigmas are drawn from: the option,
+    or the reference's first half (5 of its 10 steps), at least `timesteps` and at most the grid."""
+    if opts.grid_points is not None:
+        return opts.grid_points
+    return min(num_steps, max(opts.timesteps, math.ceil(num_steps / 2)))
 
 
 @dataclass
@@ -60,11 +71,16 @@ class DGPOOptions:
     # grid: draw them from the first grid_points sigmas of the rollout's own sampling grid (DGPO: 5 GenEval,
     # 7 OCR); stratified (flowrl variant): one per stratum of sigma_range, crowded by sigma_shift
     sigma_draw: str = "grid"
-    grid_points: int = 5
+    # null: the reference's share of the grid, its first half (5 of 10 steps), at least `timesteps` points
+    grid_points: Optional[int] = None
     sigma_range: list[float] = field(default_factory=lambda: [0.5, 1.0])  # sigma_draw stratified: the range
     sigma_shift: float = 1.0  # sigma_draw stratified: > 1 crowds the sigmas toward the noisy end
-    # optimizer step every this many sigmas of a micro-batch (DGPO's code accumulates 2 (batch, sigma) pairs
-    # per step on its 4-GPU settings); 0: one step per micro-batch over all its sigmas
+    # iteration: one optimizer step per epoch over every micro-batch and sigma, the loss averaged over them (DGPO's
+    # code accumulates its 2 batches x 4 timesteps: "update once per epoch"); micro_batch (flowrl variant, the
+    # arena's DGPO cell and the default preset): a step every sigmas_per_step sigmas of each micro-batch
+    stepping: str = "iteration"
+    # stepping micro_batch: an optimizer step every this many sigmas of a micro-batch; 0: one step per micro-batch
+    # over all its sigmas (then trainer.gradient_accumulation_steps micro-batches per step)
     sigmas_per_step: int = 2
     # > 0: a sample whose error ratio exp(err_old - err) has left [1 - c, 1 + c] in its advantage's direction
     # stops pulling (DGPO's code: 0.01 GenEval and OCR); 0: off
@@ -106,19 +122,26 @@ class DGPO(ImplicitRewardObjective):
         check_choice("objective.dgpo.clip_old", o.clip_old, CLIP_OLDS)
         check_positive("objective.dgpo.clip_range", o.clip_range, strict=False)
         check_positive("objective.dgpo.sigmas_per_step", o.sigmas_per_step, strict=False)
+        check_stepping("objective.dgpo", o.stepping, o.sigmas_per_step, o.timesteps, cfg.trainer.gradient_accumulation_steps)
         check_positive("objective.dgpo.sample_with_old_after", o.sample_with_old_after, strict=False)
         if o.sample_with_old_after > 0 and o.clip_old != "ema":
             raise ConfigError("objective.dgpo.sample_with_old_after > 0 samples with the ema weights, which needs "
                               f"objective.dgpo.clip_old ema; got clip_old {o.clip_old} (set sample_with_old_after=0)")
         if o.sigma_draw == "grid":
-            check_positive("objective.dgpo.grid_points", o.grid_points)
             steps = cfg.sampling.num_steps
-            if not o.timesteps <= o.grid_points <= steps:
+            if o.timesteps > steps:
+                raise ConfigError(f"objective.dgpo.timesteps must be at most sampling.num_steps ({steps}) with sigma_draw grid; "
+                                  f"got {o.timesteps}")
+            if o.grid_points is not None and not o.timesteps <= o.grid_points <= steps:
                 raise ConfigError(f"objective.dgpo.grid_points must be between objective.dgpo.timesteps ({o.timesteps}) and "
-                                  f"sampling.num_steps ({steps}); got {o.grid_points}")
+                                  f"sampling.num_steps ({steps}), or null (the first half of the grid); got {o.grid_points}")
             if tuple(cfg.lora.sigma_range) != (0.0, 1.0):
                 raise ConfigError("objective.dgpo.sigma_draw grid needs lora.sigma_range [0, 1] (every grid sigma trained); "
                                   f"got {list(cfg.lora.sigma_range)}: use sigma_draw stratified inside it")
+
+    @property
+    def stepping(self) -> str:
+        return self.opts.stepping
 
     @property
     def sigmas_per_step(self) -> int:
@@ -131,10 +154,11 @@ class DGPO(ImplicitRewardObjective):
         if o.sigma_draw == "stratified":
             return super().training_sigmas(iteration, epoch)
         s = cfg.sampling
-        grid = self.ctx.policy.sigmas(s.num_steps, s.schedule, s.shift)[: o.grid_points]
+        points = grid_points(o, s.num_steps)
+        grid = self.ctx.policy.sigmas(s.num_steps, s.schedule, s.shift)[:points]
         gen = torch.Generator().manual_seed(sample_seed(cfg.trainer.seed, iteration * cfg.trainer.inner_epochs + epoch,
                                                         Stream.GROUP_SIGMAS))
-        return [float(grid[i]) for i in torch.randperm(o.grid_points, generator=gen)[: o.timesteps].tolist()]
+        return [float(grid[i]) for i in torch.randperm(points, generator=gen)[: o.timesteps].tolist()]
 
     def behaviour_weights(self):
         """After `sample_with_old_after` optimizer steps the ema "old" weights sample (DGPO's switch_ema_ref)."""

@@ -29,6 +29,7 @@ from flowrl.sampling.noise import GROUP_NOISING, seeded_noise
 from flowrl.sampling.schedules import stratified_sigma
 from flowrl.sampling.steps import flow_matching_target, forward_noise
 from flowrl.train.experience import Experience
+from flowrl.train.objectives.stepping import step_plan, step_shares
 from flowrl.train.parts import Objective
 
 
@@ -127,9 +128,9 @@ class ImplicitRewardObjective(Objective):
     """The training loop DGPO and GDRO share: whole-group micro-batches, per epoch `timesteps`
     sigmas, per sigma the group-shared noise, the trained and reference errors (`flow_errors`),
     the objective's own `loss`, the optional KL (trainer.kl_beta x the mean squared velocity gap
-    to the reference), and an optimizer step every `sigmas_per_step` sigmas of a micro-batch (by
-    default all of them: one step per micro-batch). A subclass names its config section and writes
-    `loss` (and, if it needs them, `prepare` for per-iteration state, `training_sigmas`)."""
+    to the reference), and optimizer steps by `stepping` (flowrl.train.objectives.stepping; by
+    default one step per micro-batch over all its sigmas). A subclass names its config section and
+    writes `loss` (and, if it needs them, `prepare` for per-iteration state, `training_sigmas`)."""
 
     section: ClassVar[str]  # objective.<section>: beta, timesteps, sigma_range, sigma_shift, guidance_scale
 
@@ -164,8 +165,13 @@ class ImplicitRewardObjective(Objective):
         return getattr(self.ctx.cfg.objective, self.section)
 
     @property
+    def stepping(self) -> str:
+        """iteration (one optimizer step per epoch) or micro_batch (the default here: see stepping.py)."""
+        return "micro_batch"
+
+    @property
     def sigmas_per_step(self) -> int:
-        """How many sigmas of a micro-batch one optimizer step accumulates (default: all of them)."""
+        """Under micro_batch stepping, how many sigmas of a micro-batch one step accumulates (default: all)."""
         return self.opts.timesteps
 
     def training_sigmas(self, iteration: int, epoch: int) -> list[float]:
@@ -201,17 +207,17 @@ class ImplicitRewardObjective(Objective):
         with policy.guidance(o.guidance_scale):
             for epoch in range(t.inner_epochs):
                 sigmas = self.training_sigmas(experience.iteration, epoch)
-                per_step = min(self.sigmas_per_step, len(sigmas))
-                for batch in batches:
+                # the pairs of one optimizer step share its weight: its gradient is their mean
+                shares = step_shares(step_plan(len(batches), len(sigmas), self.stepping, self.sigmas_per_step,
+                                               t.gradient_accumulation_steps))
+                for b, batch in enumerate(batches):
                     x0 = batch.x0.to(acc.device)
                     cond = policy.encode(batch.prompts)
                     trained_groups += int(batch.groups.unique().numel()) if batch.weight else 0
                     for k, sigma in enumerate(sigmas):
                         eps = group_noise(batch.groups, t.seed, experience.iteration, epoch * o.timesteps + k, x0.shape[1:], acc.device)
                         before = self.before_forward(batch, x0, eps, sigma, cond)
-                        steps_now = (k + 1) % per_step == 0 or k == len(sigmas) - 1
-                        # the sigmas of one optimizer step share its weight: a short last step weighs as its own count
-                        share = per_step if (k // per_step + 1) * per_step <= len(sigmas) else len(sigmas) % per_step
+                        share, steps_now = shares[(b, k)]
                         with contextlib.nullcontext() if steps_now else acc.no_sync(policy.net):
                             errors = flow_errors(policy, x0, eps, sigma, cond)
                             loss, own = self.loss(experience, batch, errors, before)
