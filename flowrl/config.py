@@ -60,16 +60,29 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     plugins = [o.partition("=")[2] for o in overrides or [] if o.startswith("plugins=")]
     schema = config_class(OmegaConf.to_container(OmegaConf.from_dotlist([f"v={plugins[-1]}"]))["v"] if plugins
                           else loaded.get("plugins", []))
-    cfg: Config = merge_config(schema, loaded, str(src), overrides, REPLACED_MAPPINGS, moved=MOVED_KEYS)
+    kinds = [o.partition("=")[2] for o in overrides or [] if o.startswith("objective.kind=")]
+    kind = kinds[-1] if kinds else OmegaConf.select(loaded, "objective.kind", default=None)
+    cfg: Config = merge_config(schema, loaded, str(src), overrides, REPLACED_MAPPINGS, moved=MOVED_KEYS,
+                               defaults=objective_defaults(kind))
     validate(cfg, validate_paths=validate_paths)
     return cfg
+
+
+def objective_defaults(kind: str | None) -> dict:
+    """The shared options whose default is the objective's reference's (Objective.defaults): they
+    replace the schema's under the preset and the command line. None: the schema's objective."""
+    kind = kind if kind is not None else ObjectiveSection.kind
+    return dict(OBJECTIVES.get(kind).defaults) if isinstance(kind, str) and kind in OBJECTIVES else {}
 
 
 def config_from_dict(data: dict, validate_paths: bool = True) -> Config:
     refuse_moved_keys(OmegaConf.create(data), [], MOVED_KEYS, "the given config")
     schema = config_class(data.get("plugins", []))
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(data))
+        base = OmegaConf.structured(schema)
+        for key, value in objective_defaults((data.get("objective") or {}).get("kind")).items():
+            OmegaConf.update(base, key, value, merge=False)
+        merged = OmegaConf.merge(base, OmegaConf.create(data))
     except OmegaConfBaseException as exc:
         raise ConfigError(one_sentence(exc, "the given config", schema)) from None
     cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]

@@ -53,12 +53,16 @@ def refuse_moved_keys(loaded: DictConfig, overrides: list[str], moved: dict[str,
 
 
 def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[str] | None, replaced_mappings=(),
-                 moved: dict[str, str] | None = None) -> Any:
-    """`loaded` (a YAML file's mapping) over the dataclass `schema`'s defaults, then `key=value`
-    overrides; a key of `moved` is refused naming its new name; any mistake is one sentence naming the key."""
+                 moved: dict[str, str] | None = None, defaults: dict[str, Any] | None = None) -> Any:
+    """`loaded` (a YAML file's mapping) over the dataclass `schema`'s defaults (with `defaults`,
+    {dotted key: value}, in place of the schema's own), then `key=value` overrides; a key of `moved`
+    is refused naming its new name; any mistake is one sentence naming the key."""
     refuse_moved_keys(loaded, overrides or [], moved or {}, source)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), loaded)
+        base = OmegaConf.structured(schema)
+        for key, value in (defaults or {}).items():
+            OmegaConf.update(base, key, value, merge=False)
+        merged = OmegaConf.merge(base, loaded)
         # a mapping given in the file replaces the default instead of adding to it
         for key in replaced_mappings:
             given = OmegaConf.select(loaded, key, default=None)

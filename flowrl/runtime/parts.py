@@ -14,6 +14,9 @@ from typing import Any, ClassVar
 class Objective:
     name: ClassVar[str]
     options: ClassVar[type | None] = None  # a dataclass: the config section of the objective's own options
+    # shared options whose default under this objective is its reference's, not the schema's ({"trainer.kl_beta":
+    # 1e-4}): they sit under the preset and the command line, which still set them
+    defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, ctx: Any):
         self.ctx = ctx

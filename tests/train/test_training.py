@@ -60,7 +60,8 @@ def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, t
                      "trainer.inner_epochs=2", "trainer.lr=1e-2"]
     straight = tmp_path / "straight"
     assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
-    assert all(r["optimizer_steps"] == 2 * 2 for r in run_metrics(straight))  # 2 passes x 2 batches
+    # the reference's stepping: each pass accumulates its 2 batches x 1 sigma into one step
+    assert all(r["optimizer_steps"] == 2 and r["trained_transitions"] == 2 * 2 for r in run_metrics(straight))
 
     def old(i: int) -> dict[str, torch.Tensor]:
         return load_file(str(straight / "checkpoints" / f"iter_{i:06d}" / "nft_old.safetensors"))
@@ -71,6 +72,27 @@ def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, t
         assert all(torch.allclose(old(i)[k], d * prev[k] + (1 - d) * new[k], atol=1e-6) for k in new)
     assert any(not torch.allclose(old(3)[k], trainable(straight, 3)[k]) for k in old(3))
     assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
+
+
+def test_nft_steps_once_per_epoch_with_the_references_mean_gradient(tmp_path, tiny_sd3_dir):
+    """DiffusionNFT's code divides each (batch, timestep) loss by gradient_accumulation_steps x
+    num_train_timesteps and steps once per epoch: the step's gradient is the mean over every pair.
+    flowrl's micro_batch stepping steps per batch. At a negligible learning rate both runs see the
+    same weights throughout: the same pairs and losses, and the reference's one gradient norm is
+    the norm of the mean of the two batches' gradients, below the mean of their norms."""
+    common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "objective.kind=nft",
+                     "trainer.kl_beta=0", "sampling.sampler=ode", "objective.nft.timesteps=2", "trainer.iterations=1",
+                     "trainer.lr=1e-12", "trainer.max_grad_norm=1e9"]
+    runs = {}
+    for stepping in ("iteration", "micro_batch"):
+        run = tmp_path / stepping
+        assert main(["train", "tiny_jpeg", *common, f"objective.nft.stepping={stepping}", "--run-dir", str(run)]) == 0
+        runs[stepping] = run_metrics(run)[0]
+    assert runs["iteration"]["optimizer_steps"] == 1 and runs["micro_batch"]["optimizer_steps"] == 2
+    assert runs["iteration"]["trained_transitions"] == runs["micro_batch"]["trained_transitions"] == 2 * 2
+    assert runs["iteration"]["loss"] == pytest.approx(runs["micro_batch"]["loss"], rel=1e-6)  # the same pairs
+    # |mean of two gradients| <= the mean of their norms, equal only if they are parallel
+    assert runs["iteration"]["grad_norm"] < runs["micro_batch"]["grad_norm"]
 
 
 def test_nft_positive_half_trains_without_the_old_policy_forward(tmp_path, tiny_sd3_dir):
@@ -412,3 +434,13 @@ def test_cpu_processes_relaunch_flowrl_train_once_as_that_many_processes(tmp_pat
     # a user error inside the processes (the run directory exists now) keeps its one sentence and exit code 2
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert again.returncode == 2 and again.stderr.count("flowrl: error:") == 1 and "Traceback" not in again.stderr, again.stderr[-3000:]
+
+
+def test_nft_takes_its_references_kl_weight_unless_the_preset_or_command_line_sets_one(tmp_path):
+    # DiffusionNFT's train.beta is 1e-4 where Flow-GRPO's (the schema's trainer.kl_beta) is 0.04
+    plain = tmp_path / "plain.yaml"
+    plain.write_text("model: {path: builtin:tiny-sd3}\ndata: {prompts: [a cat]}\nsampling: {sampler: ode}\nobjective: {kind: nft}\n")
+    assert load_config(plain, validate_paths=False).trainer.kl_beta == 1e-4
+    assert load_config(None, ["objective.kind=nft", "sampling.sampler=ode"]).trainer.kl_beta == 0.02  # the preset's own
+    assert load_config(plain, ["trainer.kl_beta=0.5"], validate_paths=False).trainer.kl_beta == 0.5
+    assert load_config(plain, ["objective.kind=grpo", "sampling.sampler=flow_grpo"], validate_paths=False).trainer.kl_beta == 0.04

@@ -3,7 +3,8 @@ The defaults are the reference code's (NVlabs/DiffusionNFT, scripts/train_nft_sd
 
 Flow matching on the clean samples, pulled toward the better-than-group ones and pushed from the
 worse (flowrl.core.nft_loss). Each sample batch is noised afresh at `objective.nft.timesteps`
-sigmas per sample and makes one optimizer step, for `trainer.inner_epochs` passes. With
+sigmas per sample, and the epoch's batches and sigmas accumulate into one optimizer step (the
+reference's; `stepping: micro_batch` steps per batch), for `trainer.inner_epochs` passes. With
 `sigma_draw: grid` (the reference) each sample walks its own random permutation of the sampling
 grid's sigmas (those where the adapter acts); with `stratified` the batch shares one sigma per
 stratum of lora.sigma_range. With `r_scale: adv_clip` (the reference) r = 0.5 + 0.5 A / A_max and
@@ -33,6 +34,7 @@ from flowrl.sampling.noise import FORWARD_NOISING, seeded_noise
 from flowrl.sampling.schedules import stratified_sigma
 from flowrl.sampling.steps import flow_matching_target, forward_noise
 from flowrl.train.experience import SAMPLES, WHOLE_GROUPS, Experience, advantages_at
+from flowrl.train.objectives.stepping import check_stepping, step_plan, step_shares
 from flowrl.train.parts import Objective, register_objective
 
 OLD_POLICIES = ("current", "sampling")
@@ -81,12 +83,18 @@ class NFTOptions:
     # the guidance of the velocity the loss trains (and of v_old and the KL reference): 1, the conditional
     # velocity alone (the reference trains and samples without CFG); None: model.guidance_scale
     guidance_scale: Optional[float] = 1.0
+    # iteration: one optimizer step per epoch over every batch and sigma, the loss averaged over them (the
+    # reference: loss / (gradient_accumulation_steps x num_train_timesteps), one step per epoch); micro_batch
+    # (flowrl variant, the arena's nft and sol_rl cells): a step per sampling batch over its sigmas (then
+    # trainer.gradient_accumulation_steps batches per step)
+    stepping: str = "iteration"
 
 
 @register_objective
 class NFT(Objective):
     name = "nft"
     options = NFTOptions
+    defaults = {"trainer.kl_beta": 1e-4}  # the reference's train.beta (the schema's 0.04 is Flow-GRPO's)
     needs = SAMPLES
 
     def __init__(self, ctx):
@@ -110,6 +118,7 @@ class NFT(Objective):
             raise ConfigError(f"objective.nft.guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
                               f"(model.guidance_scale); got {o.guidance_scale}")
         check_choice("objective.nft.old_policy", o.old_policy, OLD_POLICIES)
+        check_stepping("objective.nft", o.stepping, 0, 0, cfg.trainer.gradient_accumulation_steps)
         if not 0.0 <= o.old_decay < 1.0 or o.old_decay_rate < 0:
             raise ConfigError(f"objective.nft.old_decay must be in [0, 1) and objective.nft.old_decay_rate >= 0; "
                               f"got {o.old_decay} and {o.old_decay_rate}")
@@ -179,9 +188,12 @@ class NFT(Objective):
         policy.transformer.train()
         bar = tqdm(total=t.inner_epochs * len(batches) * k_steps, desc=f"iter {experience.iteration} training", leave=False,
                    disable=not ctx.progress, unit="step")
+        per_batch = k_steps if o.sigma_draw == "stratified" else min(k_steps, len(self.grid()))
+        # the pairs of one optimizer step share its weight: its gradient is their mean (the reference's accumulation)
+        shares = step_shares(step_plan(len(batches), per_batch, o.stepping, 0, t.gradient_accumulation_steps))
         with policy.guidance(o.guidance_scale):  # the velocity the loss trains
             for epoch in range(t.inner_epochs):
-                for bi in torch.randperm(len(batches), generator=gen).tolist():
+                for position, bi in enumerate(torch.randperm(len(batches), generator=gen).tolist()):
                     batch, r = batches[bi]
                     x0 = batch.x0.to(acc.device, torch.float32)  # a low-precision explorer's samples too
                     cond = policy.encode(batch.prompts)
@@ -196,7 +208,8 @@ class NFT(Objective):
                         if self.old is not None and needs_old:  # before the forward with grad: the swap writes the weights in place
                             with torch.no_grad(), self.old.swapped_in(ctx.params):
                                 v_old = policy.velocity(x_t, sigma, cond)
-                        with contextlib.nullcontext() if k == len(steps) - 1 else acc.no_sync(policy.net):
+                        share, steps_now = shares[(position, k)]
+                        with contextlib.nullcontext() if steps_now else acc.no_sync(policy.net):
                             v = policy.velocity(x_t, sigma, cond)
                             loss = self.loss(v, v.detach() if v_old is None else v_old, flow_matching_target(x0, eps),
                                              r.to(acc.device), sigma)
@@ -206,10 +219,11 @@ class NFT(Objective):
                                 kl = ((v - v_ref) ** 2).mean()
                                 kls.append(kl.item())
                                 loss = loss + t.kl_beta * kl
-                            acc.backward(loss / len(steps))
+                            acc.backward(loss / share)
                         losses.append(loss.item())
                         bar.update(1)
-                    grad_norms.append(ctx.optimizer_step())
+                        if steps_now:
+                            grad_norms.append(ctx.optimizer_step())
         bar.close()
         policy.transformer.eval()
         if self.old is not None:
