@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from flowrl.core.group_losses import dgpo_group_loss, listwise_group_loss
+from flowrl.core.advantages import estimate_advantages
+from flowrl.core.group_losses import dgpo_group_loss, dgpo_weighted_error_loss, listwise_group_loss
 
 
 @pytest.mark.parametrize("form", ["top1", "plackett_luce"])
@@ -65,8 +66,15 @@ def test_dgpo_partition_function_cancels_and_sides_balance():
     base = dgpo_group_loss(delta, adv, ids, beta=100.0)
     # a constant per group (the part of delta shared by every sample: the partition function) cancels
     torch.testing.assert_close(dgpo_group_loss(delta + torch.where(ids == 0, 0.7, -0.4), adv, ids, 100.0), base)
-    # the positive side's |A| equals the negative side's, so raising every error equally changes nothing
-    assert adv[adv > 0].abs().sum() == adv[adv <= 0].abs().sum()
+    # the sides balance in what is trained: flowrl's group-normalised advantages sum to 0 in each group,
+    # so raising every error of a group equally leaves the code's loss (the default loss_form) unchanged
+    rewards = torch.tensor([0.9, 0.1, 0.4, 0.2, 0.7, 0.3], dtype=torch.float64)
+    a = estimate_advantages("grpo", rewards, ids).advantages.double()
+    assert all(abs(a[ids == g].sum().item()) < 1e-9 for g in (0, 1)) and (a > 0).any() and (a < 0).any()
+    err = torch.tensor([0.5, 0.2, 0.9, 0.4, 0.3, 0.6], dtype=torch.float64)
+    shifted = err + torch.where(ids == 0, 0.3, -0.2)
+    torch.testing.assert_close(dgpo_weighted_error_loss(shifted, delta, a, ids, 100.0).sum(),
+                               dgpo_weighted_error_loss(err, delta, a, ids, 100.0).sum())
 
 
 def test_dgpo_gradient_lowers_the_error_of_the_better_samples():
