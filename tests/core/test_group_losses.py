@@ -70,7 +70,7 @@ def test_dgpo_partition_function_cancels_and_sides_balance():
     # so raising every error of a group equally leaves the code's loss (the default loss_form) unchanged
     rewards = torch.tensor([0.9, 0.1, 0.4, 0.2, 0.7, 0.3], dtype=torch.float64)
     a = estimate_advantages("grpo", rewards, ids).advantages.double()
-    assert all(abs(a[ids == g].sum().item()) < 1e-9 for g in (0, 1)) and (a > 0).any() and (a < 0).any()
+    assert all(abs(a[ids == g].sum().item()) < 1e-6 for g in (0, 1)) and (a > 0).any() and (a < 0).any()
     err = torch.tensor([0.5, 0.2, 0.9, 0.4, 0.3, 0.6], dtype=torch.float64)
     shifted = err + torch.where(ids == 0, 0.3, -0.2)
     torch.testing.assert_close(dgpo_weighted_error_loss(shifted, delta, a, ids, 100.0).sum(),
