@@ -30,6 +30,23 @@ def clipped_policy_loss(
     return PolicyLoss(loss, ratio.detach(), (clipped > unclipped).detach())
 
 
+def divergence_masked_policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                                  divergence: torch.Tensor, threshold: float) -> PolicyLoss:
+    """Flow-DPPO's trust region (arXiv 2606.11025, its asymmetric mask; Tencent-Hunyuan/UniRL
+    `_flowdppo_kl_adv_loss`, Flow-Factory's DPPO trainer) in place of PPO's ratio clip: the
+    unclipped surrogate -A r, r = exp(logp - logp_old), with a transition left out (detached mask)
+    only when its divergence from the behaviour step has reached `threshold` AND the update moves
+    its ratio further in its advantage's direction (r > 1 with A > 0, or r < 1 with A < 0). A
+    corrective move always passes, and so does r == 1 or A == 0. Mean over the rows [B], masked
+    rows counting as 0 (`where`, not a product: an overflowing r in a masked row gives no NaN).
+    `clipped` in the result marks the removed rows."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    pushing = ((ratio > 1) & (advantages > 0)) | ((ratio < 1) & (advantages < 0))
+    removed = ((divergence >= threshold) & pushing).detach()
+    loss = torch.where(removed, torch.zeros_like(ratio), -advantages * ratio).mean()
+    return PolicyLoss(loss, ratio.detach(), removed)
+
+
 def ratio_norm_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor,
                          std: torch.Tensor) -> torch.Tensor:
     """GRPO-Guard's RatioNorm (Wang et al., arXiv 2510.22319; its code's `rationorm` branch): for a

@@ -20,7 +20,8 @@ from flowrl.train.loop import Trainer
 from script_loader import load_script
 
 ARENA_DIR = CONFIG_DIR / "arena"
-CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference")
+CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
+         "flow_grpo_fast")
 FAST = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
         "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8", "run.sample_every=0"]
 
@@ -65,12 +66,14 @@ def test_the_cells_are_the_algorithms_they_name():
     assert cfg["dgpo_reference"] == cfg["dgpo"]
     assert {c: cfg[c].objective.kind for c in CELLS} == {
         "flow_grpo": "grpo", "mixgrpo": "grpo", "branchgrpo": "grpo", "g2rpo": "grpo", "sol_rl": "nft", "nft": "nft",
-        "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm", "dgpo_reference": "dgpo"}
+        "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm", "dgpo_reference": "dgpo", "flow_grpo_fast": "grpo"}
     assert {c: cfg[c].rollout.kind for c in CELLS} == {
         "flow_grpo": "flat", "mixgrpo": "flat", "branchgrpo": "tree", "g2rpo": "granular", "sol_rl": "two_stage", "nft": "flat",
-        "dgpo": "flat", "gdro_offline": "offline", "awm": "flat", "dgpo_reference": "flat"}
+        "dgpo": "flat", "gdro_offline": "offline", "awm": "flat", "dgpo_reference": "flat", "flow_grpo_fast": "flat"}
     assert cfg["flow_grpo"].sampling.sampler == "flow_grpo" and cfg["flow_grpo"].sampling.window.strategy == "all"
     assert cfg["mixgrpo"].sampling.window.strategy == "progressive"
+    fast = cfg["flow_grpo_fast"].sampling
+    assert (fast.sampler, fast.window.strategy, fast.window.size, fast.window.choices) == ("cps", "random", 3, [0, 1, 2])
     assert cfg["branchgrpo"].rollout.tree.prune_depths
     two = cfg["sol_rl"].rollout.two_stage
     assert two.preview_steps > 0 and two.regenerate and two.explore_precision == "nvfp4"

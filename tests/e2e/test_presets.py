@@ -18,7 +18,7 @@ PRESETS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if p.stem not in TEXT_PRES
 MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8, "qwen_image_pickscore_8gpu": 8,
              "z_image_turbo_pickscore_8gpu": 8, "flux2_klein_9b_pickscore_8gpu": 8, "wan21_1_3b_pickscore_8gpu": 8,
              "flux2_dev_pickscore_8gpu": 8}
-SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu")
+SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu", "sd35_medium_fast_1gpu")
 FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu", "flux1_dev_g2rpo_1gpu")
 QWEN_IMAGE_PRESETS = ("qwen_image_pickscore_1gpu", "qwen_image_pickscore_8gpu")
 Z_IMAGE_PRESETS = ("z_image_turbo_pickscore_1gpu", "z_image_turbo_pickscore_8gpu")
@@ -27,7 +27,7 @@ FLUX2_DEV_PRESETS = ("flux2_dev_pickscore_8gpu",)
 WAN_PRESETS = ("wan21_1_3b_pickscore_1gpu", "wan21_1_3b_pickscore_8gpu")
 IMAGE_PRESETS = (*SD3_PRESETS, *FLUX_PRESETS, *QWEN_IMAGE_PRESETS, *Z_IMAGE_PRESETS, *FLUX2_PRESETS, *FLUX2_DEV_PRESETS, *WAN_PRESETS)
 GROUP_OBJECTIVE_PRESETS = ("sd35_medium_dgpo_1gpu", "flux1_dev_gdro_1gpu")
-OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu")  # settings checked by their own tests
+OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu", "sd35_medium_fast_1gpu")  # settings checked by their own tests
 
 
 def _preset(name: str) -> Path:
@@ -156,6 +156,25 @@ def test_g2rpo_preset_keeps_the_reference_settings():
     assert (cfg.model.guidance_scale, cfg.sampling.logprob_reduction, cfg.sampling.schedule) == (3.5, "mean", "shifted_linear")
     assert (cfg.trainer.weight_decay, cfg.trainer.adam_eps, cfg.trainer.max_grad_norm, cfg.trainer.lr_schedule) == (
         1e-4, 1e-8, 1.0, "constant")
+
+
+def test_fast_preset_keeps_flow_grpo_fasts_settings():
+    """yifan123/flow_grpo `pickscore_sd3_fast_nocfg`: no CFG, CPS at 0.8 with the code's log-prob, a
+    window of 3 SDE steps starting at 0, 1 or 2 (ODE elsewhere, only the window trained), clip 1e-5,
+    no KL, and 2 optimizer steps per iteration."""
+    from flowrl.sampling.schedules import window_steps
+
+    cfg = load_config(_preset("sd35_medium_fast_1gpu"), validate_paths=False)
+    s, w = cfg.sampling, cfg.sampling.window
+    assert (cfg.objective.kind, cfg.rollout.kind, cfg.model.guidance_scale) == ("grpo", "flat", 1.0)
+    assert (s.sampler, s.cps_logprob, s.noise_level, s.num_steps, s.eval_num_steps) == ("cps", "reference", 0.8, 10, 40)
+    assert (cfg.objective.grpo.clip_range, cfg.trainer.kl_beta, cfg.advantage.std, cfg.advantage.clip) == (1e-5, 0.0, "global", 5.0)
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.trainer.lr, cfg.trainer.weight_decay, cfg.data.group_size) == (32, 64, 3e-4, 1e-4, 18)
+    windows = {tuple(window_steps(w.strategy, s.num_steps, w.size, w.start, i, cfg.trainer.seed, choices=w.choices))
+               for i in range(200)}
+    assert windows == {(0, 1, 2), (1, 2, 3), (2, 3, 4)}  # randint(0, 2): inside steps 0-4
+    batches = cfg.data.prompts_per_iteration * cfg.data.group_size // s.batch_size
+    assert batches // cfg.trainer.gradient_accumulation_steps == 2
 
 
 def test_group_objective_presets_keep_their_papers_settings():

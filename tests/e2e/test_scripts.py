@@ -38,6 +38,7 @@ SMOKE_TESTS = {
     "pretrain_text": "test_pretrain_text_exports_a_model",
     "probe_relations": "test_probe_relations_prints_both_measures",
     "readme_figures": "test_readme_figures_draws_both_figures_of_a_run",
+    "run_diagnostics": "test_run_diagnostics_reads_a_runs_signals_and_its_lora_update",
     "screen_shapes": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
     # the shapes scripts' shared --smoke model and overrides (a helper without a main)
     "smoke": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
@@ -241,6 +242,30 @@ def test_readme_figures_draws_both_figures_of_a_run(tmp_path, capsys):
     for name in ("default_before_after.png", "default_reward_curve.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert re.search(r"^training reward: iteration 0 -?[\d.]+, iteration 0 -?[\d.]+$", capsys.readouterr().out, re.MULTILINE)
+
+
+def test_run_diagnostics_reads_a_runs_signals_and_its_lora_update(tmp_path, tiny_sd3_dir, capsys):
+    from flowrl.cli import main
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    assert main(["train", "tiny_jpeg", f"model.path={tiny_sd3_dir}", "run.tracker=none", "run.progress=false", "run.sample_every=0",
+                 "sampling.num_steps=2", "data.prompts_per_iteration=2", "data.group_size=2", "sampling.batch_size=4",
+                 "lora.rank=2", "lora.alpha=4", "trainer.iterations=2", "run.checkpoint_every=1", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    diagnostics = load_script("run_diagnostics")
+    assert diagnostics.main([str(run), "--image", str(tmp_path / "d.png")]) == 0
+    out = capsys.readouterr().out
+    assert "| run | iterations | reward |" in out and f"| {run.name} | 2 |" in out
+    assert (tmp_path / "d.png").read_bytes()[:4] == b"\x89PNG"
+    # the update's norm written out: (alpha / r) B A per adapted layer, from the last checkpoint
+    weights = load_file(str(run / "checkpoints" / "iter_000002" / "trainable.safetensors"))
+    expected = sum(float((2.0 * weights[k.replace("lora_A", "lora_B")] @ weights[k]).square().sum()) for k in weights if "lora_A" in k)
+    row = diagnostics.diagnose(run)
+    assert row["LoRA update"][1] == pytest.approx(expected ** 0.5, rel=1e-5) and row["LoRA update"][1] > 0
+    assert row["clipped"] is not None and row["tied groups"] is not None
+    with pytest.raises(SystemExit, match="no metrics.jsonl"):
+        diagnostics.main([str(tmp_path)])
 
 
 # ---- the scripts that start `flowrl train` as a process of its own ---------------------------------

@@ -256,3 +256,77 @@ def test_grpo_guard_needs_flow_grpos_sde_on_flat_rollouts(tiny_sd3_dir):
 
     with pytest.raises(ConfigError, match="GRPO-Guard"):
         load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "sampling.sampler=dance_grpo", "objective.grpo.ratio_norm=true"])
+
+
+# ---- Flow-DPPO's trust region (objective.grpo.trust_region divergence_mask) ------------------
+
+
+def _dppo_reference_loss(mean, mean_old, log_prob, log_prob_old, std, adv, tau):
+    """Tencent-Hunyuan/UniRL `_flowdppo_kl_adv_loss` (x-based, with the variance scaling): the
+    equal-covariance Gaussian KL per element, averaged; keep a row when it is below tau or when the
+    move is corrective; the unclipped surrogate where kept, 0 elsewhere; a mean over the rows."""
+    ratio = torch.exp(log_prob - log_prob_old)
+    kl = ((mean.detach() - mean_old) ** 2 / (2 * std**2)).mean(dim=(1, 2, 3))
+    corrective = ~(((ratio > 1) & (adv > 0)) | ((ratio < 1) & (adv < 0)))
+    keep = ((kl < tau) | corrective).detach()
+    return torch.where(keep, -adv * ratio, torch.zeros_like(ratio)).mean(), kl, keep
+
+
+def _dppo_micro_batch(policy, perturb: float):
+    """One Flow-GRPO SDE step of the tiny model: the behaviour step's velocity is the policy's plus
+    `perturb` x noise (an older policy), and evaluate() recomputes the step under the current weights."""
+    from flowrl.sampling.steps import flow_grpo_step
+    from flowrl.train.experience import TransitionBatch
+
+    x0, eps, _, prompts = _batch(policy, seed=5)
+    sigma, sigma_next = 0.8, 0.7
+    x_t = (1 - sigma) * x0 + sigma * eps
+    cond = policy.encode(prompts)
+    with torch.no_grad():
+        v_old = policy.velocity(x_t, sigma, cond) + perturb * torch.randn(x_t.shape, generator=torch.Generator().manual_seed(6))
+        behaviour = flow_grpo_step(x_t, v_old, sigma, sigma_next, noise=torch.randn(x_t.shape, generator=torch.Generator().manual_seed(7)),
+                                   sigma_max=0.9)
+    adv = torch.tensor([1.2, -0.3, -0.9, 0.5, 0.7, -1.2])
+
+    def evaluate():
+        return flow_grpo_step(x_t, policy.velocity(x_t, sigma, cond), sigma, sigma_next, x_next=behaviour.next_x, sigma_max=0.9)
+
+    mb = TransitionBatch(evaluate, behaviour.log_prob, adv, lambda *a: torch.zeros(()), None, behaviour_mean=lambda: behaviour.mean,
+                         dt=sigma - sigma_next)
+    return mb, behaviour, evaluate, adv
+
+
+def test_dppo_divergence_mask_loss_and_gradient_are_the_reference_codes(tiny_sd3_dir, policy):
+    from flowrl.train.objectives.grpo import GRPO
+
+    mb, behaviour, evaluate, adv = _dppo_micro_batch(policy, perturb=0.05)
+    out = evaluate()
+    _, kl, _ = _dppo_reference_loss(out.mean, behaviour.mean, out.log_prob, behaviour.log_prob, out.std, adv, 0.0)
+    tau = float(kl.median())  # half the rows past the threshold: both branches of the mask run
+    obj = _objective(GRPO, tiny_sd3_dir, policy, ["objective.kind=grpo", "sampling.sampler=flow_grpo", "trainer.kl_beta=0",
+                                                  "objective.grpo.trust_region=divergence_mask",
+                                                  f"objective.grpo.divergence_threshold={tau}"])
+    obj.ctx.accelerator = SimpleNamespace(device=torch.device("cpu"))
+    ours, terms, _ = obj.micro_batch_loss(mb)
+    out = evaluate()
+    ref, _, keep = _dppo_reference_loss(out.mean, behaviour.mean, out.log_prob, behaviour.log_prob, out.std, adv, tau)
+    assert 0 < int((~keep).sum()) < len(adv)  # some rows masked, some kept
+    assert torch.equal(terms.clipped, ~keep)
+    assert_close_relative(ours.detach(), ref.detach())
+    assert_close_relative(lora_grads(ours, policy), lora_grads(ref, policy))
+
+
+def test_dppo_on_policy_first_step_keeps_every_row_and_is_the_plain_surrogate(tiny_sd3_dir, policy):
+    # the first micro-step: the current weights sampled the step, so mu = mu_old, D = 0 and nothing is
+    # masked; the loss is mean(-A r) with r = 1, and its gradient that of the unclipped surrogate
+    from flowrl.train.objectives.grpo import GRPO
+
+    obj = _objective(GRPO, tiny_sd3_dir, policy, ["objective.kind=grpo", "sampling.sampler=flow_grpo", "trainer.kl_beta=0",
+                                                  "objective.grpo.trust_region=divergence_mask"])
+    obj.ctx.accelerator = SimpleNamespace(device=torch.device("cpu"))
+    mb, behaviour, evaluate, adv = _dppo_micro_batch(policy, perturb=0.0)
+    ours, terms, _ = obj.micro_batch_loss(mb)
+    assert not terms.clipped.any() and torch.allclose(terms.ratio, torch.ones_like(terms.ratio))
+    plain = (-adv * torch.exp(evaluate().log_prob - behaviour.log_prob)).mean()
+    assert_close_relative(ours.detach(), plain.detach())
+    assert_close_relative(lora_grads(ours, policy), lora_grads(plain, policy))

@@ -1,6 +1,7 @@
 """objective.kind grpo: the PPO-clipped surrogate over transitions with behaviour log-probs,
 plus beta x the exact KL to the reference, the network with its adapter disabled (Flow-GRPO:
-Liu et al., arXiv:2505.05470; docs/algorithms.md section 2).
+Liu et al., arXiv:2505.05470; docs/algorithms.md section 2). `trust_region: divergence_mask`
+replaces the ratio clip with Flow-DPPO's divergence mask (docs/algorithms.md section 15).
 
 Inner epochs over the experience's accumulation groups, shuffled each epoch (or in their order
 when the experience asks: G2RPO's branch steps); `trainer.gradient_accumulation_steps` groups
@@ -22,8 +23,8 @@ import contextlib
 import torch
 from tqdm.auto import tqdm
 
-from flowrl.core import clipped_policy_loss
-from flowrl.core.losses import PolicyLoss, ratio_norm_log_ratio
+from flowrl.core import clipped_policy_loss, gaussian_kl
+from flowrl.core.losses import PolicyLoss, divergence_masked_policy_loss, ratio_norm_log_ratio
 from flowrl.core.off_policy import (OFF_POLICY_LOSSES, WEIGHT_MODES, behaviour_weight_stats, decoupled_policy_loss, m2po_mask,
                                     m2po_policy_loss)
 from flowrl.core.seeds import Stream, sample_seed
@@ -34,6 +35,7 @@ from flowrl.train.experience import STEP_MEANS, TRANSITIONS, Experience, Transit
 from flowrl.train.parts import Objective, register_objective
 
 STAT_NAMES = ("loss", "policy_loss", "kl", "ratio_mean", "clipfrac")
+TRUST_REGIONS = ("clip", "divergence_mask")
 
 
 @dataclass
@@ -54,6 +56,12 @@ class GRPOOptions:
     behaviour_weight: str = "none"  # decoupled's weight exp(proximal - behaviour): none (as it is) | truncate (TIS) | mask (rejection)
     behaviour_cap: float = 2.0  # truncate and mask: the cap on the behaviour weight (TIS: 2)
     m2po_tau: float = 0.04  # m2po: the bound on the mean squared log-ratio of the kept transitions
+    # clip (Flow-GRPO: PPO's ratio clip at clip_range) | divergence_mask (Flow-DPPO, arXiv 2606.11025: no ratio clip; a
+    # transition stops pulling once its divergence from the sampling step, mean (mu - mu_old)^2 / (2 s^2), has reached
+    # divergence_threshold and the update pushes its ratio further in its advantage's direction)
+    trust_region: str = "clip"
+    # divergence_mask: the threshold (Flow-Factory's kl_mask_threshold, 1e-6; UniRL's FlowDPPO sets 1e-5)
+    divergence_threshold: float = 1e-6
 
 
 @register_objective
@@ -73,6 +81,12 @@ class GRPO(Objective):
         check_choice("objective.grpo.behaviour_weight", g.behaviour_weight, WEIGHT_MODES)
         check_positive("objective.grpo.behaviour_cap", g.behaviour_cap)
         check_positive("objective.grpo.m2po_tau", g.m2po_tau)
+        check_choice("objective.grpo.trust_region", g.trust_region, TRUST_REGIONS)
+        check_positive("objective.grpo.divergence_threshold", g.divergence_threshold)
+        if g.trust_region == "divergence_mask" and (g.ratio_norm or cfg.run.async_rollouts):
+            other = "objective.grpo.ratio_norm" if g.ratio_norm else "run.async_rollouts (whose stale batches take off_policy's loss)"
+            raise ConfigError(f"objective.grpo.trust_region divergence_mask replaces the ratio clip and cannot combine with {other}; "
+                              "turn one of them off")
         if cfg.run.async_rollouts and g.ratio_norm:
             raise ConfigError("objective.grpo.ratio_norm compares with the behaviour step's mean, which a stale batch does not "
                               "keep; turn it off or set run.async_rollouts: false")
@@ -85,7 +99,9 @@ class GRPO(Objective):
 
     @classmethod
     def requires(cls, cfg) -> dict[str, str]:
-        g = cfg.objective.grpo  # GRPO-Guard compares with the sampling step's mean
+        g = cfg.objective.grpo  # GRPO-Guard and Flow-DPPO compare with the sampling step's mean
+        if g.trust_region == "divergence_mask":
+            return {STEP_MEANS: "objective.grpo.trust_region divergence_mask (Flow-DPPO)"}
         return {STEP_MEANS: "objective.grpo.ratio_norm (GRPO-Guard)"} if g.ratio_norm or g.step_reweight else {}
 
     def update(self, experience: Experience) -> dict:
@@ -182,7 +198,10 @@ class GRPO(Objective):
         if g.ratio_norm:  # GRPO-Guard: the ratio exp(log_prob - old) becomes exp(RatioNorm's log-ratio)
             log_prob = ratio_norm_log_ratio(log_prob, old, out.mean[keep], mb.behaviour_mean()[keep], out.std)
             old = torch.zeros_like(old)
-        if proximal is None:
+        if proximal is None and g.trust_region == "divergence_mask":  # Flow-DPPO: D only feeds the detached mask
+            divergence = gaussian_kl(out.mean[keep].detach(), mb.behaviour_mean()[keep], out.std, "mean")
+            pl = divergence_masked_policy_loss(log_prob, old, adv, divergence, g.divergence_threshold)
+        elif proximal is None:
             pl = clipped_policy_loss(log_prob, old, adv, g.clip_range, clip_hi)
         else:
             pl = off_policy_loss(g, log_prob, proximal.to(device)[keep], old, adv, clip_hi)
