@@ -38,7 +38,7 @@ from flowrl.train.parts import OBJECTIVES, ROLLOUTS
 from flowrl.train.registry import check_compatible, objective_class, rollout_class
 from flowrl.train.rollouts.common import check_trained_sigmas
 from flowrl.train.sharding import DISTRIBUTED
-from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml, refuse_moved_keys
+from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml, refuse_moved_keys, structured_with
 from rewards import available_rewards, check_reward_config
 
 TRACKERS = ("tensorboard", "wandb", "none")
@@ -79,9 +79,7 @@ def config_from_dict(data: dict, validate_paths: bool = True) -> Config:
     refuse_moved_keys(OmegaConf.create(data), [], MOVED_KEYS, "the given config")
     schema = config_class(data.get("plugins", []))
     try:
-        base = OmegaConf.structured(schema)
-        for key, value in objective_defaults((data.get("objective") or {}).get("kind")).items():
-            OmegaConf.update(base, key, value, merge=False)
+        base = structured_with(schema, objective_defaults((data.get("objective") or {}).get("kind")))
         merged = OmegaConf.merge(base, OmegaConf.create(data))
     except OmegaConfBaseException as exc:
         raise ConfigError(one_sentence(exc, "the given config", schema)) from None

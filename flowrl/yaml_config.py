@@ -59,10 +59,7 @@ def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[
     is refused naming its new name; any mistake is one sentence naming the key."""
     refuse_moved_keys(loaded, overrides or [], moved or {}, source)
     try:
-        base = OmegaConf.structured(schema)
-        for key, value in (defaults or {}).items():
-            OmegaConf.update(base, key, value, merge=False)
-        merged = OmegaConf.merge(base, loaded)
+        merged = OmegaConf.merge(structured_with(schema, defaults), loaded)
         # a mapping given in the file replaces the default instead of adding to it
         for key in replaced_mappings:
             given = OmegaConf.select(loaded, key, default=None)
@@ -81,6 +78,14 @@ def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[
         except OmegaConfBaseException as exc:
             raise ConfigError(one_sentence(exc, "the command line", schema)) from None
     return OmegaConf.to_object(merged)
+
+
+def structured_with(schema: type, defaults: dict[str, Any] | None = None) -> DictConfig:
+    """The dataclass `schema`'s defaults as a config, with `defaults` ({dotted key: value}) in place of its own."""
+    base = OmegaConf.structured(schema)
+    for key, value in (defaults or {}).items():
+        OmegaConf.update(base, key, value, merge=False)
+    return base
 
 
 def one_sentence(exc: OmegaConfBaseException, source: str, schema: type) -> str:

@@ -6,16 +6,16 @@ Online and sampler-free in its objective: the rollout's clean samples (ODE by de
 group-normalised advantages (clipped to +-advantage.clip). Per group, the Bradley-Terry comparison
 of its better and worse halves through the implicit reward delta_i = err_theta - err_ref: the code
 back-propagates mean_i sigmoid((beta / G) sum_j A_j delta_j).detach() A_i err_i
-(flowrl.core.group_losses.dgpo_weighted_error_loss; `loss_form: log_sigmoid` is the paper's
--log sigmoid, beta times stronger). The trained velocity is the conditional one (guidance 1).
-Per epoch, `timesteps` distinct sigmas drawn from the first `grid_points` of the rollout's own
-sampling grid (by default its first half), shared by every micro-batch, each with fresh group-shared
-noise; one optimizer step per epoch over all of them, as the code's gradient accumulation
-(`stepping: micro_batch` steps every `sigmas_per_step` sigmas of a micro-batch). Options: the clip against an "old" model (a sample whose error
-ratio exp(err_old - err) has left [1 - c, 1 + c] in its advantage's direction stops pulling; the
-old model is the code's EMA of the weights, decay min(0.3, 0.001 x steps), which also samples the
-rollouts after `sample_with_old_after` optimizer steps), and the KL to the reference
-(trainer.kl_beta x the mean squared velocity gap, the code's train.beta).
+(flowrl.core.group_losses.dgpo_weighted_error_loss; `loss_form: log_sigmoid` is the paper's -log
+sigmoid, beta times stronger). The trained velocity is the conditional one (guidance 1). Per epoch,
+`timesteps` distinct sigmas drawn from the first `grid_points` of the rollout's own sampling grid
+(by default its first half), shared by every micro-batch, each with fresh group-shared noise; one
+optimizer step per epoch over all of them, as the code's gradient accumulation (`stepping:
+micro_batch` steps every `sigmas_per_step` sigmas of a micro-batch). Options: the clip against an
+"old" model (a sample whose error ratio exp(err_old - err) has left [1 - c, 1 + c] in its
+advantage's direction stops pulling; the old model is the code's EMA of the weights, decay min(0.3,
+0.001 x steps), which also samples the rollouts after `sample_with_old_after` optimizer steps), and
+the KL to the reference (trainer.kl_beta x the mean squared velocity gap, the code's train.beta).
 """
 
 from __future__ import annotations

@@ -174,7 +174,11 @@ class NFT(Objective):
             return [stratified_sigma(k, k_steps, low, high, o.sigma_shift, gen) for k in range(k_steps)]
         grid = self.grid()
         order = torch.stack([torch.randperm(len(grid), generator=gen) for _ in range(n)])  # [n, len(grid)]
-        return [grid[order[:, k]].float() for k in range(min(k_steps, len(grid)))]
+        return [grid[order[:, k]].float() for k in range(self.sigmas_per_batch(k_steps))]
+
+    def sigmas_per_batch(self, k_steps: int) -> int:
+        """How many sigmas `batch_sigmas` gives: k_steps, or with sigma_draw grid at most the grid's length."""
+        return k_steps if self.opts.sigma_draw == "stratified" else min(k_steps, len(self.grid()))
 
     def update(self, experience: Experience) -> dict:
         ctx, t, o = self.ctx, self.ctx.cfg.trainer, self.opts
@@ -188,9 +192,8 @@ class NFT(Objective):
         policy.transformer.train()
         bar = tqdm(total=t.inner_epochs * len(batches) * k_steps, desc=f"iter {experience.iteration} training", leave=False,
                    disable=not ctx.progress, unit="step")
-        per_batch = k_steps if o.sigma_draw == "stratified" else min(k_steps, len(self.grid()))
         # the pairs of one optimizer step share its weight: its gradient is their mean (the reference's accumulation)
-        shares = step_shares(step_plan(len(batches), per_batch, o.stepping, 0, t.gradient_accumulation_steps))
+        shares = step_shares(step_plan(len(batches), self.sigmas_per_batch(k_steps), o.stepping, 0, t.gradient_accumulation_steps))
         with policy.guidance(o.guidance_scale):  # the velocity the loss trains
             for epoch in range(t.inner_epochs):
                 for position, bi in enumerate(torch.randperm(len(batches), generator=gen).tolist()):
