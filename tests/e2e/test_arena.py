@@ -21,7 +21,7 @@ from script_loader import load_script
 
 ARENA_DIR = CONFIG_DIR / "arena"
 CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
-         "flow_grpo_fast")
+         "flow_grpo_fast", "dpo", "dpo_online")
 FAST = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
         "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8", "run.sample_every=0"]
 
@@ -66,10 +66,12 @@ def test_the_cells_are_the_algorithms_they_name():
     assert cfg["dgpo_reference"] == cfg["dgpo"]
     assert {c: cfg[c].objective.kind for c in CELLS} == {
         "flow_grpo": "grpo", "mixgrpo": "grpo", "branchgrpo": "grpo", "g2rpo": "grpo", "sol_rl": "nft", "nft": "nft",
-        "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm", "dgpo_reference": "dgpo", "flow_grpo_fast": "grpo"}
+        "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm", "dgpo_reference": "dgpo", "flow_grpo_fast": "grpo",
+        "dpo": "dpo", "dpo_online": "dpo"}
     assert {c: cfg[c].rollout.kind for c in CELLS} == {
         "flow_grpo": "flat", "mixgrpo": "flat", "branchgrpo": "tree", "g2rpo": "granular", "sol_rl": "two_stage", "nft": "flat",
-        "dgpo": "flat", "gdro_offline": "offline", "awm": "flat", "dgpo_reference": "flat", "flow_grpo_fast": "flat"}
+        "dgpo": "flat", "gdro_offline": "offline", "awm": "flat", "dgpo_reference": "flat", "flow_grpo_fast": "flat",
+        "dpo": "flat", "dpo_online": "flat"}
     assert cfg["flow_grpo"].sampling.sampler == "flow_grpo" and cfg["flow_grpo"].sampling.window.strategy == "all"
     assert cfg["mixgrpo"].sampling.window.strategy == "progressive"
     fast = cfg["flow_grpo_fast"].sampling
@@ -77,6 +79,10 @@ def test_the_cells_are_the_algorithms_they_name():
     assert cfg["branchgrpo"].rollout.tree.prune_depths
     two = cfg["sol_rl"].rollout.two_stage
     assert two.preview_steps > 0 and two.regenerate and two.explore_precision == "nvfp4"
+    # the two DPO cells: Flow-GRPO's (the reference weights sample on its SDE) and Flow-Factory's (the policy, ODE)
+    assert (cfg["dpo"].objective.dpo.sampler, cfg["dpo"].sampling.sampler) == ("reference", "flow_grpo")
+    assert (cfg["dpo_online"].objective.dpo.sampler, cfg["dpo_online"].sampling.sampler) == ("policy", "ode")
+    assert cfg["dpo"].trainer.kl_beta == cfg["dpo_online"].trainer.kl_beta == 0.0
 
 
 # ---- run.checkpoint_at_minutes ------------------------------------------------------------

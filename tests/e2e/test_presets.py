@@ -5,6 +5,7 @@ diffusers transformer classes (checked on the tiny built-in architectures, offli
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +19,8 @@ PRESETS = sorted(p for p in CONFIG_DIR.glob("*.yaml") if p.stem not in TEXT_PRES
 MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8, "qwen_image_pickscore_8gpu": 8,
              "z_image_turbo_pickscore_8gpu": 8, "flux2_klein_9b_pickscore_8gpu": 8, "wan21_1_3b_pickscore_8gpu": 8,
              "flux2_dev_pickscore_8gpu": 8}
-SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu", "sd35_medium_fast_1gpu")
+SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu", "sd35_medium_fast_1gpu",
+               "sd35_medium_dpo_1gpu")
 FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu", "flux1_dev_g2rpo_1gpu")
 QWEN_IMAGE_PRESETS = ("qwen_image_pickscore_1gpu", "qwen_image_pickscore_8gpu")
 Z_IMAGE_PRESETS = ("z_image_turbo_pickscore_1gpu", "z_image_turbo_pickscore_8gpu")
@@ -27,7 +29,7 @@ FLUX2_DEV_PRESETS = ("flux2_dev_pickscore_8gpu",)
 WAN_PRESETS = ("wan21_1_3b_pickscore_1gpu", "wan21_1_3b_pickscore_8gpu")
 IMAGE_PRESETS = (*SD3_PRESETS, *FLUX_PRESETS, *QWEN_IMAGE_PRESETS, *Z_IMAGE_PRESETS, *FLUX2_PRESETS, *FLUX2_DEV_PRESETS, *WAN_PRESETS)
 GROUP_OBJECTIVE_PRESETS = ("sd35_medium_dgpo_1gpu", "flux1_dev_gdro_1gpu")
-OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu", "sd35_medium_fast_1gpu")  # settings checked by their own tests
+OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu", "sd35_medium_fast_1gpu", "sd35_medium_dpo_1gpu")  # settings checked by their own tests
 
 
 def _preset(name: str) -> Path:
@@ -175,6 +177,21 @@ def test_fast_preset_keeps_flow_grpo_fasts_settings():
     assert windows == {(0, 1, 2), (1, 2, 3), (2, 3, 4)}  # randint(0, 2): inside steps 0-4
     batches = cfg.data.prompts_per_iteration * cfg.data.group_size // s.batch_size
     assert batches // cfg.trainer.gradient_accumulation_steps == 2
+
+
+def test_dpo_preset_keeps_flow_grpos_dpo_settings():
+    """yifan123/flow_grpo `pickscore_sd3` DPO: the reference weights sample on the Flow-GRPO SDE (0.7) with
+    CFG 4.5 over 40 steps, groups of 24, beta 100, 39 repetitions, no refresh, no KL, lr 3e-4."""
+    from flowrl.train.objectives.dpo import DPO
+
+    cfg = load_config(_preset("sd35_medium_dpo_1gpu"), validate_paths=False)
+    s, o = cfg.sampling, cfg.objective.dpo
+    assert (cfg.objective.kind, s.sampler, s.noise_level, s.num_steps, cfg.model.guidance_scale) == ("dpo", "flow_grpo", 0.7, 40, 4.5)
+    assert (o.beta, o.sampler, o.reference_refresh, o.ties, o.timestep_draw, o.guidance_scale, o.stepping) == (
+        100.0, "reference", 0, "reference", "logit_normal", 1.0, "iteration")
+    assert DPO.timesteps(SimpleNamespace(opts=o, ctx=SimpleNamespace(cfg=cfg))) == 39
+    assert (cfg.data.group_size, cfg.trainer.lr, cfg.trainer.weight_decay, cfg.trainer.kl_beta) == (24, 3e-4, 1e-4, 0.0)
+    assert (cfg.lora.rank, cfg.lora.alpha) == (32, 64)
 
 
 def test_group_objective_presets_keep_their_papers_settings():

@@ -57,22 +57,10 @@ def group_batches(experience: Experience, accelerator, batch_size: int) -> list[
     every member's implicit reward must be in one loss. Invalid samples (reward.on_invalid: drop)
     leave their group, and groups whose advantages are all 0 (all rewards tied: no preference)
     are left out."""
-    n = len(experience.advantages)
-    x0s, prompts, index = [], [], []
-    for b in experience.samples:
-        keep = (b.index < n) & experience.valid[b.index.clamp(max=n - 1)]  # not a padding copy, a valid reward
-        x0s.append(b.x0[keep].float())
-        prompts += [p for p, k in zip(b.prompts, keep.tolist()) if k]
-        index.append(b.index[keep])
-    x0, index = torch.cat(x0s), torch.cat(index)
+    local = local_samples(experience)
+    x0, prompts, index = local.x0, local.prompts, local.index
     groups = experience.prompt_ids[index]
-    total = torch.bincount(experience.prompt_ids[experience.valid], minlength=int(experience.prompt_ids.max()) + 1)
-    here = torch.bincount(groups, minlength=len(total))
-    split = ((here > 0) & (here != total)).nonzero().flatten()
-    if len(split):
-        raise UserError(f"the group objective needs each group's samples on one process, but group {int(split[0])} is split "
-                        f"across {accelerator.num_processes} processes; make data.prompts_per_iteration a multiple of the "
-                        "number of processes and use allocator.kind uniform")
+    require_whole_groups(experience, groups, accelerator, "the group objective")
     preferring = groups[experience.advantages[index] != 0].unique()
     live = torch.isin(groups, preferring)
     x0, prompts, groups, index = x0[live], [p for p, k in zip(prompts, live.tolist()) if k], groups[live], index[live]
@@ -86,12 +74,55 @@ def group_batches(experience: Experience, accelerator, batch_size: int) -> list[
         current += members
     if current:
         packs.append(_pack(x0, prompts, groups, index, current))
+    b = experience.samples[0]
+    filler = GroupBatch(b.x0[:1].float(), b.prompts[:1], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0.0)
+    return padded_rounds(packs, accelerator, filler)
+
+
+class LocalSamples(NamedTuple):
+    """This process's real samples with a valid reward, in experience order."""
+
+    x0: torch.Tensor  # [n, *shape] fp32
+    prompts: list[str]
+    seeds: torch.Tensor  # [n] long
+    index: torch.Tensor  # [n] long: position in the experience's per-sample arrays
+
+
+def local_samples(experience: Experience) -> LocalSamples:
+    """The clean samples of this process that are neither padding copies nor invalid
+    (reward.on_invalid: drop)."""
+    n = len(experience.advantages)
+    x0s, prompts, seeds, index = [], [], [], []
+    for b in experience.samples:
+        keep = (b.index < n) & experience.valid[b.index.clamp(max=n - 1)]  # not a padding copy, a valid reward
+        x0s.append(b.x0[keep].float())
+        prompts += [p for p, k in zip(b.prompts, keep.tolist()) if k]
+        seeds.append(b.seeds[keep])
+        index.append(b.index[keep])
+    return LocalSamples(torch.cat(x0s), prompts, torch.cat(seeds), torch.cat(index))
+
+
+def require_whole_groups(experience: Experience, groups: torch.Tensor, accelerator, who: str) -> None:
+    """One sentence when a group's valid samples are split across processes (`groups`: the group
+    of each local sample): a loss over a group needs all of them on one process."""
+    total = torch.bincount(experience.prompt_ids[experience.valid], minlength=int(experience.prompt_ids.max()) + 1)
+    here = torch.bincount(groups, minlength=len(total))
+    split = ((here > 0) & (here != total)).nonzero().flatten()
+    if len(split):
+        raise UserError(f"{who} needs each group's samples on one process, but group {int(split[0])} is split "
+                        f"across {accelerator.num_processes} processes; make data.prompts_per_iteration a multiple of the "
+                        "number of processes and use allocator.kind uniform")
+
+
+def padded_rounds(packs: list, accelerator, filler) -> list:
+    """`packs` padded to the busiest process's count, every process running the same number of
+    forwards and backwards as DDP's all-reduce needs: with the last pack repeated at weight 0, or
+    with `filler` (a weight-0 pack) where this process has none. [] when no process has any."""
     rounds = int(accelerator.gather(torch.tensor([len(packs)], device=accelerator.device)).max())
-    if not rounds:  # no group prefers anything on any process (all rewards tied): nothing to train
+    if not rounds:
         return []
-    if not packs:  # no local group to train: train nothing, but keep DDP in step
-        b = experience.samples[0]
-        packs = [GroupBatch(b.x0[:1].float(), b.prompts[:1], torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0.0)]
+    if not packs:
+        packs = [filler]
     return packs + [packs[-1]._replace(weight=0.0)] * (rounds - len(packs))
 
 
