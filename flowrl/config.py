@@ -323,9 +323,17 @@ def _validate_sampling(s) -> None:
         return
     if not 1 <= w.size <= s.num_steps:
         raise ConfigError(f"sampling.window.size must be between 1 and sampling.num_steps ({s.num_steps}); got {w.size}")
-    if w.choices and (w.strategy != "random" or not all(0 <= c <= s.num_steps - w.size for c in w.choices)):
-        raise ConfigError(f"sampling.window.choices needs sampling.window.strategy random and steps between 0 and "
-                          f"{s.num_steps - w.size} (sampling.num_steps - size); got {list(w.choices)} with strategy '{w.strategy}'")
+    if w.choices and (w.strategy not in ("random", "scattered") or w.strategy == "random" and not all(
+            0 <= c <= s.num_steps - w.size for c in w.choices)):
+        raise ConfigError(f"sampling.window.choices needs sampling.window.strategy random with steps between 0 and "
+                          f"{s.num_steps - w.size} (sampling.num_steps - size), or strategy scattered; got {list(w.choices)} "
+                          f"with strategy '{w.strategy}'")
+    if w.strategy == "scattered":
+        pool = sorted(set(w.choices)) if w.choices else list(range(s.num_steps // 2))
+        if len(pool) < w.size or not all(0 <= c < s.num_steps for c in pool):
+            raise ConfigError(f"sampling.window.strategy scattered draws sampling.window.size ({w.size}) distinct steps from "
+                              f"sampling.window.choices, or from the first half of the steps when it is empty, each between 0 and "
+                              f"{s.num_steps - 1}; got {pool}")
     if w.strategy == "progressive" and w.at_end == "roll_back" and s.num_steps < 3:
         raise ConfigError(f"sampling.window.at_end roll_back needs sampling.num_steps >= 3 (its windows stop short of the "
                           f"last two steps); got {s.num_steps}, or set sampling.window.at_end=clamp")

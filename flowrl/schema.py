@@ -58,7 +58,7 @@ class WindowConfig:
     progressive is MixGRPO's sliding window; the defaults are its reference's (size 4, a shift of
     one step every 25 iterations, roll back at the end)."""
 
-    strategy: str = "all"  # all | fixed | random | progressive
+    strategy: str = "all"  # all | fixed | random | progressive | scattered (size distinct steps, not consecutive)
     size: int = 4  # steps in the window (MixGRPO: 4)
     start: int = 0  # fixed: the first step; progressive: where the window starts and rolls back to
     shift_every: int = 25  # progressive: iterations per shift (MixGRPO: 25, MixGRPO-Flash: 20)
@@ -67,7 +67,8 @@ class WindowConfig:
     # and the start rolls back to `start` once it passes them) | clamp (flowrl's earlier rule: the window
     # stops on the last `size` steps, those two included, and stays there)
     at_end: str = "roll_back"
-    choices: list[int] = field(default_factory=list)  # random: the first step drawn from these (Flow-Factory's sde_steps)
+    # random: the first step drawn from these (Flow-Factory's sde_steps); scattered: the steps drawn from these
+    choices: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
-         "flow_grpo_fast", "dpo", "dpo_online")
+         "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo")
 OFFLINE_CELLS = ("gdro_offline",)  # train from a group store that the arena builds, timed, inside the budget
 PRESETS = ROOT / "configs" / "arena"
 EVAL_SEEDS = (10_000, 20_000)  # bench_shapes' two eval sets: image j of a set with seed S is sampled from seed S + j
@@ -58,7 +58,7 @@ SMOKE_EVAL = ["sampling.eval_num_steps=4"]
 SMALL = ["data.prompts_per_iteration=2", "data.group_size=4", "sampling.batch_size=8"]
 SMOKE_CELL = {
     "flow_grpo": SMALL, "flow_grpo_fast": SMALL, "mixgrpo": SMALL, "nft": SMALL, "dgpo": SMALL, "dgpo_reference": SMALL, "gdro_offline": SMALL, "awm": SMALL,
-    "dpo": SMALL, "dpo_online": SMALL,
+    "dpo": SMALL, "dpo_online": SMALL, "flow_dppo": SMALL,
     "branchgrpo": ["data.prompts_per_iteration=1", "sampling.batch_size=8"],  # one tree of 8 leaves
     "g2rpo": ["data.prompts_per_iteration=1", "sampling.batch_size=4"],
     "sol_rl": [*SMALL, "rollout.two_stage.candidates=8"],

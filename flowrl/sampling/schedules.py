@@ -6,7 +6,7 @@ import random
 
 import torch
 
-WINDOW_STRATEGIES = ("all", "fixed", "random", "progressive")
+WINDOW_STRATEGIES = ("all", "fixed", "random", "progressive", "scattered")
 
 
 def time_shift(t, shift: float):
@@ -45,6 +45,9 @@ def window_steps(strategy: str, num_steps: int, size: int, start: int, iteration
     all: every step. fixed: [start, start + size). random: the start uniform in
     [0, num_steps // 2 - 1], clipped so the window fits, or uniform over `choices` where given
     (Flow-Factory's sde_steps), keyed by (seed, iteration).
+    scattered (Flow-DPPO's references): `size` distinct steps, not necessarily consecutive, drawn
+    without replacement from `choices` (Flow-Factory's sde_steps) or from the first half of the
+    steps, [0, num_steps // 2) (UniRL's timestep_fraction [0, 0.5]), keyed by (seed, iteration).
     progressive (MixGRPO's sliding window): on the schedule's clock c (`schedule_step`, by default
     the iteration itself; a wall-clock budget maps it onto trainer.iterations) the start is
     l = start + stride * (c // shift_every), and at the end of the schedule:
@@ -64,6 +67,9 @@ def window_steps(strategy: str, num_steps: int, size: int, start: int, iteration
         rng = random.Random(seed * 1_000_003 + iteration)
         first = rng.choice(sorted(choices)) if choices else rng.randint(0, max(0, min(num_steps // 2 - 1, num_steps - size)))
         return list(range(first, first + size))
+    if strategy == "scattered":
+        rng = random.Random(seed * 1_000_003 + iteration)
+        return sorted(rng.sample(sorted(choices) if choices else range(num_steps // 2), size))
     if strategy != "progressive":
         raise ValueError(f"sampling.window.strategy must be one of {WINDOW_STRATEGIES}, got {strategy!r}")
     shifts = (iteration if schedule_step is None else schedule_step) // max(shift_every, 1)

@@ -21,7 +21,7 @@ from script_loader import load_script
 
 ARENA_DIR = CONFIG_DIR / "arena"
 CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
-         "flow_grpo_fast", "dpo", "dpo_online")
+         "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo")
 FAST = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
         "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8", "run.sample_every=0"]
 
@@ -67,11 +67,11 @@ def test_the_cells_are_the_algorithms_they_name():
     assert {c: cfg[c].objective.kind for c in CELLS} == {
         "flow_grpo": "grpo", "mixgrpo": "grpo", "branchgrpo": "grpo", "g2rpo": "grpo", "sol_rl": "nft", "nft": "nft",
         "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm", "dgpo_reference": "dgpo", "flow_grpo_fast": "grpo",
-        "dpo": "dpo", "dpo_online": "dpo"}
+        "dpo": "dpo", "dpo_online": "dpo", "flow_dppo": "grpo"}
     assert {c: cfg[c].rollout.kind for c in CELLS} == {
         "flow_grpo": "flat", "mixgrpo": "flat", "branchgrpo": "tree", "g2rpo": "granular", "sol_rl": "two_stage", "nft": "flat",
         "dgpo": "flat", "gdro_offline": "offline", "awm": "flat", "dgpo_reference": "flat", "flow_grpo_fast": "flat",
-        "dpo": "flat", "dpo_online": "flat"}
+        "dpo": "flat", "dpo_online": "flat", "flow_dppo": "flat"}
     assert cfg["flow_grpo"].sampling.sampler == "flow_grpo" and cfg["flow_grpo"].sampling.window.strategy == "all"
     assert cfg["mixgrpo"].sampling.window.strategy == "progressive"
     fast = cfg["flow_grpo_fast"].sampling
@@ -83,6 +83,10 @@ def test_the_cells_are_the_algorithms_they_name():
     assert (cfg["dpo"].objective.dpo.sampler, cfg["dpo"].sampling.sampler) == ("reference", "flow_grpo")
     assert (cfg["dpo_online"].objective.dpo.sampler, cfg["dpo_online"].sampling.sampler) == ("policy", "ode")
     assert cfg["dpo"].trainer.kl_beta == cfg["dpo_online"].trainer.kl_beta == 0.0
+    dppo, g = cfg["flow_dppo"].sampling, cfg["flow_dppo"].objective.grpo
+    assert (dppo.sampler, dppo.noise_level, dppo.window.strategy, dppo.window.size, dppo.window.choices) == ("cps", 0.7, "scattered", 3,
+                                                                                                             list(range(6)))
+    assert (g.trust_region, g.divergence_threshold, cfg["flow_dppo"].trainer.kl_beta) == ("divergence_mask", 1e-6, 0.0)
 
 
 # ---- run.checkpoint_at_minutes ------------------------------------------------------------

@@ -20,7 +20,7 @@ MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8, "qwen_ima
              "z_image_turbo_pickscore_8gpu": 8, "flux2_klein_9b_pickscore_8gpu": 8, "wan21_1_3b_pickscore_8gpu": 8,
              "flux2_dev_pickscore_8gpu": 8}
 SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu", "sd35_medium_fast_1gpu",
-               "sd35_medium_dpo_1gpu")
+               "sd35_medium_dpo_1gpu", "sd35_medium_dppo_1gpu")
 FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu", "flux1_dev_g2rpo_1gpu")
 QWEN_IMAGE_PRESETS = ("qwen_image_pickscore_1gpu", "qwen_image_pickscore_8gpu")
 Z_IMAGE_PRESETS = ("z_image_turbo_pickscore_1gpu", "z_image_turbo_pickscore_8gpu")
@@ -29,7 +29,8 @@ FLUX2_DEV_PRESETS = ("flux2_dev_pickscore_8gpu",)
 WAN_PRESETS = ("wan21_1_3b_pickscore_1gpu", "wan21_1_3b_pickscore_8gpu")
 IMAGE_PRESETS = (*SD3_PRESETS, *FLUX_PRESETS, *QWEN_IMAGE_PRESETS, *Z_IMAGE_PRESETS, *FLUX2_PRESETS, *FLUX2_DEV_PRESETS, *WAN_PRESETS)
 GROUP_OBJECTIVE_PRESETS = ("sd35_medium_dgpo_1gpu", "flux1_dev_gdro_1gpu")
-OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu", "sd35_medium_fast_1gpu", "sd35_medium_dpo_1gpu")  # settings checked by their own tests
+OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu", "sd35_medium_fast_1gpu", "sd35_medium_dpo_1gpu",
+                       "sd35_medium_dppo_1gpu")  # settings checked by their own tests
 
 
 def _preset(name: str) -> Path:
@@ -175,6 +176,20 @@ def test_fast_preset_keeps_flow_grpo_fasts_settings():
     windows = {tuple(window_steps(w.strategy, s.num_steps, w.size, w.start, i, cfg.trainer.seed, choices=w.choices))
                for i in range(200)}
     assert windows == {(0, 1, 2), (1, 2, 3), (2, 3, 4)}  # randint(0, 2): inside steps 0-4
+    batches = cfg.data.prompts_per_iteration * cfg.data.group_size // s.batch_size
+    assert batches // cfg.trainer.gradient_accumulation_steps == 2
+
+
+def test_dppo_preset_keeps_flow_factorys_dppo_settings():
+    """Flow-Factory's geneval2_single DPPO config: no CFG, CPS at 0.7, 3 distinct SDE steps of 0-5, the
+    divergence mask at 1e-6 in place of the clip, groups of 16, 2 optimizer steps per iteration."""
+    cfg = load_config(_preset("sd35_medium_dppo_1gpu"), validate_paths=False)
+    s, w, g = cfg.sampling, cfg.sampling.window, cfg.objective.grpo
+    assert (cfg.objective.kind, cfg.rollout.kind, cfg.model.guidance_scale, s.sampler, s.noise_level, s.num_steps) == (
+        "grpo", "flat", 1.0, "cps", 0.7, 10)
+    assert (w.strategy, w.size, w.choices, g.trust_region, g.divergence_threshold) == ("scattered", 3, list(range(6)), "divergence_mask", 1e-6)
+    assert (cfg.data.group_size, cfg.trainer.lr, cfg.trainer.weight_decay, cfg.advantage.std, cfg.advantage.clip) == (16, 3e-4, 1e-4,
+                                                                                                                     "global", 5.0)
     batches = cfg.data.prompts_per_iteration * cfg.data.group_size // s.batch_size
     assert batches // cfg.trainer.gradient_accumulation_steps == 2
 

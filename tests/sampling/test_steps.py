@@ -340,9 +340,34 @@ def test_window_choices_are_checked():
 
     with pytest.raises(ConfigError, match="sampling.window.choices needs sampling.window.strategy random"):
         load_config("tiny_jpeg", ["sampling.window.strategy=fixed", "sampling.window.choices=[1]"])
-    with pytest.raises(ConfigError, match=r"steps between 0 and 3 \(sampling.num_steps - size\); got \[1, 9\]"):
+    with pytest.raises(ConfigError, match=r"steps between 0 and 3 \(sampling.num_steps - size\), or strategy scattered; got \[1, 9\]"):
         load_config("tiny_jpeg", ["sampling.num_steps=4", "sampling.window.strategy=random", "sampling.window.size=1",
                                   "sampling.window.choices=[1, 9]"])
+
+
+def test_window_scattered_draws_distinct_steps_from_its_pool():
+    # Flow-DPPO's references: 3 distinct steps, not necessarily consecutive, from the first half of 10 (UniRL's
+    # {0..4}) or from Flow-Factory's sde_steps [0..5]; each subset of the pool about equally often
+    draws = [tuple(window_steps("scattered", 10, 3, 0, it, seed=3)) for it in range(1000)]
+    assert all(len(set(d)) == 3 and list(d) == sorted(d) and set(d) <= set(range(5)) for d in draws)
+    counts = {d: draws.count(d) for d in set(draws)}
+    assert len(counts) == 10 and min(counts.values()) > 60  # C(5, 3) = 10 subsets, 100 each on average
+    assert any(d[2] - d[0] > 2 for d in draws)  # not consecutive
+    assert {s for d in (window_steps("scattered", 10, 3, 0, it, seed=3, choices=range(6)) for it in range(300)) for s in d} == set(range(6))
+    assert window_steps("scattered", 10, 3, 0, 17, seed=3) == list(draws[17])  # keyed by (seed, iteration)
+
+
+def test_window_scattered_needs_enough_steps_in_its_pool():
+    from flowrl.config import load_config
+    from flowrl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^sampling.window.strategy scattered draws sampling.window.size \(3\) distinct steps"):
+        load_config("tiny_jpeg", ["sampling.num_steps=4", "sampling.window.strategy=scattered", "sampling.window.size=3"])
+    with pytest.raises(ConfigError, match=r"each between 0 and 9; got \[1, 2, 10\]"):
+        load_config("tiny_jpeg", ["sampling.num_steps=10", "sampling.window.strategy=scattered", "sampling.window.size=2",
+                                  "sampling.window.choices=[1, 2, 10]"])
+    cfg = load_config("tiny_jpeg", ["sampling.num_steps=10", "sampling.window.strategy=scattered", "sampling.window.size=3"])
+    assert cfg.sampling.window.strategy == "scattered"
 
 
 def test_window_random_varies_with_iteration_and_seed():

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from flowrl.cli import main
 from flowrl.config import load_config
 from flowrl.train.loop import Trainer
+from flowrl.sampling.schedules import window_steps
 from flowrl.train.rollouts.common import training_spec
 from run_checks import assert_resume_repeats, run_metrics, shuffle_advantages_within_groups, trainable
 
@@ -330,6 +331,17 @@ def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_sd3_dir, capsy
     assert main(["train", "tiny_jpeg", *args]) == 2
     assert "--resume" in capsys.readouterr().err
     assert len(run_metrics(tmp_path / "r")) == 1
+
+def test_a_scattered_window_samples_and_trains_its_steps_only(tmp_path, tiny_sd3_dir):
+    # Flow-DPPO's step draw: 2 distinct steps of the first half of 8, not necessarily consecutive, SDE there, ODE elsewhere
+    overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
+                 "sampling.num_steps=8", "sampling.window.strategy=scattered", "sampling.window.size=2", "trainer.seed=1"]
+    trainer = Trainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run")
+    steps = training_spec(trainer.cfg, 0, trainer.policy).trained_steps()
+    assert steps == window_steps("scattered", 8, 2, 0, 0, 1) and len(steps) == 2 and set(steps) <= {0, 1, 2, 3}
+    row = trainer.train()[0]
+    assert row["trained_steps"] == 2 and row["first_ratio_deviation"] < 1e-5
+
 
 
 def test_gradient_accumulation_takes_fewer_optimizer_steps(tmp_path, tiny_sd3_dir):
