@@ -69,7 +69,7 @@ def window_steps(strategy: str, num_steps: int, size: int, start: int, iteration
         return list(range(first, first + size))
     if strategy == "scattered":
         rng = random.Random(seed * 1_000_003 + iteration)
-        return sorted(rng.sample(sorted(choices) if choices else range(num_steps // 2), size))
+        return sorted(rng.sample(sorted(set(choices)) if choices else range(num_steps // 2), size))
     if strategy != "progressive":
         raise ValueError(f"sampling.window.strategy must be one of {WINDOW_STRATEGIES}, got {strategy!r}")
     shifts = (iteration if schedule_step is None else schedule_step) // max(shift_every, 1)
