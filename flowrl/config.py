@@ -29,6 +29,7 @@ from flowrl.models.compile import COMPILE_MODES
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 from flowrl.registry import load_plugins
+from flowrl.runtime.optimizers import check_optimizer
 from flowrl.runtime.options import check_ranges, validate_runtime
 from flowrl.schema import Config, ObjectiveSection, RolloutSection
 from flowrl.search import SEARCH_METHODS
@@ -383,6 +384,7 @@ def _validate_run(cfg: Config) -> None:
         raise ConfigError(f"run.checkpoint_at_minutes must hold positive minutes from the trainer's start; "
                           f"got {list(cfg.run.checkpoint_at_minutes)}")
     _validate_async(cfg)
+    check_optimizer(t.optimizer, cfg.run.distributed)
     if cfg.run.distributed == "fsdp2" and t.mixed_precision == "fp16":
         raise ConfigError("run.distributed fsdp2 computes in bf16 or fp32: trainer.mixed_precision must be no, bf16 or auto, "
                           "not fp16 (its loss scaler does not take sharded gradients)")

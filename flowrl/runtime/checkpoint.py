@@ -29,24 +29,60 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 
 def optimizer_to_flat(state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer's state dict as {"IDX.KEY": tensor} for safetensors and the rest for JSON."""
     tensors, meta = {}, {"param_groups": state["param_groups"], "state": {}}
     for idx, entry in state["state"].items():
-        meta["state"][str(idx)] = {}
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                # a sharded moment stays where it is: its process writes its own shard (flowrl/train/sharding.py)
-                tensors[f"{idx}.{key}"] = value.detach() if is_sharded(value) else value.detach().cpu().contiguous()
-                meta["state"][str(idx)][key] = "tensor"
-            else:
-                meta["state"][str(idx)][key] = value
-    return tensors, meta
+        meta["state"][str(idx)] = _flatten_entry(entry, str(idx), tensors)
+    return _unshared(tensors), meta
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of every tensor whose memory an earlier one holds: safetensors refuses shared memory, and
+    bitsandbytes gives all its 8-bit tensors the same two quantisation maps."""
+    seen = set()
+    for name, t in tensors.items():
+        if is_sharded(t):
+            continue
+        pointer = t.untyped_storage().data_ptr()
+        if pointer in seen:
+            tensors[name] = t.clone()
+        seen.add(pointer)
+    return tensors
+
+
+def _flatten_entry(entry: dict, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """One parameter's state: each tensor into `tensors` under PREFIX.KEY, "tensor" in its place;
+    a nested dict (bitsandbytes wraps its quantised moments, maps and absmax in one) as {"dict": ...}."""
+    meta = {}
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor):
+            # a sharded moment stays where it is: its process writes its own shard (flowrl/train/sharding.py)
+            tensors[f"{prefix}.{key}"] = value.detach() if is_sharded(value) else value.detach().cpu().contiguous()
+            meta[key] = "tensor"
+        elif isinstance(value, dict):
+            meta[key] = {"dict": _flatten_entry(value, f"{prefix}.{key}", tensors)}
+        else:
+            meta[key] = value
+    return meta
 
 
 def optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     state = {}
     for idx, entry in meta["state"].items():
-        state[int(idx) if idx.isdigit() else idx] = {k: (tensors[f"{idx}.{k}"] if v == "tensor" else v) for k, v in entry.items()}
+        state[int(idx) if idx.isdigit() else idx] = _unflatten_entry(entry, idx, tensors)
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def _unflatten_entry(entry: dict, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+    out = {}
+    for key, value in entry.items():
+        if value == "tensor":
+            out[key] = tensors[f"{prefix}.{key}"]
+        elif isinstance(value, dict) and value.keys() == {"dict"}:
+            out[key] = _unflatten_entry(value["dict"], f"{prefix}.{key}", tensors)
+        else:
+            out[key] = value
+    return out
 
 
 def checkpoint_name(iteration: int) -> str:

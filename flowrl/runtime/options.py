@@ -10,6 +10,7 @@ from typing import Optional
 
 from flowrl.core.lr_schedule import LR_SCHEDULES
 from flowrl.errors import check_choice, check_range
+from flowrl.runtime.optimizers import check_optimizer
 
 
 @dataclass
@@ -22,6 +23,10 @@ class TrainerOptions:
     budget_minutes: float = 0.0
     budget_probe: int = 5
     max_minutes: float = 0.0  # > 0: also stop (with a checkpoint) after this much wall time
+    # adamw (torch's) | adamw8bit | paged_adamw8bit (bitsandbytes', pip install 'flowrl[memory]'): the same AdamW with
+    # both moments of every tensor of 4096+ values in 8 bits, a quarter of adamw's state; paged: evicted to CPU memory
+    # under GPU memory pressure (CUDA only: on a CPU it is adamw8bit). The 8-bit ones train with run.distributed ddp only
+    optimizer: str = "adamw"
     lr: float = 3e-4
     # constant, or decayed to 0 over the run's iterations (cosine or linear), set at each iteration's start;
     # resuming with more iterations stretches the rest of the curve, and a max_minutes stop cuts it short
@@ -108,3 +113,4 @@ def validate_runtime(cfg) -> None:
     """The `run` and `trainer` options every trainer shares (a trainer's own are checked by its config)."""
     check_ranges(cfg, RANGES)
     check_choice("trainer.lr_schedule", cfg.trainer.lr_schedule, LR_SCHEDULES)
+    check_optimizer(cfg.trainer.optimizer)

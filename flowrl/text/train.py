@@ -25,6 +25,7 @@ import torch
 from flowrl.core.allocation import spending_by_bucket
 from flowrl.errors import UserError
 from flowrl.runtime.checkpoint import restore_weights, save_checkpoint
+from flowrl.runtime.optimizers import build_optimizer
 from flowrl.runtime.processes import plain_accelerator, start_processes
 from flowrl.runtime.run_dir import RunDir, default_run_dir
 from flowrl.runtime.run_manager import RunManager
@@ -48,8 +49,7 @@ class TextTrainer(RunManager):
         self.collector = c = build_text_collector(cfg, acc)
         self.data, self.policy, self.reward, self.allocator = c.data, c.policy, c.reward, c.allocator
         self.params = self.policy.trainable_parameters()
-        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                           weight_decay=t.weight_decay)
+        self.optimizer = build_optimizer(self.params.values(), t)
         # the training forwards go through DDP when there are several processes (it sums the
         # gradients at the last micro-batch); generation and the reference use the bare model
         self.train_model = acc.prepare_model(self.policy.model) if acc.num_processes > 1 else self.policy.model

@@ -24,6 +24,7 @@ from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
 from flowrl.runtime.budget import cross_marks, pending_marks
 from flowrl.runtime.ema import EMA
+from flowrl.runtime.optimizers import build_optimizer, optimizer_class
 from flowrl.runtime.run_dir import default_run_dir
 from flowrl.runtime.run_manager import RunManager
 from flowrl.sampling.rollout import SamplerSpec, rollout
@@ -71,6 +72,7 @@ class Trainer(RunManager):
         d = cfg.data
         self.allocator = cfg.allocator.build(len(self.prompts), d.prompts_per_iteration, d.group_size, t.seed)
 
+        optimizer_class(t.optimizer)  # a missing bitsandbytes is named before the model loads, not after
         self.policy = load_policy(cfg.model, device=acc.device)
         if cfg.lora.enabled:
             self.policy.add_lora(cfg.lora, seed=t.seed)
@@ -80,9 +82,7 @@ class Trainer(RunManager):
             self.policy.enable_full_finetune()
         self.layout.shard(self.policy)  # fsdp2: the weights become shards, so the optimizer is built after
         self.params = self.policy.named_trainable_parameters()
-        optimizer = torch.optim.AdamW(list(self.params.values()), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                      weight_decay=t.weight_decay)
-        self.optimizer = self.layout.prepare(self.policy, optimizer)
+        self.optimizer = self.layout.prepare(self.policy, build_optimizer(self.params.values(), t))
         # model.compile: in place, after the adapter and accelerate's wrapper; forwards then run on sampling.batch_size rows
         self.policy.compile(cfg.model.compile, cfg.sampling.batch_size)
         self.compile_watch = CompileWatch() if cfg.model.compile != "none" else None

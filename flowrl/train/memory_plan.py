@@ -16,6 +16,7 @@ import torch
 
 from flowrl.errors import UserError
 from flowrl.models import FAMILIES, pipeline_kinds
+from flowrl.runtime.optimizers import BLOCK_SIZE, MIN_8BIT_SIZE, check_optimizer, optimizer_state_bytes
 
 GIB = 1024**3
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -56,6 +57,7 @@ class Launch:
     gradient_checkpointing: bool = False
     ema: bool = True
     kl: bool = True  # full fine-tuning keeps a frozen reference copy for the KL
+    optimizer: str = "adamw"  # trainer.optimizer: adamw | adamw8bit | paged_adamw8bit
     # T5 tokens per prompt (model.max_sequence_length); 0: the pipeline's own default (SD3 256, FLUX 512).
     # SD3 adds CLIP's 77 in front
     max_sequence_length: int = 0
@@ -71,7 +73,7 @@ class Launch:
                    lora_rank=cfg.lora.rank if cfg.lora.enabled else 0, lora_targets=list(cfg.lora.target_modules),
                    dtype=cfg.model.dtype, batch=cfg.sampling.batch_size, height=cfg.model.height, width=cfg.model.width,
                    frames=cfg.model.num_frames, gradient_checkpointing=cfg.model.gradient_checkpointing, ema=cfg.trainer.ema,
-                   kl=cfg.trainer.kl_beta > 0, max_sequence_length=cfg.model.max_sequence_length)
+                   kl=cfg.trainer.kl_beta > 0, max_sequence_length=cfg.model.max_sequence_length, optimizer=cfg.trainer.optimizer)
 
 
 @dataclass
@@ -179,11 +181,31 @@ def lora_params(transformer: torch.nn.Module, rank: int, targets: list[str]) -> 
     return sum(a * b for a, b in lora_shapes(transformer, rank, targets).values())
 
 
+def trained_numels(transformer: torch.nn.Module, launch: Launch) -> list[int]:
+    """The element count of every trained tensor: the transformer's, or the LoRA adapter's."""
+    if launch.lora_rank == 0:
+        return [p.numel() for p in transformer.parameters()]
+    return [a * b for a, b in lora_shapes(transformer, launch.lora_rank, launch.lora_targets).values()]
+
+
+def optimizer_row(optimizer: str, numels: list[int], shards: int, shard: str) -> tuple[str, float, str]:
+    """The optimizer's moments: AdamW's two fp32 ones, or bitsandbytes' two 8-bit ones with an fp32 absmax per
+    block for the tensors of at least MIN_8BIT_SIZE elements (fp32 moments for the smaller)."""
+    trained, state = sum(numels), optimizer_state_bytes(optimizer, numels)
+    if optimizer == "adamw":
+        return "optimizer (AdamW, 2 fp32 moments)", state / shards, f"{trained / 1e9:.3f}B x 8 B {shard}"
+    small = sum(n for n in numels if n < MIN_8BIT_SIZE)
+    how = (f"{(trained - small) / 1e9:.3f}B x (2 B + 8 B per {BLOCK_SIZE}) + {small / 1e6:.2f}M in tensors under "
+           f"{MIN_8BIT_SIZE} values x 8 B{', paged' if optimizer.startswith('paged') else ''}")
+    return f"optimizer ({optimizer}, 2 8-bit moments)", state / shards, how
+
+
 def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     """(what, GiB per GPU, how it was counted) rows; the last two rows are the peaks of training
     and of sampling, and the plan's peak is the larger."""
     if launch.distributed not in ("ddp", "fsdp2"):
         raise UserError(f"distributed must be ddp or fsdp2; got '{launch.distributed}'")
+    check_optimizer(launch.optimizer, launch.distributed)
     n = launch.gpus if launch.distributed == "fsdp2" else 1  # the shard count
     base, low = count(model.transformer), BYTES[launch.dtype]
     full = launch.lora_rank == 0
@@ -196,7 +218,7 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
         rows.append(("weights (frozen base)", low * base / n, f"{base / 1e9:.2f}B x {low} B {shard}"))
         rows.append(("weights (LoRA, fp32)", 4 * trained / n, f"{trained / 1e6:.1f}M x 4 B {shard}"))
     rows.append(("gradients (fp32)", 4 * trained / n, f"{trained / 1e9:.3f}B x 4 B {shard}"))
-    rows.append(("optimizer (AdamW, 2 fp32 moments)", 8 * trained / n, f"{trained / 1e9:.3f}B x 8 B {shard}"))
+    rows.append(optimizer_row(launch.optimizer, trained_numels(model.transformer, launch), n, shard))
     rows.append(("EMA (fp32)", 4 * trained / n if launch.ema else 0.0, "trainer.ema" if launch.ema else "off"))
     ref = full and launch.kl
     rows.append(("reference copy", low * base / n if ref else 0.0,

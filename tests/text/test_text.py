@@ -272,6 +272,24 @@ def test_the_text_trainer_shares_the_image_loops_run_manager(tmp_path, capsys, m
     assert "1 optimizer steps in a row had a non-finite gradient norm" in err and "Traceback" not in err
 
 
+def test_the_text_trainer_steps_with_the_8bit_optimizer(tmp_path):
+    # the trainer's own optimizer, saved as the image trainer's is (whose resume with it tests/train/test_training.py repeats)
+    import bitsandbytes
+    from safetensors.torch import load_file
+
+    from flowrl.text.config import load_text_config
+    from flowrl.text.train import TextTrainer
+
+    cfg = load_text_config("configs/text_add.yaml", [*FAST, "trainer.optimizer=adamw8bit", "trainer.iterations=1"])
+    trainer = TextTrainer(cfg, run_dir=tmp_path / "run")
+    assert type(trainer.optimizer) is bitsandbytes.optim.AdamW8bit and trainer.optimizer.param_groups[0]["lr"] == cfg.trainer.lr
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    assert trainer.train()[0]["samples"] == 16
+    assert all(not torch.equal(before[n], p) for n, p in trainer.params.items() if n.endswith("proj.weight"))
+    moments = load_file(str(tmp_path / "run" / "checkpoints" / "iter_000001" / "optimizer.safetensors"))
+    assert any(t.dtype == torch.uint8 for t in moments.values())  # its 16384+ value matrices: 8-bit moments
+
+
 def test_a_wall_clock_budget_plans_the_text_run_and_fits_its_schedule(tmp_path, monkeypatch):
     """trainer.budget_minutes as the image trainer has it: 2 probe iterations of 1 s each (a fake
     clock), then the count that fits 12 s of budget less its 3 % margin; the linear learning rate

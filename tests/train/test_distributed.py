@@ -227,6 +227,31 @@ def test_memory_plan_counts_the_real_networks_and_divides_what_fsdp2_shards(tiny
     assert ckpt["activations (estimate)"] < plain["activations (estimate)"]
 
 
+def test_memory_plan_counts_bitsandbytes_8bit_moments_as_bitsandbytes_allocates_them(tiny_sd3_dir):
+    import bitsandbytes
+    from diffusers import SD3Transformer2DModel
+
+    from flowrl.train.memory_plan import GIB, Launch, load_model, plan
+
+    real = SD3Transformer2DModel.from_pretrained(tiny_sd3_dir, subfolder="transformer")
+    params = list(real.parameters())
+    optimizer = bitsandbytes.optim.AdamW8bit(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    # the moments and their absmax; the two quantisation maps are shared by every 8-bit tensor
+    allocated = sum(t.numel() * t.element_size() for s in optimizer.state.values() for k, t in s.items()
+                    if isinstance(t, torch.Tensor) and not k.startswith("qmap"))
+    model = load_model(tiny_sd3_dir)
+    rows = {w: g for w, g, _ in plan(model, Launch(lora_rank=0, optimizer="adamw8bit"))}
+    assert rows["optimizer (adamw8bit, 2 8-bit moments)"] * GIB == allocated  # 10 tensors of 4096+ values in 8 bits
+    adamw = {w: g for w, g, _ in plan(model, Launch(lora_rank=0))}["optimizer (AdamW, 2 fp32 moments)"]
+    assert adamw * GIB == 8 * sum(p.numel() for p in params) > allocated
+    assert rows["peak while training"] < {w: g for w, g, _ in plan(model, Launch(lora_rank=0))}["peak while training"]
+    with pytest.raises(ConfigError, match="trainer.optimizer adamw8bit cannot step run.distributed fsdp2"):
+        plan(model, Launch(lora_rank=0, optimizer="adamw8bit", distributed="fsdp2", gpus_per_node=2))
+
+
 def test_plan_memory_script_prints_the_table_and_refuses_bad_launches(capsys):
     from script_loader import load_script
 
@@ -236,6 +261,8 @@ def test_plan_memory_script_prints_the_table_and_refuses_bad_launches(capsys):
     assert "stabilityai/stable-diffusion-3.5-medium" in out and "plan peak" in out and "2.24B" in out
     assert script.main(["black-forest-labs/FLUX.1-dev", "--full", "--gpus", "8", "--nodes", "2", "--distributed", "fsdp2"]) == 0
     assert "11.90B x 4 B / 16 GPUs" in capsys.readouterr().out
+    assert script.main(["black-forest-labs/FLUX.1-dev", "--full", "--optimizer", "adamw8bit"]) == 0
+    assert "optimizer (adamw8bit, 2 8-bit moments)    22.52" in capsys.readouterr().out  # AdamW's 88.67 GiB / 3.94
     assert script.main(["stabilityai/stable-diffusion-3.5-medium", "--gpus", "0"]) == 2
     assert capsys.readouterr().err.strip() == "plan_memory: --gpus must be at least 1; got 0"
     assert script.main(["no/such-model-here"]) == 2

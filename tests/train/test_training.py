@@ -27,14 +27,21 @@ FAST = [
 ]
 
 
-@pytest.mark.parametrize("allocator", ["uniform", "vade"])
-def test_resume_repeats_an_uninterrupted_run(tmp_path, tiny_sd3_dir, allocator):
-    # vade: the allocator's posteriors travel in the checkpoint too
+@pytest.mark.parametrize("allocator, options", [
+    ("uniform", []),
+    ("vade", []),  # the allocator's posteriors travel in the checkpoint too
+    # bitsandbytes' 8-bit AdamW, its quantised moments too; full fine-tuning, since only tensors of 4096+ values (10
+    # of the tiny transformer's, none of its LoRA's) get 8-bit moments
+    ("uniform", ["trainer.optimizer=adamw8bit", "lora.enabled=false"]),
+])
+def test_resume_repeats_an_uninterrupted_run(tmp_path, tiny_sd3_dir, allocator, options):
     common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=2", "trainer.kl_beta=0.01",
-                     f"allocator.kind={allocator}"]
+                     f"allocator.kind={allocator}", *options]
     straight = tmp_path / "straight"
     assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
     assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
+    moments = load_file(str(straight / "checkpoints" / "iter_000002" / "optimizer.safetensors"))
+    assert any(t.dtype == torch.uint8 for t in moments.values()) == ("trainer.optimizer=adamw8bit" in options)
 
 
 def test_nft_trains_on_ode_samples_and_resumes_exactly(tmp_path, tiny_sd3_dir):
