@@ -15,6 +15,8 @@ from flowrl.runtime.processes import (EXIT_INTERRUPTED, LAUNCHED_ENV, die_with_l
                                     launches_cpu_processes, relaunch)
 
 EXIT_USER_ERROR = 2
+# `flowrl export` loads the run's base unquantised (model.quantize): the adapter is written, or fused, in full precision
+FULL_PRECISION = ("model.quantize=none", "model.quantize_text_encoders=none")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,10 +134,11 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:
     """Add `flowrl config show` and its arguments."""
     c = sub.add_parser("config", help="print a resolved config")
     csub = c.add_subparsers(dest="config_command", required=True)
-    show = csub.add_parser("show", help="the resolved config as YAML, each key with its description",
+    show = csub.add_parser("show", help="the resolved config as YAML, each key with its description (only the KEYs given)",
                            epilog=f"presets (CONFIG): {', '.join(preset_names())}")
     show.add_argument("config", nargs="?", help="a YAML file or a preset name (default: the default preset)")
-    show.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. trainer.lr=1e-5")
+    show.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. trainer.lr=1e-5, and keys or sections to show, "
+                      "e.g. model.quantize")
 
 
 def _produce_parser(sub: argparse._SubParsersAction) -> None:
@@ -418,8 +421,16 @@ def _sample_to_dir(args, prompts: list[str], search: list[str]) -> int:
 def cmd_export(args) -> int:
     """`flowrl export`: what plain diffusers loads. Without --merge the adapter alone, in the
     layout `pipe.load_lora_weights(DIR)` reads; with it the run's pipeline (its text encoders,
+def cmd_export(args) -> int:
+    """`flowrl export`: what plain diffusers loads. Without --merge the adapter alone, in the
+    layout `pipe.load_lora_weights(DIR)` reads; with it the run's pipeline (its text encoders,
+SNIPPET = "sample_with_diffusers.py"  # written beside an export: the code that samples it
+
+
     VAE and scheduler as the base model has them) with the adapter fused into the transformer's
-    weights and removed, so `<Pipeline>.from_pretrained(DIR)` samples what `flowrl sample` does."""
+    weights and removed, so `<Pipeline>.from_pretrained(DIR)` samples what `flowrl sample` does.
+    A run over a quantised base (model.quantize) exports from the full-precision base: the adapter
+    as trained, or fused into the full-precision weights (not rounded into 4 or 8 bits)."""
     from flowrl.text.cli import is_text_run
 
     if is_text_run(args.run):
@@ -441,19 +452,35 @@ def cmd_export(args) -> int:
         raise UserError(f"--merge: the run's adapter acts only at sigmas in lora.sigma_range {list(policy.lora_sigma_range)}, "
                         "which a fused transformer cannot; export the LoRA alone (without --merge)")
     if policy.has_lora:
+        _print_snippet(cfg, policy, out, merged=False)
         policy.transformer.fuse_lora()
         policy.transformer.unload_lora()
     policy.pipe.save_pretrained(str(out), safe_serialization=True)
-    print(f"wrote {out}: {policy.pipeline_class.__name__} with the {weights}weights of {ckpt.name} fused in "
-          f"({policy.pipeline_class.__name__}.from_pretrained('{out}'))")
+    print(f"wrote {out}: {policy.pipeline_class.__name__} with the {weights}weights of {ckpt.name} fused in")
+    _print_snippet(cfg, policy, out, merged=True)
     return 0
 
 
+def _print_snippet(cfg, policy, out: Path, merged: bool) -> None:
+    """Print (and keep beside the export, as sample_with_diffusers.py) the plain-diffusers code that
+    draws `flowrl sample`'s first image of the run's first held-out prompt."""
+    from flowrl.models.snippet import diffusers_snippet, snippet_prompt
+
+    prompt = snippet_prompt(cfg)
+    code = diffusers_snippet(policy, cfg, out, prompt, seed=0, merged=merged)
+    (out / SNIPPET).write_text(code)
+    note = ""
+    if not merged and policy.lora_sigma_range is not None:
+        note = (f" (the run's adapter acts only at sigmas in lora.sigma_range {list(policy.lora_sigma_range)}; diffusers applies "
+                "it at every step, so its images differ from flowrl sample's)")
 def cmd_eval(args) -> int:
     from flowrl.text.cli import is_text_config, is_text_run
 
     if is_text_run(args.run) or is_text_config(args.config):  # greedy accuracy per bucket
         from flowrl.text import cli as text
+    print(f"\nIn plain diffusers, flowrl sample --prompt {prompt!r} --seed 0 (also in {out / SNIPPET}){note}:\n\n{code}")
+
+
 
         return text.evaluate(args.run, args.config, list(args.overrides), args.checkpoint)
     from flowrl.train.evaluate import evaluate, format_category_table
@@ -539,6 +566,8 @@ def cmd_offline(args) -> int:
 
 def cmd_config(args) -> int:
     from flowrl.config import load_config
+    if config is not None and _names_a_key(config):  # `flowrl config show model.quantize`: a key of the default config
+        config, overrides = None, [config, *overrides]
     from flowrl.config_help import describe
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)

@@ -17,7 +17,9 @@ import torch
 
 from flowrl.devices import DTYPES, pick_device
 from flowrl.errors import UserError
+from flowrl.models.attention import set_attention_backend
 from flowrl.models.compile import compile_network, padded_velocity
+from flowrl.models.quantize import quantized_components
 from flowrl.models.tiny import TINY_BUILDERS
 from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.schema import LoraConfig, ModelConfig
@@ -170,6 +172,8 @@ class FlowPolicy:
             module.to(self.device)  # already loaded in self.dtype
             module.eval()
         self.net = self.transformer
+        if cfg.attention_backend is not None:  # once, before anything runs: rollouts and training share the kernel
+            set_attention_backend(self.transformer, cfg.attention_backend, self.device)
         self._cache: dict[str, dict[str, torch.Tensor]] = {}
         self._negative: dict[str, torch.Tensor] | None = None  # `negative_once`
         self.has_lora = False
@@ -191,7 +195,10 @@ class FlowPolicy:
         path = resolve_model_path(cfg.path)
         cls._check_pipeline_class(cfg.path, path)
         try:
-            pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path))
+        device = torch.device(device) if device is not None else pick_device(cfg.device)
+            # model.quantize, model.quantize_text_encoders: those components load quantised onto their device first
+            quantized = quantized_components(path, cfg, DTYPES[cfg.dtype], device)
+            pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path), **quantized)
         except (OSError, ValueError) as exc:
             raise UserError(f"model.path '{cfg.path}' could not be loaded as a {cls.pipeline_name}: {str(exc).splitlines()[0]}") from None
         except ImportError as exc:  # a component's class needs a package flowrl does not (FLUX.2 [dev]'s processor: torchvision)

@@ -21,6 +21,7 @@ class QwenImagePolicy(FlowPolicy):
 
     kind = "qwen_image"
     pipeline_name = "QwenImagePipeline"
+    guidance_argument = "true_cfg_scale"  # its guidance_scale is for guidance-distilled checkpoints
     trains_with_cfg = True
     known_models = {
         "Qwen/Qwen-Image": {

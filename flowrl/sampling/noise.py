@@ -24,6 +24,12 @@ def _key(seed: int, step: int) -> int:
     return (int(seed) * 0x9E3779B1 + (step + 2) * 0x85EBCA77) % (2**63 - 1)
 
 
+def initial_noise_seed(seed: int) -> int:
+    """The torch.Generator seed of sample `seed`'s initial noise: torch.randn((1, *latent_shape),
+    generator=torch.Generator().manual_seed(initial_noise_seed(seed))) is its row of seeded_noise."""
+    return _key(seed, INITIAL)
+
+
 def seeded_noise(seeds: Sequence[int], step: int, shape: Sequence[int], device=None) -> torch.Tensor:
     """Standard normal noise [len(seeds), *shape] in fp32; row i depends only on (seeds[i], step)."""
     rows = []

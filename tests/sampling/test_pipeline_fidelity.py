@@ -19,6 +19,7 @@ from flowrl.schema import ModelConfig
 from flowrl.models import load_policy
 from flowrl.models.flux import flux_pipeline_sigmas
 from flowrl.models.sd3 import sd3_pipeline_sigmas
+from flowrl.models.snippet import snippet_prompt
 from flowrl.sampling.noise import INITIAL, seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.sampling.steps import cps_step, dance_grpo_step, gaussian_log_prob
@@ -61,7 +62,36 @@ def test_flux_grids_differ_between_the_two_resolutions(tiny_flux_dir):
     assert not torch.allclose(*grids)  # auto is pipeline for a model that is not built in
 
 
-def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp_path, tiny_flux_dir):
+def _printed_snippet(capsys) -> dict:
+    """Run the plain-diffusers code `flowrl export` printed last; its namespace."""
+    printed = capsys.readouterr().out
+    code = printed.split("In plain diffusers", 1)[1].split("\n\n", 1)[1]
+    namespace: dict = {}
+    exec(compile(code, "printed-snippet", "exec"), namespace)
+    return namespace
+
+
+def test_the_printed_export_snippet_draws_flowrl_samples_image_of_the_pixel_space_shapes_model(tmp_path, capsys):
+    # the built-in shapes model: no VAE and no T5 (components saved as none), flowrl's shifted_linear grid (not the
+    # pipeline's), 0 T5 tokens; the printed code must load the merged pipeline and draw what `flowrl sample` draws
+    run, merged = tmp_path / "run", tmp_path / "merged"
+    assert main(["train", "tiny_jpeg", "model.path=builtin:shapes", "model.height=32", "model.width=32", "sampling.num_steps=3",
+                 "sampling.eval_num_steps=4", "data.group_size=4", "sampling.batch_size=4", "data.prompts_per_iteration=1",
+                 "lora.rank=4", "lora.alpha=8", "trainer.iterations=1", "run.tracker=none", "run.progress=false",
+                 "run.sample_every=0", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
+    theirs = _printed_snippet(capsys)["image"]
+    cfg, policy, _ = _load_run_policy(run)
+    prompt = [snippet_prompt(cfg)]  # the run's first held-out prompt
+    ours = _ode_images(cfg, policy, prompt, [0])
+    assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-5
+    with policy.reference():  # the adapter moved the sample, so the match means something
+        assert (_ode_images(cfg, policy, prompt, [0]) - ours).abs().max() > 1e-4
+    assert (merged / "sample_with_diffusers.py").read_text().startswith("import torch")
+
+
+def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp_path, tiny_flux_dir, capsys):
     run = tmp_path / "run"
     args = ["train", "tiny_jpeg", "model.kind=flux", f"model.path={tiny_flux_dir}", "model.guidance_scale=3.5",
             "model.max_sequence_length=32", "sampling.num_steps=3", "sampling.eval_num_steps=4", "data.group_size=4",
@@ -90,12 +120,19 @@ def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp
                  max_sequence_length=32, output_type="pt").images
 
     merged, lora = tmp_path / "merged", tmp_path / "lora"
+    capsys.readouterr()
     assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
     assert (pipeline_sample(FluxPipeline.from_pretrained(str(merged))) - ours).abs().max() <= 1e-5
+    # the printed code: flowrl sample's first image of the first held-out prompt at seed 0, saved as a PNG
+    first = _ode_images(cfg, policy, [snippet_prompt(cfg)], [0])[0]
+    png = torch.from_numpy(np.array(_printed_snippet(capsys)["image"])).permute(2, 0, 1).float() / 255
+    assert (png - first).abs().max() <= 1 / 255 + 1e-5
     assert main(["export", "--run", str(run), "-o", str(lora)]) == 0
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
     pipe.load_lora_weights(str(lora))
     assert (pipeline_sample(pipe) - ours).abs().max() <= 1e-5
+    png = torch.from_numpy(np.array(_printed_snippet(capsys)["image"])).permute(2, 0, 1).float() / 255  # the base plus the LoRA
+    assert (png - first).abs().max() <= 1 / 255 + 1e-5
     assert main(["export", "--run", str(run), "-o", str(lora)]) == 2  # never written over
 
 
