@@ -418,15 +418,12 @@ def _sample_to_dir(args, prompts: list[str], search: list[str]) -> int:
     return 0
 
 
-def cmd_export(args) -> int:
-    """`flowrl export`: what plain diffusers loads. Without --merge the adapter alone, in the
-    layout `pipe.load_lora_weights(DIR)` reads; with it the run's pipeline (its text encoders,
-def cmd_export(args) -> int:
-    """`flowrl export`: what plain diffusers loads. Without --merge the adapter alone, in the
-    layout `pipe.load_lora_weights(DIR)` reads; with it the run's pipeline (its text encoders,
 SNIPPET = "sample_with_diffusers.py"  # written beside an export: the code that samples it
 
 
+def cmd_export(args) -> int:
+    """`flowrl export`: what plain diffusers loads. Without --merge the adapter alone, in the
+    layout `pipe.load_lora_weights(DIR)` reads; with it the run's pipeline (its text encoders,
     VAE and scheduler as the base model has them) with the adapter fused into the transformer's
     weights and removed, so `<Pipeline>.from_pretrained(DIR)` samples what `flowrl sample` does.
     A run over a quantised base (model.quantize) exports from the full-precision base: the adapter
@@ -440,19 +437,19 @@ SNIPPET = "sample_with_diffusers.py"  # written beside an export: the code that 
     _no_file_on_the_way(out, "--out")
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"--out '{out}' is not empty; give a new or empty directory")
-    cfg, policy, ckpt = _load_run_policy(Path(args.run), (), args.checkpoint)
+    cfg, policy, ckpt = _load_run_policy(Path(args.run), FULL_PRECISION, args.checkpoint)
     weights = "EMA " if (ckpt / "ema_lora").is_dir() or (ckpt / "ema_transformer").is_dir() else ""
     if not args.merge:
         if not policy.has_lora:
             raise UserError(f"--run '{args.run}' trained the whole transformer (lora.enabled false); export it with --merge")
         policy.save_lora(out)
         print(f"wrote {out}: the {weights}LoRA of {ckpt.name} (pipe.load_lora_weights('{out}'))")
+        _print_snippet(cfg, policy, out, merged=False)
         return 0
     if policy.lora_sigma_range is not None:
         raise UserError(f"--merge: the run's adapter acts only at sigmas in lora.sigma_range {list(policy.lora_sigma_range)}, "
                         "which a fused transformer cannot; export the LoRA alone (without --merge)")
     if policy.has_lora:
-        _print_snippet(cfg, policy, out, merged=False)
         policy.transformer.fuse_lora()
         policy.transformer.unload_lora()
     policy.pipe.save_pretrained(str(out), safe_serialization=True)
@@ -473,14 +470,14 @@ def _print_snippet(cfg, policy, out: Path, merged: bool) -> None:
     if not merged and policy.lora_sigma_range is not None:
         note = (f" (the run's adapter acts only at sigmas in lora.sigma_range {list(policy.lora_sigma_range)}; diffusers applies "
                 "it at every step, so its images differ from flowrl sample's)")
+    print(f"\nIn plain diffusers, flowrl sample --prompt {prompt!r} --seed 0 (also in {out / SNIPPET}){note}:\n\n{code}")
+
+
 def cmd_eval(args) -> int:
     from flowrl.text.cli import is_text_config, is_text_run
 
     if is_text_run(args.run) or is_text_config(args.config):  # greedy accuracy per bucket
         from flowrl.text import cli as text
-    print(f"\nIn plain diffusers, flowrl sample --prompt {prompt!r} --seed 0 (also in {out / SNIPPET}){note}:\n\n{code}")
-
-
 
         return text.evaluate(args.run, args.config, list(args.overrides), args.checkpoint)
     from flowrl.train.evaluate import evaluate, format_category_table
@@ -566,18 +563,30 @@ def cmd_offline(args) -> int:
 
 def cmd_config(args) -> int:
     from flowrl.config import load_config
-    if config is not None and _names_a_key(config):  # `flowrl config show model.quantize`: a key of the default config
-        config, overrides = None, [config, *overrides]
     from flowrl.config_help import describe
 
     config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    if config is not None and _names_a_key(config):  # `flowrl config show model.quantize`: a key of the default config
+        config, overrides = None, [config, *overrides]
     from flowrl.text.config import is_text_config, load_text_config
 
     if is_text_config(config):
         print(load_text_config(config, overrides).to_yaml(), end="")
         return 0
-    print(describe(load_config(config, overrides, validate_paths=False)), end="")
+    keys = [o for o in overrides if "=" not in o]
+    overrides = [o for o in overrides if "=" in o]
+    print(describe(load_config(config, overrides, validate_paths=False), keys), end="")
     return 0
+
+
+def _names_a_key(name: str) -> bool:
+    """A dotted config key or a section name (model.quantize, model), not a file or a preset."""
+    import dataclasses
+
+    from flowrl.schema import Config
+
+    sections = {f.name for f in dataclasses.fields(Config)}
+    return name.split(".")[0] in sections and name not in preset_names() and not Path(name).exists()
 
 
 def cmd_rewards(args) -> int:

@@ -25,7 +25,9 @@ from flowrl.devices import DTYPES
 from flowrl.errors import ConfigError, check_choice, check_producers
 from flowrl.models import FAMILIES
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
+from flowrl.models.attention import check_backend_name
 from flowrl.models.compile import COMPILE_MODES
+from flowrl.models.quantize import MEMORY_EXTRA, QUANTIZE_MODES, bitsandbytes_installed
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 from flowrl.registry import load_plugins
@@ -296,6 +298,8 @@ def _validate_model(cfg: Config, validate_paths: bool) -> None:
     check_choice("model.kind", m.kind, FAMILIES)
     check_choice("model.dtype", m.dtype, DTYPES)
     check_choice("model.compile", m.compile, COMPILE_MODES)
+    check_backend_name(m.attention_backend)
+    _validate_quantization(cfg)
     if validate_paths:
         check_model_path(m.path)
     for key in ("height", "width"):
@@ -310,6 +314,27 @@ def _validate_model(cfg: Config, validate_paths: bool) -> None:
         raise ConfigError(f"model.num_frames must be 1 for model.kind {m.kind} (an image family; video: {video}); got {m.num_frames}")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
+
+
+def _validate_quantization(cfg: Config) -> None:
+    """model.quantize and model.quantize_text_encoders (flowrl/models/quantize.py): what a quantised base can do."""
+    m = cfg.model
+    check_choice("model.quantize", m.quantize, QUANTIZE_MODES)
+    check_choice("model.quantize_text_encoders", m.quantize_text_encoders, QUANTIZE_MODES)
+    asked = {k: v for k, v in (("model.quantize", m.quantize), ("model.quantize_text_encoders", m.quantize_text_encoders))
+             if v != "none"}
+    for key, mode in asked.items():
+        if not bitsandbytes_installed():
+            raise ConfigError(f"{key} {mode} needs bitsandbytes, which is not installed: {MEMORY_EXTRA}, or set {key}: none")
+    if m.quantize == "none":
+        return
+    if not cfg.lora.enabled:
+        raise ConfigError(f"model.quantize {m.quantize} freezes the transformer in bitsandbytes' packed weights, which only a "
+                          "LoRA adapter can train; set lora.enabled: true, or model.quantize: none for full fine-tuning")
+    if cfg.run.distributed == "fsdp2":
+        # unverified: FSDP2 splits plain tensors, and a packed weight's scales live beside it, not in it
+        raise ConfigError(f"model.quantize {m.quantize} runs with run.distributed ddp only (FSDP2 does not shard bitsandbytes' "
+                          "packed weights); set run.distributed: ddp or model.quantize: none")
 
 
 def _validate_sampling(s) -> None:

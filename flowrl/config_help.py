@@ -16,6 +16,8 @@ from functools import lru_cache
 
 from omegaconf import OmegaConf
 
+from flowrl.errors import UserError
+
 
 @lru_cache(maxsize=None)
 def field_comments(module_name: str) -> dict[tuple[str, str], str]:
@@ -57,9 +59,17 @@ def _value_yaml(value) -> str:
     return OmegaConf.to_yaml({"v": value}).strip().removeprefix("v:").strip()
 
 
-def describe(cfg) -> str:
-    """The config as YAML with each field's description as a comment."""
-    out = []
+def describe(cfg, keys: list[str] | tuple[str, ...] = ()) -> str:
+    """The config as YAML with each field's description as a comment; only the `keys` (dotted, such as
+    model.quantize, or a section such as model) and the sections above them when any are given."""
+    out, matched = [], set()
+
+    def shown(path: str) -> bool:
+        if not keys:
+            return True
+        hit = [k for k in keys if path == k or path.startswith(k + ".")]
+        matched.update(k for k in hit if path == k)
+        return bool(hit) or any(k.startswith(path + ".") for k in keys)
 
     def note_of(cls: type, name: str) -> str | None:
         for klass in cls.__mro__:  # a field inherited from a schema section is described there
@@ -68,8 +78,10 @@ def describe(cfg) -> str:
                 return found
         return None
 
-    def walk(obj, indent: str) -> None:
+    def walk(obj, indent: str, prefix: str = "") -> None:
         for f in dataclasses.fields(obj):
+            if not shown(prefix + f.name):
+                continue
             value = getattr(obj, f.name)
             note = note_of(type(obj), f.name)
             if dataclasses.is_dataclass(value):
@@ -77,9 +89,13 @@ def describe(cfg) -> str:
                 if doc.startswith(f"{type(value).__name__}("):  # the signature dataclass writes where there is no docstring
                     doc = ""
                 out.append(f"{indent}{f.name}:" + (f"  # {doc}" if doc and not indent else ""))
-                walk(value, indent + "  ")
+                walk(value, indent + "  ", f"{prefix}{f.name}.")
                 continue
             out.append(f"{indent}{f.name}: {_value_yaml(value)}" + (f"  # {note}" if note else ""))
 
     walk(cfg, "")
+    unknown = [k for k in keys if k not in matched]
+    if unknown:
+        raise UserError(f"config show: '{unknown[0]}' is no key of this config; give a dotted key such as model.quantize "
+                        "or a section such as model")
     return "\n".join(out) + "\n"

@@ -38,6 +38,14 @@ class ModelConfig:
     # transformer block compiled, regional compilation) | full (the whole transformer). Compiled forwards
     # run on exactly sampling.batch_size rows, a short batch padded, so nothing recompiles after warm-up
     compile: str = "none"
+    # the frozen transformer in 4 or 8 bits under LoRA (QLoRA; bitsandbytes, pip install 'flowrl[memory]'): none | nf4
+    # (4-bit NormalFloat: 0.5 byte per Linear weight + an fp32 absmax per 64) | int8 (LLM.int8: 1 byte per Linear weight
+    # + an fp32 scale per row). Computes in model.dtype; the reference policy is the same quantised network, adapter off
+    quantize: str = "none"
+    quantize_text_encoders: str = "none"  # the text encoders, likewise: none | nf4 | int8
+    # diffusers' attention kernel for the transformer (its AttentionBackendName), set once at load for rollouts and
+    # training alike: native | flash | xformers | sage | flex | ...; null: diffusers' default (torch's SDPA)
+    attention_backend: Optional[str] = None
 
 
 @dataclass

@@ -154,6 +154,7 @@ class FlowPolicy:
     # class, kwargs))], "vae": (diffusers class, kwargs)}; a subclass family declares its own
     known_models: dict[str, dict[str, Any]] = {}
     variable_length = False  # prompt embeddings of each prompt's own length, padded per batch (`_batch`)
+    guidance_argument = "guidance_scale"  # the pipeline __call__'s argument that model.guidance_scale is
 
     def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
         self.pipe = pipe
@@ -171,9 +172,9 @@ class FlowPolicy:
             module.requires_grad_(False)
             module.to(self.device)  # already loaded in self.dtype
             module.eval()
-        self.net = self.transformer
         if cfg.attention_backend is not None:  # once, before anything runs: rollouts and training share the kernel
             set_attention_backend(self.transformer, cfg.attention_backend, self.device)
+        self.net = self.transformer
         self._cache: dict[str, dict[str, torch.Tensor]] = {}
         self._negative: dict[str, torch.Tensor] | None = None  # `negative_once`
         self.has_lora = False
@@ -194,8 +195,8 @@ class FlowPolicy:
         transformers.utils.logging.disable_progress_bar()
         path = resolve_model_path(cfg.path)
         cls._check_pipeline_class(cfg.path, path)
-        try:
         device = torch.device(device) if device is not None else pick_device(cfg.device)
+        try:
             # model.quantize, model.quantize_text_encoders: those components load quantised onto their device first
             quantized = quantized_components(path, cfg, DTYPES[cfg.dtype], device)
             pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path), **quantized)
@@ -205,7 +206,7 @@ class FlowPolicy:
             missing = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
             raise UserError(f"model.path '{cfg.path}' needs a package that is not installed to load its {cls.pipeline_name}: "
                             f"{missing}") from None
-        return cls(pipe, cfg, device if device is not None else pick_device(cfg.device))
+        return cls(pipe, cfg, device)
 
     @classmethod
     def _check_pipeline_class(cls, given: str, path: str) -> None:

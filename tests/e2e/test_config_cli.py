@@ -61,6 +61,9 @@ BAD = [
     (["objective.kind=nft", "trainer.kl_beta=0", "objective.nft.old_policy=sampling", "objective.nft.old_decay=1.0"], "objective.nft.old_decay"),
     (["objective.kind=nft", "trainer.kl_beta=0", "rollout.kind=tree", "rollout.tree.split_steps=[0, 1]",
       "data.group_size=4", "advantage.kind=grpo"], "objective.kind"),
+    (["model.quantize=fp4"], "model.quantize"),
+    (["model.quantize=nf4", "lora.enabled=false"], "model.quantize"),
+    (["model.attention_backend=flash_attn"], "model.attention_backend"),
     (["lora.sigma_range=[0.9]"], "lora.sigma_range"),
     (["lora.sigma_range=[0.9, 0.5]"], "lora.sigma_range"),
     (["lora.sigma_range=[0.5, 1.0]"], "lora.sigma_range"),  # window 'all': every step is trained
@@ -146,3 +149,16 @@ def test_moved_keys_are_refused_with_their_new_name(tmp_path, old, new, capsys):
     path.write_text(f"{section}:\n  {name}: {value}\n")
     assert main(["train", str(path)]) == 2
     assert f"has moved to '{new}'" in capsys.readouterr().err
+
+
+def test_config_show_describes_the_keys_asked_for(capsys):
+    # the descriptions are the schema's field comments (flowrl/config_help.py)
+    assert main(["config", "show", "model.quantize", "model.attention_backend"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "model:" and len(lines) == 3
+    assert lines[1].startswith("  quantize: none  # the frozen transformer in 4 or 8 bits under LoRA (QLoRA")
+    assert lines[2].startswith("  attention_backend: null  # diffusers' attention kernel for the transformer")
+    assert main(["config", "show", "tiny_jpeg", "model.quantize_text_encoders", "model.quantize_text_encoders=nf4"]) == 0
+    assert "  quantize_text_encoders: nf4  # the text encoders, likewise: none | nf4 | int8" in capsys.readouterr().out
+    assert main(["config", "show", "model.quantise"]) == 2
+    assert "'model.quantise' is no key of this config" in capsys.readouterr().err

@@ -187,6 +187,10 @@ class TwoStageRollout(Rollout):
         check_positive("rollout.two_stage.fidelity_every", ts.fidelity_every, strict=False)
         if list(cfg.lora.sigma_range) != [0.0, 1.0]:  # the exploration copy merges the adapter in at every sigma
             raise ConfigError(f"lora.sigma_range must be [0, 1] when rollout.kind is two_stage; got {list(cfg.lora.sigma_range)}")
+        if cfg.model.quantize != "none":  # the exploration copy merges the adapter into the base's weights, dequantised
+            raise ConfigError(f"rollout.kind two_stage builds its exploration copy from the transformer's full-precision weights, "
+                              f"which model.quantize {cfg.model.quantize} does not keep; set model.quantize: none or another "
+                              "rollout.kind")
         if cfg.allocator.kind != "uniform":
             raise ConfigError(f"allocator.kind must be uniform when rollout.kind is two_stage (selection, not allocation, picks "
                               f"the trained samples); got '{cfg.allocator.kind}'")
