@@ -5,6 +5,7 @@ the text config (flowrl/text/config.py); every mistake is one sentence naming th
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ def preset_path(name_or_path: str | None) -> Path:
     candidate = CONFIG_DIR / f"{name_or_path}.yaml"
     if not candidate.is_file():
         names = ", ".join(preset_names())
-        raise ConfigError(f"config '{name_or_path}' is neither a YAML file nor a preset; presets: {names}")
+        raise ConfigError(f"config '{name_or_path}' is neither a YAML file nor a preset{did_you_mean(name_or_path, preset_names())}; "
+                          f"presets: {names}")
     return candidate
 
 
@@ -96,13 +98,22 @@ def one_sentence(exc: OmegaConfBaseException, source: str, schema: type) -> str:
         parent = key.rsplit(".", 1)[0] if "." in key else ""
         node = OmegaConf.structured(schema)
         allowed = OmegaConf.select(node, parent) if parent else node
-        names = ", ".join(allowed.keys()) if hasattr(allowed, "keys") else "?"
-        return f"unknown config key '{key}' in {source}; allowed keys{' under ' + repr(parent) if parent else ''}: {names}"
+        keys = list(allowed.keys()) if hasattr(allowed, "keys") else []
+        hint = did_you_mean(key.rsplit(".", 1)[-1], keys, prefix=parent + "." if parent else "")
+        return (f"unknown config key '{key}' in {source}{hint}; allowed keys{' under ' + repr(parent) if parent else ''}: "
+                f"{', '.join(keys) or '?'}")
     if isinstance(exc, ValidationError):
         value = msg.split("'", 2)[1] if msg.count("'") >= 2 else msg
         expected = type_name_of(key, schema)
         return f"config key '{key}' in {source} must be {expected}, got {value!r}"
     return f"invalid config in {source}: {key}: {msg}"
+
+
+def did_you_mean(word: str, options, prefix: str = "") -> str:
+    """ " (did you mean 'x'?)" for the closest of `options` to a mistyped `word` (the standard
+    library's close matches), or "" when none is close."""
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
 
 
 def type_name_of(key: str, schema: type) -> str:

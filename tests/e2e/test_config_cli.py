@@ -112,6 +112,18 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(f)
 
 
+def test_a_mistyped_key_or_preset_gets_the_closest_name():
+    with pytest.raises(ConfigError, match=r"^unknown config key 'trainer.lrr' in the command line \(did you mean 'trainer.lr'\?\); "):
+        load_config("tiny_jpeg", ["trainer.lrr=1"])
+    with pytest.raises(ConfigError, match=r"^unknown config key 'trainr' in the command line \(did you mean 'trainer'\?\); "):
+        load_config("tiny_jpeg", ["trainr.lr=1"])
+    with pytest.raises(ConfigError, match=r"^config 'defualt' is neither a YAML file nor a preset \(did you mean 'default'\?\); "):
+        load_config("defualt")
+    with pytest.raises(ConfigError) as far:  # nothing close: no guess
+        load_config("tiny_jpeg", ["trainer.zzzzzz=1"])
+    assert "did you mean" not in str(far.value)
+
+
 @pytest.mark.parametrize("argv", [
     ["train", "trainer.lrr=1"],
     ["train", "data.group_size=1"],
