@@ -17,6 +17,7 @@ import torch
 
 from flowrl.devices import DTYPES, pick_device
 from flowrl.errors import UserError
+from flowrl.hub import check_hub_id
 from flowrl.models.attention import set_attention_backend
 from flowrl.models.compile import compile_network, padded_velocity
 from flowrl.models.quantize import quantized_components
@@ -194,6 +195,8 @@ class FlowPolicy:
         diffusers.utils.logging.disable_progress_bar()
         transformers.utils.logging.disable_progress_bar()
         path = resolve_model_path(cfg.path)
+        if not Path(path).exists():  # a hub id: one sentence within seconds if it cannot be fetched
+            check_hub_id(path, "model_index.json")
         cls._check_pipeline_class(cfg.path, path)
         device = torch.device(device) if device is not None else pick_device(cfg.device)
         try:

@@ -12,6 +12,7 @@ import torch
 
 from flowrl.errors import UserError
 from flowrl.devices import DTYPES, pick_device
+from flowrl.hub import check_hub_id
 from flowrl.text.config import TextConfig, TextGenerationConfig, TextLoraConfig, TextModelConfig
 from flowrl.text.generate import Generation, generate, sequence_log_probs
 
@@ -47,6 +48,8 @@ class CausalLMPolicy:
 
         transformers.utils.logging.disable_progress_bar()
         path = resolve_text_path(cfg.path)
+        if not Path(path).exists():  # a hub id: one sentence within seconds if it cannot be fetched
+            check_hub_id(path, "config.json")
         device = device or pick_device(cfg.device)
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
