@@ -4,6 +4,7 @@ sentence on stderr and exit 2, without a traceback."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -78,7 +79,7 @@ def _sample_parser(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--prompt", action="append", help="repeat for several prompts")
     which.add_argument("--prompts", metavar="FILE", help="one prompt per line (# comments skipped)")
     s.add_argument("-n", type=_int(1), default=4, help="images (videos) per prompt")
-    s.add_argument("--out", help="output PNG grid (default: RUN/samples/sample.png)")
+    s.add_argument("--out", help="output PNG grid (default: sample-<run or config>.png here, numbered rather than overwritten)")
     s.add_argument("--out-dir", metavar="DIR", help="instead of a grid: one PNG per image and samples.jsonl (prompt, seed, "
                    "steps, source, and rewards with --reward); the same command again samples only what is missing")
     s.add_argument("--seed", type=int, default=0)
@@ -169,16 +170,16 @@ def _search_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=_int(1), metavar="NFE", help="with --search: network evaluations per image, one per sample per "
                    "step (search.budget; default four samples' worth)")
     p.add_argument("--reward", metavar="NAME", help="with --search: the searched reward (search.reward; default: reward.weights); "
-                   "with --out-dir: each image's scores in samples.jsonl")
+                   "flowrl sample without --search: each image's score (in its grid caption, or samples.jsonl with --out-dir)")
 
 
 def _search_overrides(args) -> list[str]:
     """--search, --budget and --reward as config overrides (they win over the positional ones)."""
     if args.search is None:
-        scores_samples = args.reward is not None and getattr(args, "out_dir", None)  # `sample --out-dir --reward`
+        scores_samples = hasattr(args, "out_dir")  # `flowrl sample --reward`: each image's scores (eval's --reward is a search's)
         if args.budget is not None or (args.reward is not None and not scores_samples):
             raise UserError("--budget and --reward set up a search; add --search bon|smc|dts|dts_star"
-                            + (" (or --out-dir DIR, where --reward scores each image)" if hasattr(args, "out_dir") else ""))
+                            + (" (without --search, --reward scores each image)" if hasattr(args, "out_dir") else ""))
         return []
     out = [f"search.method={args.search}"]
     if args.budget is not None:
@@ -359,14 +360,20 @@ def cmd_sample(args) -> int:
     search = _search_overrides(args)
     if args.out_dir:
         return _sample_to_dir(args, prompts_in, search)
-    default_out = (Path(args.run) / "samples" if args.run else Path("samples")) / (f"search-{args.search}.png" if search else "sample.png")
-    out = _writable_file(Path(args.out) if args.out else default_out, "--out")
+    out = _writable_file(Path(args.out) if args.out else _unused_file(_default_sample_name(args)), "--out")
     cfg, policy, what, source = _policy_for(args, list(args.overrides) + search)
     prompts = [p for p in prompts_in for _ in range(args.n)]
     seeds = [args.seed + j % args.n for j in range(len(prompts))]
+    columns = args.n if args.n > 1 else math.ceil(math.sqrt(len(prompts)))  # a row per prompt, or one square-ish grid
     if not search:
         images = _ode_images(cfg, policy, prompts, seeds, args.steps)
-        save_grid(images, out, columns=args.n, captions=prompts)
+        captions = prompts
+        if args.reward is not None:  # each image labelled with its score
+            from rewards import MultiReward
+
+            reward = MultiReward.single(args.reward, cfg.reward)
+            captions = [f"{p} ({args.reward}={r:.3f})" for p, r in zip(prompts, (reward(images, prompts) @ reward.channel_weights).tolist())]
+        save_grid(images, out, columns=columns, captions=captions)
         print(f"wrote {out} ({len(prompts)} images from {source})")
         return 0
     if args.steps is not None:
@@ -376,13 +383,28 @@ def cmd_sample(args) -> int:
 
     result, problem = search_policy(cfg, policy, prompts, seeds, progress=True)
     images = problem.images(result.latents[-1])
-    save_grid(images, out, columns=args.n, captions=[f"{p} (r={r:.3f})" for p, r in zip(prompts, result.rewards[-1].tolist())])
+    save_grid(images, out, columns=columns, captions=[f"{p} (r={r:.3f})" for p, r in zip(prompts, result.rewards[-1].tolist())])
     report = write_search_report(out.with_suffix(".json"), cfg, result, prompts, seeds, what)
     t = report["total"]
     print(f"wrote {out} and {out.with_suffix('.json').name}: {len(prompts)} images from {source} by {cfg.search.method}, "
           f"mean searched reward {report['mean_reward']:.4f}; spent {t['nfe']} network evaluations, {t['decodes']} decodes, "
           f"{t['reward_calls']} reward calls in {result.seconds[-1]:.1f} s")
     return 0
+
+
+def _default_sample_name(args) -> Path:
+    """sample-<run or config>[-search-<method>].png in the current directory."""
+    source = Path(args.run).resolve().name if args.run else Path(args.config).stem
+    return Path(f"sample-{source}" + (f"-search-{args.search}" if args.search else "") + ".png")
+
+
+def _unused_file(path: Path) -> Path:
+    """`path`, or with -2, -3, ... before its suffix: the first name no file has (never overwrites)."""
+    candidate, k = path, 1
+    while candidate.exists():
+        k += 1
+        candidate = path.with_name(f"{path.stem}-{k}{path.suffix}")
+    return candidate
 
 
 def _sample_to_dir(args, prompts: list[str], search: list[str]) -> int:

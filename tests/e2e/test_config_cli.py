@@ -41,7 +41,7 @@ BAD = [
     (["model.height=60"], "model.height"),
     (["run.distributed=zero3"], "run.distributed"),
     (["run.distributed=fsdp2", "objective.kind=nft", "trainer.kl_beta=0"], "run.distributed"),
-    (["objective.kind=dpo"], "objective.kind"),
+    (["objective.kind=kto"], "objective.kind"),
     (["sampling.sampler=ode"], "sampling.sampler"),  # grpo needs log-probs
     (["objective.kind=nft", "trainer.kl_beta=0", "objective.nft.old_policy=current", "trainer.inner_epochs=2"], "trainer.inner_epochs"),
     (["objective.kind=nft", "trainer.kl_beta=0", "objective.nft.timesteps=-1"], "objective.nft.timesteps"),

@@ -51,8 +51,20 @@ def test_out_dir_writes_each_image_with_its_row_and_a_second_call_samples_only_w
     assert np.abs(again - before.astype(int)).max() <= 1  # sampled alone now, in a batch of 6 before
     assert main(argv) == 0 and "wrote 0 images" in capsys.readouterr().out
 
-    # another request is refused, not mixed in; --reward without --out-dir or --search is a mistake
+    # another request is refused, not mixed in; --budget without --search is a mistake
     assert main([*argv[:-4], "--seed", "6", "--out-dir", str(out)]) == 2
     assert "holds samples of another request (image 0: its seed differs)" in capsys.readouterr().err
-    assert main(["sample", "--config", "default", "--prompt", "x", "--reward", "shapes"]) == 2
-    assert "or --out-dir DIR" in capsys.readouterr().err
+    assert main(["sample", "--config", "default", "--prompt", "x", "--budget", "8"]) == 2
+    assert "add --search" in capsys.readouterr().err
+
+
+def test_a_grid_is_named_after_its_source_never_overwritten_square_ish_and_scored(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    argv = ["sample", "--config", "default", "--steps", "2", "-n", "1", *[a for p in ("a red circle", "two blue squares",
+            "a green triangle", "a yellow square", "a purple circle") for a in ("--prompt", p)]]
+    assert main([*argv, "--reward", "shapes"]) == 0
+    assert main(argv) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["sample-default-2.png", "sample-default.png"]
+    grid = Image.open(tmp_path / "sample-default.png")
+    assert grid.size[0] < 2 * grid.size[1]  # 5 images in 3 columns and 2 rows, not a strip of 5
+    assert "sample-default.png (5 images" in capsys.readouterr().out
