@@ -5,6 +5,7 @@
     python scripts/plan_memory.py stabilityai/stable-diffusion-3.5-medium --lora-rank 32 --height 512 --width 512
     python scripts/plan_memory.py Wan-AI/Wan2.1-T2V-1.3B-Diffusers --lora-rank 64 --height 256 --width 256 --frames 5
     python scripts/plan_memory.py black-forest-labs/FLUX.1-dev --full --optimizer adamw8bit --gradient-checkpointing
+    python scripts/plan_memory.py black-forest-labs/FLUX.1-dev --lora-rank 32 --quantize nf4 --quantize-text-encoders nf4
 
 MODEL is one of the known ids (their configs ship with flowrl) or a diffusers pipeline directory
 or hub id (only its config files are read). docs/distributed.md states the assumptions.
@@ -16,6 +17,7 @@ import argparse
 import sys
 
 from flowrl.errors import UserError
+from flowrl.models.quantize import QUANTIZE_MODES
 from flowrl.runtime.optimizers import OPTIMIZERS
 from flowrl.train.memory_plan import KNOWN_MODELS, Launch, format_plan, load_model, plan, plan_json
 
@@ -40,6 +42,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--no-ema", action="store_true")
     ap.add_argument("--no-kl", action="store_true", help="full fine-tuning without a KL term: no reference copy")
     ap.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw", help="trainer.optimizer")
+    ap.add_argument("--quantize", choices=QUANTIZE_MODES, default="none", help="model.quantize: the frozen transformer (LoRA)")
+    ap.add_argument("--quantize-text-encoders", choices=QUANTIZE_MODES, default="none", help="model.quantize_text_encoders")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     return ap.parse_args(argv)
 
@@ -53,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         launch = Launch(gpus_per_node=a.gpus, nodes=a.nodes, distributed=a.distributed, lora_rank=0 if a.full else a.lora_rank,
                         lora_targets=a.lora_targets, dtype=a.dtype, batch=a.batch, height=a.height, width=a.width, frames=a.frames,
                         gradient_checkpointing=a.gradient_checkpointing, ema=not a.no_ema, kl=not a.no_kl,
-                        max_sequence_length=a.max_sequence_length, optimizer=a.optimizer)
+                        max_sequence_length=a.max_sequence_length, optimizer=a.optimizer,
+                        quantize=a.quantize, quantize_text_encoders=a.quantize_text_encoders)
         model = load_model(a.model)
         rows = plan(model, launch)
     except UserError as exc:

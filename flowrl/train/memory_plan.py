@@ -3,19 +3,22 @@ docs/distributed.md).
 
 The networks are built on the meta device from their configs (no weights are read), so the
 parameter counts are exact; what they cost follows from the launch: which weights are trained,
-in what precision they are kept, and over how many GPUs `run.distributed fsdp2` shards them.
-Activations are an estimate, with the assumptions written beside the formula.
+in what precision they are kept (model.quantize: bitsandbytes' 4 or 8 bits for the Linear weights),
+and over how many GPUs `run.distributed fsdp2` shards them. Activations are an estimate, with the
+assumptions written beside the formula.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from flowrl.errors import UserError
+from flowrl.errors import UserError, check_choice
 from flowrl.models import FAMILIES, pipeline_kinds
+from flowrl.models.quantize import NF4_BLOCK, QUANTIZE_MODES
 from flowrl.runtime.optimizers import BLOCK_SIZE, MIN_8BIT_SIZE, check_optimizer, optimizer_state_bytes
 
 GIB = 1024**3
@@ -58,6 +61,8 @@ class Launch:
     ema: bool = True
     kl: bool = True  # full fine-tuning keeps a frozen reference copy for the KL
     optimizer: str = "adamw"  # trainer.optimizer: adamw | adamw8bit | paged_adamw8bit
+    quantize: str = "none"  # model.quantize: the frozen transformer's Linear weights in nf4 | int8 (LoRA, ddp)
+    quantize_text_encoders: str = "none"  # model.quantize_text_encoders: none | nf4 | int8
     # T5 tokens per prompt (model.max_sequence_length); 0: the pipeline's own default (SD3 256, FLUX 512).
     # SD3 adds CLIP's 77 in front
     max_sequence_length: int = 0
@@ -73,7 +78,8 @@ class Launch:
                    lora_rank=cfg.lora.rank if cfg.lora.enabled else 0, lora_targets=list(cfg.lora.target_modules),
                    dtype=cfg.model.dtype, batch=cfg.sampling.batch_size, height=cfg.model.height, width=cfg.model.width,
                    frames=cfg.model.num_frames, gradient_checkpointing=cfg.model.gradient_checkpointing, ema=cfg.trainer.ema,
-                   kl=cfg.trainer.kl_beta > 0, max_sequence_length=cfg.model.max_sequence_length, optimizer=cfg.trainer.optimizer)
+                   kl=cfg.trainer.kl_beta > 0, max_sequence_length=cfg.model.max_sequence_length, optimizer=cfg.trainer.optimizer,
+                   quantize=cfg.model.quantize, quantize_text_encoders=cfg.model.quantize_text_encoders)
 
 
 @dataclass
@@ -82,6 +88,7 @@ class Model:
     kind: str  # model.kind
     transformer: torch.nn.Module  # on the meta device
     frozen_params: int  # text encoders and VAE
+    text_encoders: list[torch.nn.Module] = field(default_factory=list)  # on the meta device (model.quantize_text_encoders)
 
     @property
     def family(self):
@@ -129,11 +136,11 @@ def load_model(name: str) -> Model:
         spec = known[name]
         cls_name, kwargs = spec["transformer"]
         transformer = on_meta(lambda: getattr(diffusers, cls_name)(**kwargs))
-        frozen = sum(count(on_meta(lambda c=c, e=e: getattr(transformers, c)(getattr(transformers, e[0])(**e[1]))))
-                     for c, e in spec["text_encoders"])
+        encoders = [on_meta(lambda c=c, e=e: getattr(transformers, c)(getattr(transformers, e[0])(**e[1])))
+                    for c, e in spec["text_encoders"]]
         vae_class, vae_kwargs = spec["vae"]
-        frozen += count(on_meta(lambda: getattr(diffusers, vae_class)(**vae_kwargs)))
-        return Model(name, spec["kind"], transformer, frozen)
+        frozen = sum(map(count, encoders)) + count(on_meta(lambda: getattr(diffusers, vae_class)(**vae_kwargs)))
+        return Model(name, spec["kind"], transformer, frozen, encoders)
     try:
         index = diffusers.DiffusionPipeline.load_config(name)
     except Exception as exc:
@@ -143,7 +150,7 @@ def load_model(name: str) -> Model:
     kind = kinds.get(index.get("_class_name"))
     if kind is None:
         raise UserError(f"model '{name}' holds a {index.get('_class_name')}; the planner knows {' and '.join(kinds)}")
-    transformer, frozen = None, 0
+    transformer, frozen, encoders = None, 0, []
     for component, entry in index.items():
         library = {"diffusers": diffusers, "transformers": transformers}.get(entry[0]) if isinstance(entry, list) else None
         cls = getattr(library, entry[1], None) if library else None
@@ -159,9 +166,76 @@ def load_model(name: str) -> Model:
             transformer = module
         else:
             frozen += count(module)
+            encoders += [module] if component.startswith("text_encoder") else []
     if transformer is None:
         raise UserError(f"model '{name}' has no transformer component")
-    return Model(str(name), kind, transformer, frozen)
+    return Model(str(name), kind, transformer, frozen, encoders)
+
+
+def quantized_linears(module: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The Linear layers bitsandbytes quantises when diffusers or transformers load `module` quantised:
+    all but those its class keeps in full precision (`_keep_in_fp32_modules`, matched as each library
+    matches them) and, in a transformers model, what its quantizer keeps by default (the output
+    embedding, tied weights, the last layer: CLIP's text projection)."""
+    import transformers
+
+    skip = list(getattr(module, "_keep_in_fp32_modules", None) or [])
+    if isinstance(module, transformers.PreTrainedModel):
+        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        skip += get_keys_to_not_convert(module)
+        kept = lambda name: not should_convert_module(name, skip)  # noqa: E731
+    else:  # diffusers' replace_with_bnb_linear
+        kept = lambda name: any(k + "." in name or k == name for k in skip)  # noqa: E731
+    return [m for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) and not kept(n)]
+
+
+def weight_bytes(module: torch.nn.Module, mode: str, low: int) -> float:
+    """Bytes of `module`'s parameters in model.dtype (`low` bytes each), its Linear weights quantised
+    under `mode` (QUANTIZE_MODES): nf4 half a byte per weight and an fp32 absmax per block of
+    NF4_BLOCK (double quantisation off), int8 a byte per weight and an fp32 scale per output row."""
+    total = low * count(module)
+    if mode == "none":
+        return total
+    for layer in quantized_linears(module):
+        n = layer.weight.numel()
+        packed = math.ceil(n / 2) + 4 * math.ceil(n / NF4_BLOCK) if mode == "nf4" else n + 4 * layer.out_features
+        total += packed - low * n
+    return total
+
+
+def quantized_how(modules: list[torch.nn.Module], mode: str, low: int) -> str:
+    """How `weight_bytes` counted `modules`, for the plan's table."""
+    quantized = sum(layer.weight.numel() for m in modules for layer in quantized_linears(m))
+    rest = sum(map(count, modules)) - quantized
+    per = f"(0.5 B + 4 B per {NF4_BLOCK})" if mode == "nf4" else "(1 B + 4 B per row)"
+    return f"{quantized / 1e9:.2f}B Linear weights x {per} {mode} + {rest / 1e6:.0f}M others x {low} B"
+
+
+def check_quantized_launch(launch: Launch) -> None:
+    """model.quantize's rules (flowrl/config.py): a quantised base trains a LoRA, under ddp."""
+    check_choice("quantize", launch.quantize, QUANTIZE_MODES)
+    check_choice("quantize_text_encoders", launch.quantize_text_encoders, QUANTIZE_MODES)
+    if launch.quantize != "none" and (launch.lora_rank == 0 or launch.distributed == "fsdp2"):
+        raise UserError(f"quantize {launch.quantize} plans a LoRA over the quantised base under ddp, as model.quantize trains; "
+                        f"got {'full fine-tuning' if launch.lora_rank == 0 else 'fsdp2'}")
+
+
+def frozen_rows(model: Model, launch: Launch, low: int, n: int, shard: str) -> tuple[tuple[str, float, str], ...]:
+    """The frozen transformer under LoRA (over `n` shards) and the text encoders and VAE, each in
+    model.dtype or with its Linear weights quantised (model.quantize, model.quantize_text_encoders: ddp only)."""
+    base, q = count(model.transformer), launch.quantize
+    transformer = ("weights (frozen base)", weight_bytes(model.transformer, q, low) / n,
+                   f"{base / 1e9:.2f}B x {low} B {shard}" if q == "none" else quantized_how([model.transformer], q, low))
+    q, encoders = launch.quantize_text_encoders, model.text_encoders
+    frozen = low * model.frozen_params
+    how = f"{model.frozen_params / 1e9:.2f}B x {low} B, not sharded"
+    if q != "none" and encoders:
+        frozen += sum(weight_bytes(e, q, low) - low * count(e) for e in encoders)
+        others = model.frozen_params - sum(map(count, encoders))
+        how = f"text encoders {quantized_how(encoders, q, low)}; VAE {others / 1e9:.2f}B x {low} B, not sharded"
+    return transformer, ("text encoders and VAE", frozen, how)
 
 
 def lora_shapes(transformer: torch.nn.Module, rank: int, targets: list[str]) -> dict[str, tuple[int, int]]:
@@ -206,16 +280,18 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     if launch.distributed not in ("ddp", "fsdp2"):
         raise UserError(f"distributed must be ddp or fsdp2; got '{launch.distributed}'")
     check_optimizer(launch.optimizer, launch.distributed)
+    check_quantized_launch(launch)
     n = launch.gpus if launch.distributed == "fsdp2" else 1  # the shard count
     base, low = count(model.transformer), BYTES[launch.dtype]
     full = launch.lora_rank == 0
     trained = base if full else lora_params(model.transformer, launch.lora_rank, launch.lora_targets)
     shard = f"/ {n} GPUs" if n > 1 else "whole on every GPU"
     rows = []
+    frozen_base, frozen_components = frozen_rows(model, launch, low, n, shard)
     if full:
         rows.append(("weights (fp32 master)", 4 * base / n, f"{base / 1e9:.2f}B x 4 B {shard}"))
     else:
-        rows.append(("weights (frozen base)", low * base / n, f"{base / 1e9:.2f}B x {low} B {shard}"))
+        rows.append(frozen_base)
         rows.append(("weights (LoRA, fp32)", 4 * trained / n, f"{trained / 1e6:.1f}M x 4 B {shard}"))
     rows.append(("gradients (fp32)", 4 * trained / n, f"{trained / 1e9:.3f}B x 4 B {shard}"))
     rows.append(optimizer_row(launch.optimizer, trained_numels(model.transformer, launch), n, shard))
@@ -223,7 +299,7 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     ref = full and launch.kl
     rows.append(("reference copy", low * base / n if ref else 0.0,
                  f"frozen {launch.dtype} copy {shard}" if ref else ("LoRA: the adapter disabled, no copy" if not full else "no KL")))
-    rows.append(("text encoders and VAE", low * model.frozen_params, f"{model.frozen_params / 1e9:.2f}B x {low} B, not sharded"))
+    rows.append(frozen_components)
 
     blocks = model.blocks()
     unit = max(count(b) for b in blocks)

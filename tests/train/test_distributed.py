@@ -263,10 +263,43 @@ def test_plan_memory_script_prints_the_table_and_refuses_bad_launches(capsys):
     assert "11.90B x 4 B / 16 GPUs" in capsys.readouterr().out
     assert script.main(["black-forest-labs/FLUX.1-dev", "--full", "--optimizer", "adamw8bit"]) == 0
     assert "optimizer (adamw8bit, 2 8-bit moments)    22.52" in capsys.readouterr().out  # AdamW's 88.67 GiB / 3.94
+    assert script.main(["stabilityai/stable-diffusion-3.5-medium", "--lora-rank", "32", "--quantize", "nf4",
+                        "--quantize-text-encoders", "nf4"]) == 0
+    out = capsys.readouterr().out
+    assert "2.24B Linear weights x (0.5 B + 4 B per 64) nf4" in out and "text encoders 4.34B Linear weights" in out
     assert script.main(["stabilityai/stable-diffusion-3.5-medium", "--gpus", "0"]) == 2
     assert capsys.readouterr().err.strip() == "plan_memory: --gpus must be at least 1; got 0"
     assert script.main(["no/such-model-here"]) == 2
     assert "neither a known model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["nf4", "int8"])
+def test_memory_plan_counts_quantised_weights_as_bitsandbytes_holds_them(tiny_sd3_dir, mode):
+    pytest.importorskip("bitsandbytes")
+    from flowrl.models import load_policy
+    from flowrl.schema import ModelConfig
+    from flowrl.train.memory_plan import GIB, Launch, load_model, plan, weight_bytes
+
+    def held(module):  # the bytes of its parameters as loaded, with each quantised layer's absmax or row scales
+        scales = [getattr(m.weight, "quant_state", None) for m in module.modules() if hasattr(m, "weight")]
+        absmax = sum(s.absmax.nbytes for s in scales if s is not None)
+        rows = sum(m.weight.SCB.nbytes for m in module.modules() if getattr(getattr(m, "weight", None), "SCB", None) is not None)
+        return sum(p.nbytes for p in module.parameters()) + absmax + rows
+
+    loaded = load_policy(ModelConfig(path=tiny_sd3_dir, quantize=mode, quantize_text_encoders=mode), device="cpu")
+    model = load_model(tiny_sd3_dir)  # the meta-device networks the plan counts
+    assert weight_bytes(model.transformer, mode, 4) == held(loaded.transformer)
+    names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    assert [weight_bytes(e, mode, 4) for e in model.text_encoders] == [held(getattr(loaded.pipe, n)) for n in names]
+
+    plain, quantised = ({w: g for w, g, _ in plan(model, Launch(lora_rank=4, dtype="fp32", quantize=q, quantize_text_encoders=q))}
+                        for q in ("none", mode))
+    assert quantised["weights (frozen base)"] == pytest.approx(weight_bytes(model.transformer, mode, 4) / GIB)
+    assert quantised["weights (frozen base)"] < plain["weights (frozen base)"] / (3 if mode == "nf4" else 2)
+    assert quantised["text encoders and VAE"] < plain["text encoders and VAE"]
+    for launch in (Launch(lora_rank=0, quantize=mode), Launch(lora_rank=4, distributed="fsdp2", gpus_per_node=2, quantize=mode)):
+        with pytest.raises(UserError, match=f"quantize {mode} plans a LoRA over the quantised base under ddp"):
+            plan(model, launch)
 
 
 def test_memory_plan_knows_qwen_image(tiny_qwen_image_dir):
