@@ -219,15 +219,17 @@ class RunManager:
     def closing_line(self) -> str:
         """What `flowrl train` ends with (rank 0, which holds the metrics file): the mean training
         reward of the run's first and last tenth of iterations, resumed parts included. Single
-        iterations draw different prompts, so first-against-last single rows read as noise."""
+        iterations draw different prompts, so first-against-last single rows read as noise. It ends
+        with the command that evaluates the run."""
         rows = [r for r in self.run.read_metrics() if "reward_mean" in r]
+        evaluate = f"; evaluate it: flowrl eval --run {self.run.path}"
         if not rows:
-            return f"{self.iteration} iterations; run: {self.run.path}"
+            return f"{self.iteration} iterations; run: {self.run.path}{evaluate}"
         tenth = max(1, len(rows) // 10)
         first, last = (sum(r["reward_mean"] for r in part) / tenth for part in (rows[:tenth], rows[-tenth:]))
         what = "iteration" if tenth == 1 else f"{tenth} iterations"
         return (f"mean training reward {first:.4g} over the first {what}, {last:.4g} over the last {what} "
-                f"({len(rows)} iterations); run: {self.run.path}")
+                f"({len(rows)} iterations); run: {self.run.path}{evaluate}")
 
     # ---- learning rate and optimizer steps ---------------------------------------------
     def schedule_position(self) -> tuple[float, int]:

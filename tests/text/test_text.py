@@ -231,7 +231,8 @@ def test_text_default_trains_resumes_exactly_and_evaluates_per_bucket(tmp_path, 
     # the closing lines: the whole run's first and last tenth (the resumed part included), then the held-out score
     closing, held_out = capsys.readouterr().out.strip().splitlines()[-2:]
     assert closing == (f"mean training reward {rows[0]['reward_mean']:.4g} over the first iteration, "
-                       f"{rows[-1]['reward_mean']:.4g} over the last iteration (4 iterations); run: {stopped}")
+                       f"{rows[-1]['reward_mean']:.4g} over the last iteration (4 iterations); run: {stopped}; "
+                       f"evaluate it: flowrl eval --run {stopped}")
     assert held_out.startswith("held-out test (500 prompts, greedy): exact_match ")
     assert main(["train", "configs/text_add.yaml", "--resume", str(stopped)]) == 2  # never a second config silently ignored
     assert "--resume takes its config from the run directory" in capsys.readouterr().err

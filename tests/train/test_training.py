@@ -252,11 +252,11 @@ def test_the_closing_line_averages_the_first_and_last_tenth_of_the_run(tmp_path)
 
     manager = RunManager.__new__(RunManager)
     manager.run, manager.iteration = RunDir(tmp_path), 0
-    assert manager.closing_line() == f"0 iterations; run: {tmp_path}"
+    assert manager.closing_line() == f"0 iterations; run: {tmp_path}; evaluate it: flowrl eval --run {tmp_path}"
     for i in range(25):
         manager.run.append_metrics({"iteration": i, "reward_mean": float(i)})
     assert manager.closing_line() == ("mean training reward 0.5 over the first 2 iterations, 23.5 over the last 2 iterations "
-                                      f"(25 iterations); run: {tmp_path}")
+                                      f"(25 iterations); run: {tmp_path}; evaluate it: flowrl eval --run {tmp_path}")
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
