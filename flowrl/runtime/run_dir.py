@@ -64,8 +64,10 @@ class RunDir:
         return rows
 
     def plot_reward_curve(self, rows: list[dict], out: Path | None = None) -> Path | None:
-        """reward_curve.png (or `out`): the mean reward per iteration, every channel, with the
-        shapes reward the training strict accuracy per category, and where the rollouts went per
+        """reward_curve.png (or `out`): the mean reward per iteration, every channel (each raw faint
+        under its trailing mean, held-out evaluations as points where the rows hold heldout/ keys,
+        points for a run of under 10 iterations), with the shapes reward the training strict
+        accuracy per category, and where the rollouts went per
         kind of prompt (share of the rollouts and zero-variance groups) when the rows say. None
         for a run without online rewards."""
         if not rows or "reward_mean" not in rows[0]:
@@ -81,10 +83,18 @@ class RunDir:
         panels = 1 + bool(categories) + bool(buckets)
         fig, axes = plt.subplots(panels, 1, figsize=(6, 3.5 * panels), dpi=100, squeeze=False)
         window = max(1, min(20, len(rows) // 5))  # a few prompts per kind per iteration: smooth over a trailing window
+        marker = "o" if len(rows) < 10 else None  # a short run: its few points visible as points
         ax = axes[0, 0]
-        ax.plot(its, [r["reward_mean"] for r in rows], label="reward (weighted sum)")
-        for key in sorted(k for k in rows[-1] if k.startswith("reward/")):
-            ax.plot(its, [r.get(key, float("nan")) for r in rows], alpha=0.6, label=key)
+        series = [("reward_mean", "reward (weighted sum)")] + [(k, k) for k in sorted(k for k in rows[-1] if k.startswith("reward/"))]
+        for i, (key, label) in enumerate(series):  # the raw iterations faint, their trailing mean drawn over them
+            raw = [r.get(key) for r in rows]
+            ax.plot(its, [float("nan") if v is None else v for v in raw], color=f"C{i}", alpha=0.25, lw=0.8, marker=marker, ms=3)
+            smoothed = f"{label}, mean of {window} iterations" if window > 1 else label
+            ax.plot(its, trailing_mean(raw, window), color=f"C{i}", label=smoothed, marker=marker, ms=3)
+        held_out = sorted({k for r in rows for k in r if k.startswith("heldout/")})  # evaluations the run made, where it made them
+        for i, key in enumerate(held_out):
+            points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+            ax.plot(*zip(*points), ls="none", marker="D", ms=5, color=f"C{len(series) + i}", label=f"{key} (held-out)")
         ax.set_xlabel("iteration")
         ax.set_ylabel("mean reward")
         ax.grid(alpha=0.3)
