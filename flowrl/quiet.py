@@ -15,6 +15,8 @@ KNOWN_MESSAGES = {
     "diffusers.quantizers.torchao.torchao_quantizer": ("Unable to import `torchao` Tensor objects",),
     # CLIP's image processor falls back to its PIL version without torchvision: the same images, fine for rewards
     "transformers.utils.import_utils": ("requires torchvision (not installed); falling back to",),
+    # bitsandbytes (the memory extra) on a CPU without the optional `kernels` package: its slower 4-bit path still works
+    "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
     # saving a pipeline whose model has no VAE or T5 (the shapes model): those components are saved as null, as intended
     "diffusers.pipelines.pipeline_utils": ("of type <class 'NoneType'> cannot be saved",),
 }
