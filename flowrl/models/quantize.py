@@ -58,6 +58,8 @@ def quantized_components(path: str, cfg: ModelConfig, dtype: torch.dtype, device
     index = diffusers.DiffusionPipeline.load_config(path)
     modes = {name: cfg.quantize_text_encoders for name in index if name.startswith("text_encoder")}
     modes["transformer"] = cfg.quantize
+    # an indexed CUDA device: accelerate compares a quantised model's device map with its own device
+    target = f"cuda:{torch.cuda.current_device()}" if device.type == "cuda" and device.index is None else str(device)
     out = {}
     for name, mode in modes.items():
         entry = index.get(name)
@@ -65,12 +67,13 @@ def quantized_components(path: str, cfg: ModelConfig, dtype: torch.dtype, device
             continue
         library = libraries.get(entry[0])
         if library is None:
-            raise UserError(f"model.quantize: the pipeline's {name} is a {entry[0]} {entry[1]}, which flowrl quantises only "
-                            f"from diffusers or transformers; set it to none")
+            key = "model.quantize" if name == "transformer" else "model.quantize_text_encoders"
+            raise UserError(f"{key} {mode}: the pipeline's {name} is a {entry[0]} {entry[1]}, which flowrl quantises only "
+                            f"from diffusers or transformers; set {key}: none")
         with _diffusers_bitsandbytes_on_cpu(device):
             module = getattr(library, entry[1]).from_pretrained(
                 path, subfolder=name, dtype=dtype, quantization_config=bitsandbytes_config(mode, dtype, library),
-                device_map={"": str(device)})
+                device_map={"": target})
         out[name] = _one_kernel_per_layer(module)
     if "int8" in modes.values():
         # bitsandbytes logs a warning at every int8 matmul whose input is not fp16 (it casts it, by design)
