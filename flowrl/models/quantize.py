@@ -92,14 +92,17 @@ def _diffusers_bitsandbytes_on_cpu(device: torch.device):
     from diffusers.quantizers.bitsandbytes import bnb_quantizer
 
     classes = (bnb_quantizer.BnB4BitDiffusersQuantizer, bnb_quantizer.BnB8BitDiffusersQuantizer)
-    saved = [vars(c)["validate_environment"] for c in classes]
+    saved = [vars(c).get("validate_environment") for c in classes]  # None: inherited (a later diffusers)
     for c in classes:
         c.validate_environment = lambda self, *args, **kwargs: None
     try:
         yield
     finally:
         for c, check in zip(classes, saved):
-            c.validate_environment = check
+            if check is None:
+                del c.validate_environment
+            else:
+                c.validate_environment = check
 
 
 def _one_kernel_per_layer(module: torch.nn.Module) -> torch.nn.Module:

@@ -76,6 +76,11 @@ def test_only_the_lora_trains_over_the_nf4_base(tiny_sd3_dir):
     assert sum(p.numel() for p in trainable.values()) == sum(t.numel() for t in lora.values()) > 0
     assert all("lora_" in n and p.dtype == torch.float32 for n, p in trainable.items())
     assert not any(p.requires_grad for n, p in policy.transformer.named_parameters() if "lora_" not in n)
+    if not torch.cuda.is_available():  # the CPU load lifted diffusers' GPU check for itself only
+        from diffusers.quantizers.bitsandbytes import bnb_quantizer
+
+        with pytest.raises(RuntimeError, match="No GPU found"):
+            bnb_quantizer.BnB4BitDiffusersQuantizer.validate_environment(None)
 
 
 @pytest.mark.parametrize("overrides,says", [
