@@ -42,6 +42,16 @@ def _int(low: int, high: int | None = None):
     return parse
 
 
+def _checkpoint_arg(text: str) -> int | str:
+    """An argparse type for --checkpoint: an iteration (>= 0) or best (the monitor's best by gold reward)."""
+    from flowrl.runtime.checkpoint import parse_checkpoint_arg
+
+    try:
+        return parse_checkpoint_arg(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an iteration (an integer >= 0) or best; got '{text}'") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="flowrl", description="RL alignment of rectified-flow text-to-image models")
     p.add_argument("--version", action="version", version=f"flowrl {_version()}")
@@ -84,7 +94,8 @@ def _sample_parser(sub: argparse._SubParsersAction) -> None:
                    "steps, source, and rewards with --reward); the same command again samples only what is missing")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--steps", type=_int(1), help="ODE steps (default: sampling.eval_num_steps)")
-    s.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="the checkpoint of this iteration (default: the latest)")
+    s.add_argument("--checkpoint", type=_checkpoint_arg, metavar="ITER|best",
+                   help="the checkpoint of this iteration, or best (the best by monitor.gold; default: the latest)")
     _search_arguments(s)
     s.add_argument("overrides", nargs="*", help="dot-list overrides of the config (search.lam=20 ...)")
 
@@ -95,7 +106,8 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     src = e.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", metavar="DIR", help="a run directory (its latest checkpoint)")
     src.add_argument("--config", help="a config or preset: evaluate its base model")
-    e.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="with --run: the checkpoint of this iteration (default: the latest)")
+    e.add_argument("--checkpoint", type=_checkpoint_arg, metavar="ITER|best",
+                   help="with --run: the checkpoint of this iteration, or best (the best by monitor.gold; default: the latest)")
     e.add_argument("--prompts", metavar="FILE", help="one prompt per line, or builtin:shapes-heldout "
                    "(the default when the reward is shapes: a GenEval-style per-category table)")
     e.add_argument("-n", type=_int(1), default=1, help="images (videos) per prompt")
@@ -116,7 +128,8 @@ def _offline_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. data.group_size=6")
     b.add_argument("-o", "--out", required=True, metavar="DIR", help="the store directory (run again to finish a partial one)")
     b.add_argument("--run", metavar="DIR", help="sample with this run's checkpoint instead of the base model")
-    b.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="with --run: the checkpoint of this iteration (default: the latest)")
+    b.add_argument("--checkpoint", type=_checkpoint_arg, metavar="ITER|best",
+                   help="with --run: the checkpoint of this iteration, or best (the best by monitor.gold; default: the latest)")
     b.add_argument("--num-prompts", type=_int(1), metavar="N", help="N prompts drawn from the prompt set (default: all of it)")
     b.add_argument("--shard-groups", type=_int(1), default=32, metavar="G", help="groups per shard file (default 32)")
 
@@ -126,7 +139,8 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
     x = sub.add_parser("export", help="a run's checkpoint for plain diffusers: its LoRA (load_lora_weights), or with --merge "
                        "a standalone pipeline directory with the weights fused into the transformer")
     x.add_argument("--run", required=True, metavar="DIR", help="a run directory (its latest checkpoint; EMA weights when present)")
-    x.add_argument("--checkpoint", type=_int(0), metavar="ITER", help="the checkpoint of this iteration (default: the latest)")
+    x.add_argument("--checkpoint", type=_checkpoint_arg, metavar="ITER|best",
+                   help="the checkpoint of this iteration, or best (the best by monitor.gold; default: the latest)")
     x.add_argument("--merge", action="store_true", help="write the whole pipeline, the LoRA fused in (`<Pipeline>.from_pretrained(DIR)`)")
     x.add_argument("-o", "--out", required=True, metavar="DIR", help="a new or empty directory")
 
@@ -272,26 +286,18 @@ def _train_images(cfg, run_dir: Path, resume: bool) -> int:
     return 0
 
 
-def _load_run_policy(run: Path, overrides=(), iteration: int | None = None):
+def _load_run_policy(run: Path, overrides=(), iteration: int | str | None = None):
+    """The policy of a run's checkpoint: the latest, `best` (the monitor's best by gold reward) or an iteration's."""
     from flowrl.config import load_config
     from flowrl.models import load_policy
-    from flowrl.runtime.checkpoint import checkpoint_iterations, checkpoint_name, latest_checkpoint
+    from flowrl.runtime.checkpoint import find_checkpoint
     from flowrl.runtime.run_dir import CONFIG_FILE, RunDir
 
     if not (run / CONFIG_FILE).is_file():
         raise UserError(f"--run '{run}' is not a run directory (no {CONFIG_FILE})")
     cfg = load_config(run / CONFIG_FILE, list(overrides))
+    ckpt = find_checkpoint(RunDir(run).checkpoints, iteration, run)
     policy = load_policy(cfg.model)
-    root = RunDir(run).checkpoints
-    if iteration is None:
-        ckpt = latest_checkpoint(root)
-        if ckpt is None:
-            raise UserError(f"--run '{run}' has no checkpoint yet")
-    else:
-        ckpt = root / checkpoint_name(iteration)
-        if not ckpt.is_dir():
-            have = ", ".join(map(str, checkpoint_iterations(root))) or "none"
-            raise UserError(f"--checkpoint {iteration}: '{run}' has no checkpoint of that iteration; it has {have}")
     if cfg.lora.enabled:
         policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
         policy.load_lora(ckpt / ("ema_lora" if (ckpt / "ema_lora").is_dir() else "lora"))

@@ -36,6 +36,7 @@ from flowrl.runtime.options import check_ranges, validate_runtime
 from flowrl.schema import Config, ObjectiveSection, RolloutSection
 from flowrl.search import SEARCH_METHODS
 from flowrl.train.experience import DATA_KINDS, FIXED_STEPS, SAMPLES
+from flowrl.train.monitor.validate import validate_monitor
 from flowrl.train.prompts import BUILTIN_PROMPT_SETS
 from flowrl.train.parts import OBJECTIVES, ROLLOUTS
 from flowrl.train.registry import check_compatible, objective_class, rollout_class
@@ -291,6 +292,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     cfg.allocator.validate(cfg.data.group_size, KEEP_ALL_KINDS)  # the image rollouts train on every sample drawn
     check_choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
     _validate_run(cfg)
+    validate_monitor(cfg, validate_paths)  # reward hacking caught while it happens (docs/monitor.md)
 
 
 def _validate_model(cfg: Config, validate_paths: bool) -> None:

@@ -1,5 +1,5 @@
 """The config's schema: one dataclass per section of a run's YAML file (model, lora, sampling,
-rollout, data, reward, advantage, allocator, selection, objective, trainer, run, search), with
+rollout, data, reward, advantage, allocator, selection, objective, trainer, run, search, monitor), with
 each field's default and, in a comment beside or above it, its meaning (what `flowrl config show`
 prints). Sections defined elsewhere: the allocator's (flowrl/allocator_config.py, shared
 with the text config), the runtime's run and trainer options that the sections here extend
@@ -188,6 +188,36 @@ class RunConfig(RunOptions):
     distributed: str = "ddp"
 
 
+@dataclass
+class MonitorConfig:
+    """Reward hacking caught while it happens (docs/monitor.md): every `every` iterations, ODE samples on
+    fixed prompts and seeds (EMA weights where the run keeps them), scored by gold rewards the run does not
+    train on and measured by image statistics against the base model's on the same prompts and seeds."""
+
+    enabled: bool = False
+    every: int = 20  # iterations between evaluations
+    prompts: list[str] = field(default_factory=list)  # held-out prompts; empty: prompt_file, else data.eval_prompts
+    prompt_file: Optional[str] = None  # one prompt per line, or builtin:shapes-heldout
+    num_prompts: int = 8  # prompts taken at an even stride through the list
+    seeds: int = 4  # fixed seeds per prompt: a group, for the diversity within it
+    # gold channels, REWARD or REWARD/CHANNEL (shapes/strict), scored on the monitor's images and never trained on
+    # there; options under reward.options.REWARD. The first is the one the `best` checkpoint follows
+    gold: list[str] = field(default_factory=list)
+    divergence_evals: int = 3  # gold_divergence: K evaluations in a row with the training reward up and a gold down
+    divergence_min_drop: float = 0.0  # by more than this
+    # stat_drift: statistic -> the largest |value - base| allowed (docs/monitor.md: the statistics' formulas)
+    drift: dict[str, float] = field(default_factory=lambda: {
+        "brightness": 0.15, "saturation": 0.2, "dark_fraction": 0.25, "bright_fraction": 0.25, "colour_entropy": 1.0,
+        "edge_density": 0.1})
+    diversity_floor: float = 0.5  # diversity_collapse: within-group diversity below this fraction of the base model's
+    # each rule's action: warn (a line, and the closing line) | stop (a checkpoint, then the run ends) | rollback (the
+    # `best` checkpoint's weights, optimizer, EMA and objective state restored; training goes on)
+    on_gold_divergence: str = "stop"
+    on_drift: str = "warn"
+    on_diversity: str = "warn"
+    max_rollbacks: int = 2  # a rule asking for one more rollback than this stops the run instead
+
+
 SEARCH_METHOD_NAMES = ("bon", "smc", "dts", "dts_star")  # flowrl.search.SEARCH_METHODS, named without importing torch
 
 
@@ -238,6 +268,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
     search: SearchConfig = field(default_factory=SearchConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.structured(self))

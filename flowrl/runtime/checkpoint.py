@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from flowrl.errors import UserError
 
 LATEST = "latest"
+BEST = "best"  # the pointer to the checkpoint with the best gold reward (the monitor's, docs/monitor.md)
 # the files every checkpoint holds; any other NAME.safetensors is optional state (the EMA weights,
 # the allocator's, an objective's such as DiffusionNFT's old policy), returned under its NAME
 REQUIRED_TENSORS = ("trainable", "optimizer", "rng")
@@ -139,9 +140,7 @@ def save_checkpoint(root: Path, iteration: int, params: dict[str, torch.Tensor] 
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(name)
-    os.replace(pointer, root / LATEST)
+    point_to(root, LATEST, name)
     return final
 
 
@@ -156,6 +155,52 @@ def latest_checkpoint(root: Path) -> Path | None:
             return path
     done = checkpoint_iterations(root) if root.is_dir() else []
     return root / checkpoint_name(done[-1]) if done else None
+
+
+def point_to(root: Path, pointer: str, name: str) -> None:
+    """Replace pointer file `pointer` (latest, best) under root with `name`, atomically."""
+    tmp = Path(root) / f".{pointer}.tmp"
+    tmp.write_text(name)
+    os.replace(tmp, Path(root) / pointer)
+
+
+def best_checkpoint(root: Path) -> Path | None:
+    """The checkpoint `best` names, or None where the run keeps none (no monitor, or no gold reward)."""
+    pointer = Path(root) / BEST
+    path = Path(root) / pointer.read_text().strip() if pointer.is_file() else None
+    return path if path is not None and path.name.startswith("iter_") and path.is_dir() else None
+
+
+def parse_checkpoint_arg(text: str) -> int | str:
+    """A --checkpoint value: an iteration (an integer >= 0) or `best`; ValueError otherwise."""
+    if text == BEST:
+        return BEST
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def find_checkpoint(root: Path, which: int | str | None, run) -> Path:
+    """The checkpoint of --checkpoint `which` under root (None: the latest; `best`: the best by gold
+    reward; an int: that iteration's), or UserError naming what the run (`run`, for the sentence) has."""
+    root = Path(root)
+    if which is None:
+        ckpt = latest_checkpoint(root)
+        if ckpt is None:
+            raise UserError(f"--run '{run}' has no checkpoint yet")
+        return ckpt
+    have = ", ".join(map(str, checkpoint_iterations(root) if root.is_dir() else [])) or "none"
+    if which == BEST:
+        ckpt = best_checkpoint(root)
+        if ckpt is None:
+            raise UserError(f"--checkpoint best: '{run}' keeps no best checkpoint (only a run with monitor.enabled and "
+                            f"monitor.gold keeps one); its checkpoints: {have}")
+        return ckpt
+    ckpt = root / checkpoint_name(which)
+    if not ckpt.is_dir():
+        raise UserError(f"--checkpoint {which}: '{run}' has no checkpoint of that iteration; it has {have}")
+    return ckpt
 
 
 def load_checkpoint(path: Path) -> dict:

@@ -44,6 +44,7 @@ class RunManager:
     progress_label = "flowrl train"
     progress_columns = ("reward_mean", "kl")  # the metrics the progress bar shows, where a row has them
     grid_every = 0  # iterations between sample grids, which the budget plans for (the image trainer's run.sample_every)
+    stop_reason: str | None = None  # set by a trainer's check (the monitor's stop): the loop ends with a checkpoint
 
     def start_clock(self, trainer_cfg) -> None:
         """The budget's clock starts here (a resume: from the checkpoint's count). The plan is fixed
@@ -63,6 +64,7 @@ class RunManager:
         self.iteration = 0
         self.history: list[dict] = []
         self.skipped_steps, self.skipped_in_a_row = 0, 0  # optimizer steps skipped for a non-finite gradient norm
+        self.stop_reason = None
         if resume:
             self.resume()
         elif self.run.metrics_file.exists():
@@ -97,7 +99,7 @@ class RunManager:
                               disable=not (r.progress and acc.is_local_main_process))
         self.before_loop()
         started, out_of_time = self.now(), False
-        while self.iteration < self.planned_iterations() and not out_of_time:
+        while self.iteration < self.planned_iterations() and not out_of_time and self.stop_reason is None:
             t0 = self.now()
             self.set_lr()
             row = self.train_iteration()
@@ -111,7 +113,7 @@ class RunManager:
             if t.max_minutes:  # every process calls the broadcast, so all agree with rank 0's clock
                 out_of_time = bool(rank0(self.now() - started >= t.max_minutes * 60))
             self.after_iteration(self.now() - t0, out_of_time)
-            done = self.iteration >= self.planned_iterations() or out_of_time
+            done = self.iteration >= self.planned_iterations() or out_of_time or self.stop_reason is not None
             self.before_checkpoint(done)
             if done or marked or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
                 self.checkpoint()
@@ -216,6 +218,10 @@ class RunManager:
     def finish(self) -> None:
         pass
 
+    def closing_notes(self) -> list[str]:
+        """What the closing line says besides the rewards (the image trainer's monitor: what fired, and when)."""
+        return []
+
     def closing_line(self) -> str:
         """What `flowrl train` ends with (rank 0, which holds the metrics file): the mean training
         reward of the run's first and last tenth of iterations, resumed parts included. Single
@@ -223,13 +229,14 @@ class RunManager:
         with the command that evaluates the run."""
         rows = [r for r in self.run.read_metrics() if "reward_mean" in r]
         evaluate = f"; evaluate it: flowrl eval --run {self.run.path}"
+        notes = "".join(f"; {n}" for n in self.closing_notes())
         if not rows:
-            return f"{self.iteration} iterations; run: {self.run.path}{evaluate}"
+            return f"{self.iteration} iterations{notes}; run: {self.run.path}{evaluate}"
         tenth = max(1, len(rows) // 10)
         first, last = (sum(r["reward_mean"] for r in part) / tenth for part in (rows[:tenth], rows[-tenth:]))
         what = "iteration" if tenth == 1 else f"{tenth} iterations"
         return (f"mean training reward {first:.4g} over the first {what}, {last:.4g} over the last {what} "
-                f"({len(rows)} iterations); run: {self.run.path}{evaluate}")
+                f"({len(rows)} iterations){notes}; run: {self.run.path}{evaluate}")
 
     # ---- learning rate and optimizer steps ---------------------------------------------
     def schedule_position(self) -> tuple[float, int]:

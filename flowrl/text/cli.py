@@ -60,19 +60,16 @@ def held_out_line(policy, cfg: TextConfig) -> str:
     return f"held-out {cfg.data.eval_split} ({len(data)} prompts, greedy): {scores}"
 
 
-def policy_for(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None = None):
+def policy_for(run: str | None, config: str | None, overrides: list[str], checkpoint: int | str | None = None):
     """The trained policy of a run's checkpoint (latest by default), or a config's base model."""
     from flowrl.text.policy import load_text_policy
-    from flowrl.runtime.checkpoint import checkpoint_name, latest_checkpoint
+    from flowrl.runtime.checkpoint import find_checkpoint
 
     if run is None:
         cfg = load_text_config(config, overrides)
         return cfg, load_text_policy(cfg, trainable=False), f"base model {cfg.model.path}"
     cfg = load_text_config(Path(run) / CONFIG_FILE, overrides)
-    root = Path(run) / "checkpoints"
-    ckpt = latest_checkpoint(root) if checkpoint is None else root / checkpoint_name(checkpoint)
-    if ckpt is None or not ckpt.is_dir():
-        raise UserError(f"--run '{run}' has no {'checkpoint yet' if checkpoint is None else f'checkpoint of iteration {checkpoint}'}")
+    ckpt = find_checkpoint(Path(run) / "checkpoints", checkpoint, run)
     policy = load_text_policy(cfg, trainable=False)
     policy.load_trained(ckpt / ("adapter" if cfg.lora.enabled else "model"))
     return cfg, policy, f"{run} ({ckpt.name})"

@@ -33,6 +33,7 @@ from flowrl.train.experience import Experience
 from flowrl.train.image_producer import image_producer
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
+from flowrl.train.monitor.watch import Monitor, monitor_evaluate, monitor_saved, monitor_start
 from flowrl.train.parts import TrainContext
 from flowrl.train.prompts import load_prompts
 from flowrl.train.registry import check_async_processes, objective_class, rollout_class
@@ -95,6 +96,8 @@ class Trainer(RunManager):
                            plan=self.plan)
         self.objective = objective_cls(ctx)
         self.rollout = rollout_cls(ctx)
+        # monitor.enabled: gold rewards and image statistics on fixed prompts, with rules that act (docs/monitor.md)
+        self.monitor = Monitor(cfg, rewards, encoders=self.reward_fn.fns.values() if self.reward_fn else ()) if cfg.monitor.enabled else None
         self.start_run(resume)
         if cfg.run.tracker != "none":
             acc.init_trackers("tracker", config=flat_config(cfg))
@@ -116,6 +119,8 @@ class Trainer(RunManager):
         row.update(time_sampling=t_collected - t0, time_training=t_updated - t_collected, **timing)
         self.iteration += 1
         row["time_iteration"] = time.perf_counter() - t0
+        if self.monitor is not None and self.monitor.due(self.iteration):  # after time_iteration: its cost is its own column
+            row.update(monitor_evaluate(self, row))
         if self.compile_watch is not None:  # graphs compiled in this iteration: 0 after the first, or one warning line
             say = tqdm.write if self.accelerator.is_main_process else None
             row["compiled_graphs"] = self.compile_watch.after_iteration(self.iteration - 1, say)
@@ -151,6 +156,8 @@ class Trainer(RunManager):
             self.ema.update(self.params)
 
     def before_loop(self) -> None:
+        if self.monitor is not None:
+            monitor_start(self)
         if self.iteration == 0 and self.cfg.run.sample_every:
             t0 = self.now()
             self.save_samples("iter_000000_before")
@@ -158,7 +165,8 @@ class Trainer(RunManager):
         self.marks = pending_marks(self.cfg.run.checkpoint_at_minutes, self.history)
 
     def mark(self, row: dict) -> bool:
-        return cross_marks(row, self.marks, self.started)
+        crossed = cross_marks(row, self.marks, self.started)
+        return crossed or (self.monitor is not None and self.monitor.best_pending)  # a new best gets its checkpoint now
 
     def log(self, row: dict) -> None:
         self.accelerator.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "iteration"}, step=row["iteration"])
@@ -199,8 +207,16 @@ class Trainer(RunManager):
     def save(self) -> Path | None:
         """A checkpoint of everything a resume needs, with the user-facing exports
         (flowrl/train/trainer_state.py)."""
-        return save_trainer(self)
+        path = save_trainer(self)
+        if self.monitor is not None:
+            monitor_saved(self, path)
+        return path
 
     def restore(self, ckpt: Path, data: dict) -> None:
         """Weights, optimizer, EMA and objective state (flowrl/train/trainer_state.py)."""
         restore_trainer(self, ckpt, data)
+        if self.monitor is not None and data["state"].get("monitor"):
+            self.monitor.load_state_dict(data["state"]["monitor"])
+
+    def closing_notes(self) -> list[str]:
+        return self.monitor.summary() if self.monitor is not None else []

@@ -54,7 +54,7 @@ def save_trainer(tr) -> Path | None:
         path = save_checkpoint(root, tr.iteration, None if sharded else tr.params,
                                None if sharded else tr.optimizer.state_dict(), None if sharded else ema,
                                {"policy_version": tr.iteration, "num_processes": acc.num_processes, "distributed": lay.name,
-                                **tr.budget_state()},
+                                **tr.budget_state(), **({"monitor": tr.monitor.state_dict()} if getattr(tr, "monitor", None) else {})},
                                export=export, sharded=sharded, allocator=tr.allocator.state_dict(), **objective_state)
     acc.wait_for_everyone()
     return path
