@@ -26,6 +26,7 @@ SMOKE_TESTS = {
     "bench_allocation": "test_bench_allocation_asserts_the_capped_budgets_and_reports_the_uncapped_spending",
     "bench_async": "test_bench_async_trains_a_part_in_a_fresh_process_and_judges_it",
     "bench_granular": "test_bench_granular_trains_both_methods_and_writes_its_results",
+    "bench_hacking": "test_bench_hacking_trains_every_arm_under_the_monitor_and_plots_the_curves",
     "bench_offline": "test_bench_offline_trains_dgpo_and_gdro_from_its_store",
     "bench_remote": "test_bench_remote_times_both_transports",
     "bench_rollout": "test_bench_rollout_prints_the_overhead_and_runs_the_gpu_iteration_code",
@@ -291,3 +292,17 @@ def test_bench_async_trains_a_part_in_a_fresh_process_and_judges_it(tmp_path, ca
     # a trainer beside one producer: the batches it trained on were at most one update old
     assert (row["part"], row["iterations"]) == ("async1", 2) and 0 <= row["staleness"] <= 1 and 0 <= row["held_out"] <= 1
     assert re.search(r"^async1 +1 +[+-][\d.]+ +\d+ +2 ", capsys.readouterr().out, re.MULTILINE)
+
+
+def test_bench_hacking_trains_every_arm_under_the_monitor_and_plots_the_curves(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert load_script("bench_hacking").main(["--smoke", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "hacking.json").read_text())
+    assert set(results["arms"]) == {"unguarded", "guarded"} and results["reward"] == "shapes_quality"
+    for arm, r in results["arms"].items():
+        assert r["iterations"] == 2 and len(r["curves"]["heldout/shapes/strict"]) == 2  # evaluated after each iteration
+        assert len(r["curves"]["monitor/colour_entropy"]) == 2 and r["base"]["stats"]["brightness"] >= 0
+        assert re.search(rf"^{arm} +2 iterations; gold \(held-out strict\) at the end [\d.]+, best [\d.]+ at iteration \d", printed,
+                         re.MULTILINE)
+    assert (out / "hacking.png").stat().st_size > 0

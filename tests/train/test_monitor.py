@@ -239,3 +239,15 @@ def test_checkpoint_best_loads_the_best_checkpoint_and_bad_values_are_refused(ro
             _load_run_policy(rolled_back_run.run, (), "best")
     finally:
         (rolled_back_run.run / "best.moved").rename(rolled_back_run.run / "checkpoints" / "best")
+
+
+def test_the_gpu_image_presets_watch_and_the_cheap_ones_do_not():
+    from pathlib import Path
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    gpu = sorted(p.stem for p in configs.glob("*_[18]gpu.yaml") if not p.stem.startswith("qwen25"))  # qwen25: text presets
+    assert len(gpu) >= 10
+    assert all(load_config(name, validate_paths=False).monitor.enabled for name in gpu)
+    assert not load_config("tiny_jpeg").monitor.enabled
+    default = load_config(None, validate_paths=False).monitor
+    assert not default.enabled and default.gold == ["shapes/strict"] and default.prompt_file == "builtin:shapes-heldout"

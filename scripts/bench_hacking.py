@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Reward hacking caught while it happens (docs/monitor.md): the shapes model trained on a deliberately
+hackable reward, watched by the monitor, side by side.
+
+    python scripts/bench_hacking.py                           # 10 minutes per arm, reward shapes_quality
+    python scripts/bench_hacking.py --reward brightness       # a reward that pays for white pixels
+    python scripts/bench_hacking.py --minutes 20 --arms unguarded guarded
+    python scripts/bench_hacking.py --smoke                   # the code path in seconds: a tiny random model
+
+Every arm trains the embedded shapes model with Flow-GRPO (8 prompts x 8 samples, SDE on every step, no KL)
+on --reward alone, with the monitor on (every 10 iterations: 8 held-out prompts, two per category, x 4 seeds,
+ODE, gold held-out strict accuracy, the image statistics and diversity against the base model's):
+
+    unguarded  every rule warns: the curves of a run left alone
+    guarded    gold divergence and diversity collapse roll back to the `best` checkpoint (at most 3 times, then
+               stop); statistic drift warns
+
+(GARDO, the regularised GRPO of docs/monitor.md, joins as an arm when objective.grpo has it.)
+Writes hacking.png (training reward, gold, diversity and each statistic against iterations, one colour per
+arm) and hacking.json to --out, and prints per arm what fired and when, the gold at the end and at its best,
+and the guarded arm's final gold against the unguarded one's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+COMMON = ["objective.kind=grpo", "sampling.sampler=flow_grpo", "sampling.noise_level=0.7", "trainer.kl_beta=0",
+          "trainer.budget_minutes=0", "trainer.lr_schedule=constant", "trainer.iterations=100000", "run.sample_every=0",
+          "run.checkpoint_every=10", "run.progress=false", "data.prompts_per_iteration=8", "data.group_size=8",
+          "monitor.enabled=true", "monitor.every=10", "monitor.prompt_file=builtin:shapes-heldout", "monitor.gold=[shapes/strict]",
+          "monitor.num_prompts=8", "monitor.seeds=4"]
+WARN_ALL = ["monitor.on_gold_divergence=warn", "monitor.on_drift=warn", "monitor.on_diversity=warn"]
+ARMS = {
+    "unguarded": WARN_ALL,
+    "guarded": ["monitor.on_gold_divergence=rollback", "monitor.on_drift=warn", "monitor.on_diversity=rollback",
+                "monitor.max_rollbacks=3"],
+}
+PANELS = ["reward_mean", "heldout/shapes/strict", "monitor/diversity", "monitor/brightness", "monitor/saturation",
+          "monitor/dark_fraction", "monitor/bright_fraction", "monitor/colour_entropy", "monitor/edge_density"]
+SMOKE = ["trainer.iterations=2", "monitor.every=1", "monitor.num_prompts=2", "monitor.seeds=2", "run.checkpoint_every=1",
+         "data.prompts_per_iteration=2", "data.group_size=2"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reward", default="shapes_quality", help="the trained reward, a registered name (default shapes_quality)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--minutes", type=float, default=10.0, help="training wall time per arm")
+    ap.add_argument("--train-seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="where the runs, hacking.json and hacking.png go (default bench_hacking_out; "
+                    "with --smoke a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="the code path on a tiny random shapes model (scripts/smoke.py): "
+                    "two iterations per arm, evaluated after each")
+    ap.add_argument("overrides", nargs="*", help="dot-list overrides for every arm")
+    args = ap.parse_args(argv)
+    with contextlib.ExitStack() as stack:
+        if args.smoke:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from smoke import shapes_overrides, tiny_shapes_model
+
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_hacking-smoke-")))
+            args.overrides = [*shapes_overrides(tiny_shapes_model(tmp / "model")), *SMOKE, *args.overrides]
+            args.out = args.out or str(tmp / "out")
+        return run(args)
+
+
+def run(args) -> int:
+    from flowrl.cli import main as cli_main
+    from flowrl.runtime.checkpoint import latest_checkpoint
+    from flowrl.runtime.run_dir import RunDir
+
+    out = Path(args.out or "bench_hacking_out")
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"reward": args.reward, "minutes": args.minutes, "seed": args.train_seed, "arms": {}}
+    for arm in args.arms:
+        run_dir = out / arm
+        t0 = time.perf_counter()
+        code = cli_main(["train", *COMMON, f"reward.weights={{{args.reward}: 1.0}}", "reward.channel_weights={}", *ARMS[arm],
+                         *args.overrides, f"trainer.seed={args.train_seed}", f"trainer.max_minutes={args.minutes}",
+                         "--run-dir", str(run_dir)])
+        if code != 0:
+            raise SystemExit(f"bench_hacking: the {arm} arm's training failed (exit {code})")
+        rows = RunDir(run_dir).read_metrics()
+        state = json.loads((latest_checkpoint(run_dir / "checkpoints") / "state.json").read_text())
+        monitor = state.get("monitor") or {}
+        gold = [r["heldout/shapes/strict"] for r in rows if "heldout/shapes/strict" in r]
+        results["arms"][arm] = {
+            "iterations": len(rows), "minutes": (time.perf_counter() - t0) / 60, "fired": monitor.get("fired", []),
+            "base": monitor.get("base"), "best": monitor.get("best"), "gold_end": gold[-1] if gold else None,
+            "curves": {k: [[r["iteration"] + 1, r[k]] for r in rows if k in r] for k in PANELS}}
+        fired = ", ".join(f"{rule} ({action}) at {it}" for rule, action, it in monitor.get("fired", [])) or "nothing"
+        best = monitor.get("best")
+        print(f"{arm:<10} {len(rows)} iterations; gold (held-out strict) at the end {_num(gold[-1] if gold else None)}, best "
+              f"{_num(best[1] if best else None)} at iteration {best[0] if best else '-'}; fired: {fired}", flush=True)
+    (out / "hacking.json").write_text(json.dumps(results, indent=1))
+    _plot(results, out / "hacking.png")
+    arms = results["arms"]
+    if {"guarded", "unguarded"} <= set(arms) and arms["guarded"]["gold_end"] is not None and arms["unguarded"]["gold_end"]:
+        print(f"guarded gold at the end {arms['guarded']['gold_end'] / arms['unguarded']['gold_end']:.3g}x the unguarded arm's")
+    print(f"wrote {out / 'hacking.json'} and {out / 'hacking.png'}")
+    return 0
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 3, figsize=(13, 10))
+    for ax, key in zip(axes.flat, PANELS):
+        for arm, r in results["arms"].items():
+            points = r["curves"][key]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="" if key == "reward_mean" else "o", label=arm)
+            stat = key.removeprefix("monitor/")
+            if r["base"] and stat in r["base"]["stats"]:
+                ax.axhline(r["base"]["stats"][stat], color="grey", linestyle=":", linewidth=1)
+        ax.set_title({"reward_mean": f"training reward ({results['reward']})", "heldout/shapes/strict": "gold: held-out strict",
+                      "monitor/diversity": "diversity / base"}.get(key, key.removeprefix("monitor/") + " (dotted: base)"))
+        ax.set_xlabel("iteration")
+    axes.flat[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
