@@ -28,6 +28,7 @@ from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolv
 from flowrl.models.attention import check_backend_name
 from flowrl.models.compile import COMPILE_MODES
 from flowrl.models.quantize import MEMORY_EXTRA, QUANTIZE_MODES, bitsandbytes_installed
+from flowrl.models.text_cache import TEXT_ENCODER_MODES
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 from flowrl.registry import load_plugins
@@ -285,6 +286,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     check_compatible(cfg)  # each part's own checks, and the objective's data from the rollout
     _validate_sigma_range(cfg)
     _validate_data(cfg, rollout, validate_paths)
+    _validate_text_encoders(cfg, rollout)
     _validate_search(cfg)  # before the rewards' check, so that an unknown search.reward is named as such
     _validate_rewards(cfg, rollout, validate_paths)
     check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
@@ -316,6 +318,19 @@ def _validate_model(cfg: Config, validate_paths: bool) -> None:
         raise ConfigError(f"model.num_frames must be 1 for model.kind {m.kind} (an image family; video: {video}); got {m.num_frames}")
     if cfg.lora.enabled and not cfg.lora.target_modules:
         raise ConfigError("lora.target_modules is empty; name at least one module, for example to_q")
+
+
+def _validate_text_encoders(cfg: Config, rollout) -> None:
+    """model.text_encoders (flowrl/models/text_cache.py): where the prompt encoders live."""
+    m = cfg.model
+    check_choice("model.text_encoders", m.text_encoders, TEXT_ENCODER_MODES)
+    if m.text_encoders != "device" and m.quantize_text_encoders != "none":
+        raise ConfigError(f"model.text_encoders {m.text_encoders} keeps the text encoders off the GPU, where "
+                          f"model.quantize_text_encoders {m.quantize_text_encoders} would place them quantised; set one of them "
+                          "to its default (device, none)")
+    if m.text_encoders == "cached" and not rollout.needs_prompts:
+        raise ConfigError(f"model.text_encoders cached encodes the run's prompt set before training, and rollout.kind "
+                          f"{cfg.rollout.kind} takes its prompts from elsewhere (a group store); set model.text_encoders: cpu")
 
 
 def _validate_quantization(cfg: Config) -> None:

@@ -42,8 +42,9 @@ def pipeline_kinds() -> dict[str, str]:
     return {family.pipeline_name: kind for kind, family in FAMILIES.items()}
 
 
-def load_policy(cfg: ModelConfig, device=None) -> FlowPolicy:
-    return policy_class(cfg.kind).from_config(cfg, device)
+def load_policy(cfg: ModelConfig, device=None, prompts: list[str] | None = None) -> FlowPolicy:
+    """`prompts`: the run's prompt set, which model.text_encoders cached encodes once (flowrl/models/text_cache.py)."""
+    return policy_class(cfg.kind).from_config(cfg, device, prompts)
 
 
 __all__ = ["FAMILIES", "FlowPolicy", "load_policy", "pipeline_kinds", "policy_class", "register_family"]

@@ -21,6 +21,8 @@ from flowrl.hub import check_hub_id
 from flowrl.models.attention import set_attention_backend
 from flowrl.models.compile import compile_network, padded_velocity
 from flowrl.models.quantize import quantized_components
+from flowrl.models.text_cache import (cache_file, load_embeddings, load_text_encoders_on_cpu, save_embeddings,
+                                      text_encoder_names)
 from flowrl.models.tiny import TINY_BUILDERS
 from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.schema import LoraConfig, ModelConfig
@@ -169,9 +171,16 @@ class FlowPolicy:
         # the pipeline's own rule (a video pipeline names its spatial factor apart from the temporal one)
         spatial = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
         self.vae_scale_factor = spatial if self.vae is not None else 1
+        # model.text_encoders (flowrl/models/text_cache.py): cpu keeps them there; cached moves them there once encoded
+        self.text_device = torch.device("cpu") if cfg.text_encoders == "cpu" else self.device
+        self.model_dir: str | None = None  # the pipeline's directory or hub id: text encoders left unloaded load from it
         for module in self._modules():
             module.requires_grad_(False)
             module.to(self.device)  # already loaded in self.dtype
+            module.eval()
+        for module in self._text_encoders().values():
+            module.requires_grad_(False)
+            module.to(self.text_device)
             module.eval()
         if cfg.attention_backend is not None:  # once, before anything runs: rollouts and training share the kernel
             set_attention_backend(self.transformer, cfg.attention_backend, self.device)
@@ -188,7 +197,9 @@ class FlowPolicy:
 
     # ---- loading -------------------------------------------------------------------
     @classmethod
-    def from_config(cls, cfg: ModelConfig, device: torch.device | str | None = None) -> "FlowPolicy":
+    def from_config(cls, cfg: ModelConfig, device: torch.device | str | None = None, prompts: list[str] | None = None) -> "FlowPolicy":
+        """The policy model.path holds, on `device`. Under model.text_encoders cached, `prompts` is the run's prompt
+        set: encoded once (or read from a complete cache without loading the encoders), the encoders then on the CPU."""
         import diffusers
         import transformers
 
@@ -199,17 +210,50 @@ class FlowPolicy:
             check_hub_id(path, "model_index.json")
         cls._check_pipeline_class(cfg.path, path)
         device = torch.device(device) if device is not None else pick_device(cfg.device)
+        prompt_set = list(dict.fromkeys(prompts or [])) if cfg.text_encoders == "cached" else []
+        cached = load_embeddings(cls._text_cache_file(path, cfg, prompt_set)) if prompt_set else None
         try:
             # model.quantize, model.quantize_text_encoders: those components load quantised onto their device first
             quantized = quantized_components(path, cfg, DTYPES[cfg.dtype], device)
-            pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path), **quantized)
+            # a complete cache: the text encoders are not loaded at all (diffusers takes None for a component)
+            unloaded = {name: None for name in text_encoder_names(path)} if cached is not None else {}
+            pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path), **quantized,
+                                                      **unloaded)
         except (OSError, ValueError) as exc:
             raise UserError(f"model.path '{cfg.path}' could not be loaded as a {cls.pipeline_name}: {str(exc).splitlines()[0]}") from None
         except ImportError as exc:  # a component's class needs a package flowrl does not (FLUX.2 [dev]'s processor: torchvision)
             missing = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
             raise UserError(f"model.path '{cfg.path}' needs a package that is not installed to load its {cls.pipeline_name}: "
                             f"{missing}") from None
-        return cls(pipe, cfg, device)
+        policy = cls(pipe, cfg, device)
+        policy.model_dir = path
+        if cfg.text_encoders == "cached":
+            policy._fill_text_cache(prompt_set, cached)
+        return policy
+
+    @classmethod
+    def _text_cache_file(cls, path: str, cfg: ModelConfig, prompts: list[str]) -> Path:
+        return cache_file(path, cls.kind, cfg.dtype, cfg.max_sequence_length, getattr(cls, "negative_prompt", ""), prompts,
+                          cfg.text_cache_dir)
+
+    def _fill_text_cache(self, prompts: list[str], cached: dict[str, dict[str, torch.Tensor]] | None) -> None:
+        """model.text_encoders cached: the set's embeddings read back, or encoded here on the device and written
+        (the file named after loading, when a hub id's revision is known); then the encoders leave the GPU."""
+        if cached is None and prompts:
+            self.encode(prompts)
+            save_embeddings(self._text_cache_file(self.model_dir, self.cfg, prompts), prompts, {p: self._cache[p] for p in prompts})
+        moved: dict[int, torch.Tensor] = {}  # a tensor every prompt shares (the negative) moves once
+        for p, conditioning in (cached or {}).items():
+            self._cache[p] = {k: moved.setdefault(id(v), v.to(self.device)) for k, v in conditioning.items()}
+        self.offload_text_encoders()
+
+    def offload_text_encoders(self) -> None:
+        """From now on the text encoders live and encode on the CPU (prompts outside the cached set)."""
+        self.text_device = torch.device("cpu")
+        for module in self._text_encoders().values():
+            module.to(self.text_device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @classmethod
     def _check_pipeline_class(cls, given: str, path: str) -> None:
@@ -231,18 +275,32 @@ class FlowPolicy:
             raise UserError(f"model.path '{given}' holds a {found}, not the {expected} that model.kind needs; {fix}")
 
     def _modules(self):
-        names = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
-        return [m for m in (getattr(self.pipe, n, None) for n in names) if m is not None]
+        """The modules that live on the policy's device: the transformer and the VAE (the text encoders: `_text_encoders`)."""
+        return [m for m in (getattr(self.pipe, n, None) for n in ("transformer", "vae")) if m is not None]
+
+    def _text_encoders(self) -> dict[str, torch.nn.Module]:
+        names = ("text_encoder", "text_encoder_2", "text_encoder_3")  # every family's pipeline names them so
+        return {n: m for n in names if isinstance(m := getattr(self.pipe, n, None), torch.nn.Module)}
+
+    def _load_missing_text_encoders(self) -> None:
+        """The encoders a complete cache let the pipeline skip, loaded onto the CPU for a prompt outside the set."""
+        if self.model_dir is None:
+            return
+        missing = [n for n in text_encoder_names(self.model_dir) if getattr(self.pipe, n, None) is None]
+        for name, module in load_text_encoders_on_cpu(self.model_dir, missing, self.dtype).items():
+            setattr(self.pipe, name, module)
 
     # ---- prompts -------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Batched conditioning for `prompts`; each distinct prompt is encoded once and cached."""
         # one prompt at a time: batched text encoders differ in the last bits with the batch's
         # other prompts, and a prompt's embedding must not depend on who it was cached with
-        for p in dict.fromkeys(prompts):
-            if p not in self._cache:
-                with torch.no_grad():
-                    self._cache[p] = self._encode_uncached([p])
+        new = [p for p in dict.fromkeys(prompts) if p not in self._cache]
+        if new and self.text_device.type == "cpu":  # model.text_encoders cpu or cached: those left unloaded load now
+            self._load_missing_text_encoders()
+        for p in new:
+            with torch.no_grad():  # encoded on the text encoders' device, kept on the policy's
+                self._cache[p] = {k: v.to(self.device) for k, v in self._encode_uncached([p]).items()}
         return self._batch([self._cache[p] for p in prompts])
 
     def _batch(self, per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -257,8 +315,8 @@ class FlowPolicy:
     def negative_once(self, encode: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The negative prompt's conditioning for one prompt, its keys prefixed "neg_": the same beside
         every prompt, so `encode()` runs once per policy, not once per prompt."""
-        if self._negative is None:
-            self._negative = {"neg_" + k: v for k, v in encode().items()}
+        if self._negative is None:  # on the policy's device once (`encode` then moves it no more)
+            self._negative = {"neg_" + k: v.to(self.device) for k, v in encode().items()}
         return self._negative
 
     # ---- the sigma grid ------------------------------------------------------------

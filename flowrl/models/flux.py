@@ -46,7 +46,7 @@ class FluxPolicy(FlowPolicy):
 
     def _encode_uncached(self, prompts):
         embeds, pooled, text_ids = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.device, max_sequence_length=self.cfg.max_sequence_length
+            prompt=prompts, prompt_2=None, device=self.text_device, max_sequence_length=self.cfg.max_sequence_length
         )
         return {"embeds": embeds, "pooled": pooled}
 

@@ -52,7 +52,7 @@ class Flux2KleinPolicy(FlowPolicy):
         return {**self._encode_texts(prompts), **self.negative_once(lambda: self._encode_texts([""]))}  # the pipeline's negative
 
     def _encode_texts(self, texts):
-        embeds, text_ids = self.pipe.encode_prompt(prompt=list(texts), device=self.device,
+        embeds, text_ids = self.pipe.encode_prompt(prompt=list(texts), device=self.text_device,
                                                    max_sequence_length=self.cfg.max_sequence_length)
         return {"embeds": embeds, "text_ids": text_ids}
 

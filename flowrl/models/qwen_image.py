@@ -43,7 +43,7 @@ class QwenImagePolicy(FlowPolicy):
         return {**self._encode_texts(prompts), **self.negative_once(lambda: self._encode_texts([self.negative_prompt]))}
 
     def _encode_texts(self, texts):
-        embeds, mask = self.pipe.encode_prompt(prompt=list(texts), device=self.device,
+        embeds, mask = self.pipe.encode_prompt(prompt=list(texts), device=self.text_device,
                                                max_sequence_length=self.cfg.max_sequence_length)
         if mask is None:  # the pipeline drops an all-ones mask
             mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)

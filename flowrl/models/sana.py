@@ -47,7 +47,7 @@ class SanaPolicy(FlowPolicy):
 
     def _encode_uncached(self, prompts):
         embeds, mask, neg, neg_mask = self.pipe.encode_prompt(
-            prompt=list(prompts), do_classifier_free_guidance=True, negative_prompt="", device=self.device,
+            prompt=list(prompts), do_classifier_free_guidance=True, negative_prompt="", device=self.text_device,
             max_sequence_length=self.cfg.max_sequence_length, complex_human_instruction=self.complex_human_instruction)
         return {"embeds": embeds, "mask": mask, "neg_embeds": neg, "neg_mask": neg_mask}
 

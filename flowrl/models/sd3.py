@@ -63,7 +63,7 @@ class SD3Policy(FlowPolicy):
             prompt=prompts,
             prompt_2=None,
             prompt_3=None,
-            device=self.device,
+            device=self.text_device,
             do_classifier_free_guidance=True,
             negative_prompt=[""] * len(prompts),
             max_sequence_length=self.cfg.max_sequence_length,

@@ -52,7 +52,7 @@ class WanPolicy(FlowPolicy):
         return {**self._encode_texts(prompts), **self.negative_once(lambda: self._encode_texts([self.negative_prompt]))}
 
     def _encode_texts(self, texts):
-        embeds, _ = self.pipe.encode_prompt(prompt=list(texts), do_classifier_free_guidance=False, device=self.device,
+        embeds, _ = self.pipe.encode_prompt(prompt=list(texts), do_classifier_free_guidance=False, device=self.text_device,
                                             max_sequence_length=self.cfg.max_sequence_length)
         return {"embeds": embeds}
 

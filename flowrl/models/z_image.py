@@ -34,7 +34,7 @@ class ZImagePolicy(FlowPolicy):
 
     def _encode_texts(self, texts):
         # a copy of the list: the pipeline writes its chat template into the list it is given
-        (features,) = self.pipe._encode_prompt(prompt=list(texts), device=self.device,
+        (features,) = self.pipe._encode_prompt(prompt=list(texts), device=self.text_device,
                                                max_sequence_length=self.cfg.max_sequence_length)
         mask = torch.ones(1, features.shape[0], dtype=torch.long, device=features.device)
         return {"embeds": features[None], "mask": mask}  # [1, L, D]: this prompt's own length

@@ -16,7 +16,7 @@ import torch
 from flowrl.models import load_policy
 from flowrl.schema import Config
 from flowrl.train.parts import TrainContext
-from flowrl.train.prompts import load_prompts
+from flowrl.train.prompts import load_prompts, prompt_set
 from flowrl.train.registry import objective_class, rollout_class
 from rewards import AsyncRewardRunner, MultiReward
 
@@ -53,14 +53,14 @@ def image_producer(cfg: Config, allocator_state: dict, rewards: dict | None = No
     cpu = pick_device(cfg.model.device).type == "cpu"
     acc = plain_accelerator(cpu, "the image producer runs as one process",
                             mixed_precision=autocast_precision(cfg.trainer.mixed_precision, cpu))
-    policy = load_policy(cfg.model, device=acc.device)
+    prompts = load_prompts(cfg.data)
+    policy = load_policy(cfg.model, device=acc.device, prompts=prompt_set(cfg.data, prompts))  # model.text_encoders cached: the trainer's file
     if cfg.lora.enabled:
         policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
     else:
         policy.enable_full_finetune()
     policy.net = acc.prepare_model(policy.transformer)  # trainer.mixed_precision's autocast, as the trainer's forwards
     policy.compile(cfg.model.compile, cfg.sampling.batch_size)
-    prompts = load_prompts(cfg.data)
     d = cfg.data
     allocator = cfg.allocator.build(len(prompts), d.prompts_per_iteration, d.group_size, cfg.trainer.seed)
     allocator.load_state_dict(allocator_state)

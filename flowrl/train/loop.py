@@ -35,7 +35,7 @@ from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
 from flowrl.train.monitor.watch import Monitor, monitor_evaluate, monitor_saved, monitor_start
 from flowrl.train.parts import TrainContext
-from flowrl.train.prompts import load_prompts
+from flowrl.train.prompts import eval_prompts, load_prompts, prompt_set
 from flowrl.train.registry import check_async_processes, objective_class, rollout_class
 from flowrl.train.sharding import launch_image_run, reference_copy
 from flowrl.train.trainer_state import restore_trainer, save_trainer
@@ -69,12 +69,13 @@ class Trainer(RunManager):
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
         check_async_processes(cfg, acc.num_processes)  # a multi-GPU launch: its count is known only now
         self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
-        self.eval_prompts = list(cfg.data.eval_prompts) or self.prompts[:4]
+        self.eval_prompts = eval_prompts(cfg.data, self.prompts)
         d = cfg.data
         self.allocator = cfg.allocator.build(len(self.prompts), d.prompts_per_iteration, d.group_size, t.seed)
 
         optimizer_class(t.optimizer)  # a missing bitsandbytes is named before the model loads, not after
-        self.policy = load_policy(cfg.model, device=acc.device)
+        # model.text_encoders cached: the prompts and eval prompts encoded once, the encoders then off the GPU
+        self.policy = load_policy(cfg.model, device=acc.device, prompts=prompt_set(cfg.data, self.prompts))
         if cfg.lora.enabled:
             self.policy.add_lora(cfg.lora, seed=t.seed)
         else:

@@ -49,3 +49,14 @@ def read_prompt_file(path: str | Path, field: str = "data.prompt_file", per_cate
 
 def load_prompts(data: DataConfig) -> list[str]:
     return list(data.prompts) if data.prompts else read_prompt_file(data.prompt_file)
+
+
+def eval_prompts(data: DataConfig, prompts: list[str]) -> list[str]:
+    """The prompts of sample grids: data.eval_prompts, else the first four training prompts."""
+    return list(data.eval_prompts) or prompts[:4]
+
+
+def prompt_set(data: DataConfig, prompts: list[str]) -> list[str]:
+    """Every prompt a run conditions on, once each in order: what model.text_encoders cached encodes ahead
+    (the trainer and an async producer name the same set, so they share one cache file)."""
+    return list(dict.fromkeys([*prompts, *eval_prompts(data, prompts)]))
