@@ -47,6 +47,7 @@ class TransitionBatch(NamedTuple):
     keep: torch.Tensor | None = None
     behaviour_mean: Callable[[], torch.Tensor] | None = None
     dt: float | None = None
+    index: torch.Tensor | None = None  # flat rollouts: each row's sample in the per-sample arrays (past their end: padding)
 
     def kept(self) -> int:
         return len(self.advantages) if self.keep is None else int(self.keep.sum())

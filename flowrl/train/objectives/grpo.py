@@ -15,7 +15,7 @@ and no statistics.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import contextlib
@@ -27,15 +27,18 @@ from flowrl.core import clipped_policy_loss, gaussian_kl
 from flowrl.core.losses import PolicyLoss, divergence_masked_policy_loss, ratio_norm_log_ratio
 from flowrl.core.off_policy import (OFF_POLICY_LOSSES, WEIGHT_MODES, behaviour_weight_stats, decoupled_policy_loss, m2po_mask,
                                     m2po_policy_loss)
+from flowrl.core.gardo import GATE_SIGNS
 from flowrl.core.seeds import Stream, sample_seed
 from flowrl.errors import ConfigError, check_choice, check_positive
 from flowrl.sampling.precision import check_training_precision
 from flowrl.sampling.rollout import policy_precision
 from flowrl.train.experience import STEP_MEANS, TRANSITIONS, Experience, TransitionBatch
+from flowrl.train.objectives.gardo import GardoRegularizer
 from flowrl.train.parts import Objective, register_objective
 
 STAT_NAMES = ("loss", "policy_loss", "kl", "ratio_mean", "clipfrac")
 TRUST_REGIONS = ("clip", "divergence_mask")
+REGULARIZERS = ("kl", "gardo")
 
 
 @dataclass
@@ -62,6 +65,18 @@ class GRPOOptions:
     trust_region: str = "clip"
     # divergence_mask: the threshold (Flow-Factory's kl_mask_threshold, 1e-6; UniRL's FlowDPPO sets 1e-5)
     divergence_threshold: float = 1e-6
+    # the trainer.kl_beta term: kl (Flow-GRPO's: the KL to the base network on every transition) | gardo (GARDO, arXiv
+    # 2512.24138, docs/monitor.md: the KL only on the samples gated by the trained reward's disagreement with
+    # gardo_auxiliary, to a copy of the adapter reset periodically, with the diversity-aware advantage)
+    regularizer: str = "kl"
+    gardo_auxiliary: list[str] = field(default_factory=list)  # channels scored with weight 0 that the gate ranks against
+    # which disagreement the gate flags: paper (the samples the trained reward ranks better than the auxiliaries: the
+    # paper's stated intent) | reference_code (those it ranks worse: tinnerhrhe/GARDO's code as written)
+    gardo_gate_sign: str = "paper"
+    gardo_kappa: float = 0.1  # the gated share of the disagreements u >= 0 at the start (adapts within [0.02, 0.2])
+    gardo_kl_threshold: float = 3e-4  # an optimizer step's mean KL above this resets the reference at the next iteration
+    gardo_reset_every: int = 15  # and it resets after this many iterations without one
+    gardo_diversity: bool = True  # the diversity-aware advantage (false: advantage.kind's)
 
 
 @register_objective
@@ -70,10 +85,18 @@ class GRPO(Objective):
     options = GRPOOptions
     shards = True
     needs = TRANSITIONS
+    gardo: GardoRegularizer | None = None  # objective.grpo.regularizer gardo
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.gardo = GardoRegularizer(ctx) if ctx.cfg.objective.grpo.regularizer == "gardo" else None
 
     @classmethod
     def validate(cls, cfg) -> None:
         g = cfg.objective.grpo
+        check_choice("objective.grpo.regularizer", g.regularizer, REGULARIZERS)
+        if g.regularizer == "gardo":
+            validate_gardo(cfg)
         check_positive("objective.grpo.clip_range", g.clip_range)
         if g.clip_range_high is not None:
             check_positive("objective.grpo.clip_range_high", g.clip_range_high)
@@ -109,7 +132,7 @@ class GRPO(Objective):
         log-prob ratio between precisions is not the policy's)."""
         ctx, t = self.ctx, self.ctx.cfg.trainer
         check_training_precision(experience.precision, policy_precision(ctx.policy))
-        groups = experience.transitions
+        groups, gardo_stats = self.gardo.prepare(experience) if self.gardo is not None else (experience.transitions, {})
         accum = t.gradient_accumulation_steps
         gen = torch.Generator().manual_seed(sample_seed(t.seed, experience.iteration, Stream.UPDATE_ORDER))
         sums = dict.fromkeys(STAT_NAMES, 0.0)
@@ -145,9 +168,19 @@ class GRPO(Objective):
                     bar.update(1)
                 if closes_step:
                     grad_norms.append(ctx.optimizer_step())
+                    if self.gardo is not None:
+                        self.gardo.after_step()
         bar.close()
         ctx.policy.transformer.eval()
-        return self._update_stats(sums, count, grad_norms, first_ratio_dev, groups, proximal)
+        return {**self._update_stats(sums, count, grad_norms, first_ratio_dev, groups, proximal), **gardo_stats}
+
+    def state_dict(self) -> dict:
+        """GARDO's reference copy and its controller's state, when it regularises."""
+        return self.gardo.state_dict() if self.gardo is not None else {}
+
+    def load_state_dict(self, state: dict, checkpoint: str) -> None:
+        if self.gardo is not None:
+            self.gardo.load_state_dict(state)
 
     def _update_stats(self, sums: dict, count: int, grad_norms: list, first_ratio_dev: float | None,
                       groups: list[list[TransitionBatch]], proximal: list[list[torch.Tensor]] | None) -> dict:
@@ -184,6 +217,8 @@ class GRPO(Objective):
         ctx, t, g = self.ctx, self.ctx.cfg.trainer, self.ctx.cfg.objective.grpo
         device = ctx.accelerator.device
         clip_hi = g.clip_range_high if g.clip_range_high is not None else g.clip_range
+        # GARDO's reference first: its weights are swapped in, which must not happen under the policy's graph
+        gardo_ref = self.gardo.reference_pass(mb) if self.gardo is not None and t.kl_beta > 0 else None
         out = mb.evaluate()
         if mb.keep is not None and not bool(mb.keep.any()):
             # nothing kept: a zero loss, after the same forwards as any micro-batch (under DDP every
@@ -207,12 +242,41 @@ class GRPO(Objective):
             pl = off_policy_loss(g, log_prob, proximal.to(device)[keep], old, adv, clip_hi)
         loss = pl.loss / mb.dt if g.step_reweight else pl.loss  # GRPO-Guard's reweighting: the step's loss over its dt
         kl = torch.zeros((), device=device)
-        if t.kl_beta > 0:
+        if gardo_ref is not None:  # GARDO: the KL on the gated transitions only
+            kl = self.gardo.kl(mb, out, gardo_ref, keep)
+            loss = loss + t.kl_beta * kl
+        elif t.kl_beta > 0:
             with torch.no_grad(), ctx.policy.reference():
                 ref = mb.evaluate()
             kl = mb.kl(out, ref, keep).mean()
             loss = loss + t.kl_beta * kl
         return loss, pl, kl
+
+
+def validate_gardo(cfg) -> None:
+    """objective.grpo.regularizer gardo: what it runs with, one sentence for the first thing missing."""
+    g = cfg.objective.grpo
+    check_choice("objective.grpo.gardo_gate_sign", g.gardo_gate_sign, GATE_SIGNS)
+    if not 0 < g.gardo_kappa <= 1:
+        raise ConfigError(f"objective.grpo.gardo_kappa must be in (0, 1]; got {g.gardo_kappa}")
+    check_positive("objective.grpo.gardo_kl_threshold", g.gardo_kl_threshold)
+    if g.gardo_reset_every < 1:
+        raise ConfigError(f"objective.grpo.gardo_reset_every must be at least 1; got {g.gardo_reset_every}")
+    needs = {"lora.enabled": (cfg.lora.enabled, "true (the reference is a copy of the adapter)"),
+             "rollout.kind": (cfg.rollout.kind == "flat", "flat (its transitions know their samples)"),
+             "run.async_rollouts": (not cfg.run.async_rollouts, "false"), "run.distributed": (cfg.run.distributed == "ddp", "ddp"),
+             "trainer.kl_beta": (cfg.trainer.kl_beta > 0, "> 0 (the gated KL's weight)")}
+    for key, (ok, want) in needs.items():
+        if not ok:
+            raise ConfigError(f"objective.grpo.regularizer gardo needs {key} {want}")
+    if not g.gardo_auxiliary:
+        raise ConfigError("objective.grpo.regularizer gardo needs objective.grpo.gardo_auxiliary: the channels (scored, with "
+                          "weight 0) that the gate ranks against the trained reward, e.g. [shapes_clean]")
+    scored = set(cfg.reward.weights)
+    for c in g.gardo_auxiliary:
+        if c.split("/")[0] not in scored:
+            raise ConfigError(f"objective.grpo.gardo_auxiliary '{c}' is not among the scored rewards ({', '.join(sorted(scored))}); "
+                              f"add it to reward.weights with weight 0")
 
 
 def _optimizer_step_share(gi: int, order: list[int], accum: int, kept: list[list[int]]) -> tuple[bool, int, int]:

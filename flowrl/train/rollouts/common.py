@@ -146,7 +146,7 @@ def stage_experience(ctx, iteration: int, stages: list[Stage], spec: SamplerSpec
             transitions.append([
                 TransitionBatch(partial(recompute_transition, policy, traj, spec, c, step), traj.log_probs[c, step], local_adv,
                                 step_kl(spec.reduction), behaviour_mean=partial(behaviour_mean, policy, traj, spec, c, step),
-                                dt=float(spec.sigmas[step] - spec.sigmas[step + 1]))
+                                dt=float(spec.sigmas[step] - spec.sigmas[step + 1]), index=index[c])
                 for step in trained_steps
             ])
             samples.append(SampleBatch(traj.final[c], traj.prompts[c], traj.seeds[c], index[c]))
