@@ -508,12 +508,30 @@ def cmd_eval(args) -> int:
         from flowrl.text import cli as text
 
         return text.evaluate(args.run, args.config, list(args.overrides), args.checkpoint)
-    from flowrl.train.evaluate import evaluate, format_category_table
+    from flowrl.train.evaluate import format_category_table
+    from flowrl.train.prompts import read_prompt_file
+
+    prompts = read_prompt_file(args.prompts, field="--prompts", per_category=args.per_category) if args.prompts else None
+    result, what, source = evaluate_policy(args, prompts, args.prompts)
+    print(f"eval of {what} on {len(result.prompts) // args.n} prompts x {args.n} images ({source})")
+    means = result.means()
+    width = max(len(c) for c in means)
+    for name, value in means.items():
+        print(f"{name:<{width}}  {value:.4f}")
+    table = result.category_table()
+    if table is not None:
+        print(format_category_table({Path(args.run).name if args.run else "base model": table}))
+    return 0
+
+
+def evaluate_policy(args, prompts: list[str] | None, source: str | None):
+    """`flowrl eval`'s scores (and flowrl.api.evaluate's): the policy of args.run or args.config on
+    `prompts` (None: the shapes reward's held-out set), args.n images each, with the judge and the
+    search asked for. Returns the EvalResult, what was evaluated, and where the prompts came from."""
+    from flowrl.train.evaluate import evaluate
     from flowrl.train.prompts import read_prompt_file
     from rewards import MultiReward
 
-    source = args.prompts
-    prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category) if source else None
     search = _search_overrides(args)
     cfg, policy, what, _ = _policy_for(args, list(args.overrides) + search)
     reward = MultiReward.from_config(cfg.reward)
@@ -546,15 +564,7 @@ def cmd_eval(args) -> int:
                  f"{t['reward_calls'] / len(expanded):.0f} reward calls per image")
     else:
         result = evaluate(cfg, policy, reward, expanded, seed=args.seed, progress=True, judge=judge)
-    print(f"eval of {what} on {len(prompts)} prompts x {args.n} images ({source})")
-    means = result.means()
-    width = max(len(c) for c in means)
-    for name, value in means.items():
-        print(f"{name:<{width}}  {value:.4f}")
-    table = result.category_table()
-    if table is not None:
-        print(format_category_table({Path(args.run).name if args.run else "base model": table}))
-    return 0
+    return result, what, source
 
 
 def cmd_offline(args) -> int:

@@ -3,7 +3,9 @@
 A reward is any callable `fn(images, prompts, metadata) -> scores` where `images` is a float
 tensor [N, 3, H, W] in [0, 1] (videos [N, 3, F, H, W] are scored frame by frame, rewards/video.py), `prompts` a list of N strings, `metadata` a list of N dicts
 (or None), and `scores` a float tensor [N] (one channel) or [N, K] (K named channels). A plain
-function is a reward; `register` puts it in the registry by name. Model-backed rewards are
+function is a reward, of `(images, prompts)` too; `register` puts it in the registry by name, from
+flowrl's own modules, a module named in a config's `plugins`, or an installed package's
+`flowrl.rewards` entry point (rewards/registry.py). Model-backed rewards are
 registered as factories whose keyword arguments are their options (reward.options.NAME); they
 import their heavy packages only when built.
 """

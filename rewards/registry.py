@@ -1,7 +1,13 @@
-"""Name -> reward factory. Factories are called lazily, so heavy models load only when used."""
+"""Name -> reward factory. Factories are called lazily, so heavy models load only when used.
+
+Rewards of other packages join without an edit here: a module that calls `register` when imported
+(named in a config's `plugins` list), or an installed package's entry point in the group
+`flowrl.rewards` (`sharpness = "my_package.rewards:sharpness"` in its pyproject.toml), registered
+under the entry point's name unless its module registers it itself."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable
@@ -36,22 +42,88 @@ _REGISTRY: dict[str, RewardSpec] = {}
 
 def register(name: str, description: str, channels: tuple[str, ...] = (), factory: bool = False,
              breakdown: Callable[..., dict] | None = None, bucket: Callable[[str], str] | None = None, video: bool = False):
-    """Decorator: register a reward under `name`. A plain function is the reward itself; a
-    class, or a function registered with factory=True, builds the reward when first used; its
+    """Decorator: register a reward under `name`. A plain function is the reward itself, of
+    `(images, prompts, metadata)` or `(images, prompts)` (`as_reward`); a class, or a function registered with factory=True, builds the reward when first used; its
     keyword arguments are the reward's options (reward.options.NAME in the config). `breakdown`
     (prompts, scores [N, K]) -> {prompt kind: {column: mean}} splits its scores by kind of prompt,
     `bucket` (prompt) -> kind names one prompt's kind; `video`: it scores videos [N, 3, F, H, W] itself
     (any other reward scores a video's frames)."""
 
     def wrap(obj):
-        make = obj if factory or isinstance(obj, type) else (lambda: obj)
+        if factory or isinstance(obj, type):
+            make = obj
+        else:
+            reward = as_reward(name, obj)
+            make = lambda: reward  # noqa: E731
         _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,), breakdown, bucket, video)
         return obj
 
     return wrap
 
 
+def as_reward(name: str, fn: Callable) -> Callable:
+    """`fn` as a reward of the protocol's `(images, prompts, metadata)`: a function of `(images,
+    prompts)` is called without the metadata. One sentence for a function that takes neither."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (a builtin): taken at its word
+        return fn
+    if _binds(signature, 3):
+        return fn
+    if not _binds(signature, 2):
+        raise UserError(f"reward '{name}' must take (images, prompts) or (images, prompts, metadata); it takes {signature}")
+
+    @functools.wraps(fn)
+    def without_metadata(images, prompts, metadata=None):
+        return fn(images, prompts)
+
+    return without_metadata
+
+
+def _binds(signature: inspect.Signature, positional: int) -> bool:
+    try:
+        signature.bind(*range(positional))
+    except TypeError:
+        return False
+    return True
+
+
+ENTRY_POINT_GROUP = "flowrl.rewards"
+_ENTRY_POINTS_LOADED: list[bool] = []
+
+
+def load_entry_points() -> None:
+    """Register the rewards of installed packages' `flowrl.rewards` entry points, once per process
+    (reading every package's metadata is slow). An entry point that does not import, or whose name
+    a built-in reward has, is one sentence, again at every look-up until it is mended."""
+    if _ENTRY_POINTS_LOADED:
+        return
+    from importlib.metadata import entry_points
+
+    _ENTRY_POINTS_LOADED.append(True)  # before the imports: a plug-in that looks rewards up does not come back here
+    try:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            _register_entry_point(ep)
+    except Exception:
+        _ENTRY_POINTS_LOADED.clear()
+        raise
+
+
+def _register_entry_point(ep) -> None:
+    where = f"the '{ep.name}' entry point of group {ENTRY_POINT_GROUP} ({ep.value})"
+    if ep.name in _REGISTRY:
+        raise UserError(f"{where} names the reward '{ep.name}', which flowrl already has; rename the entry point")
+    try:
+        obj = ep.load()
+    except Exception as exc:  # a missing module, or the module's own error
+        raise UserError(f"{where} does not import ({type(exc).__name__}: {exc})") from None
+    if ep.name not in _REGISTRY:  # its module did not register it on import: the object is the reward (or its class)
+        doc = (inspect.getdoc(obj) or "").strip().splitlines()
+        register(ep.name, doc[0] if doc else f"from {ep.value}")(obj)
+
+
 def available_rewards() -> list[str]:
+    load_entry_points()
     return sorted(_REGISTRY)
 
 
@@ -60,6 +132,8 @@ def describe_rewards() -> list[tuple[str, str]]:
 
 
 def get_reward(name: str) -> RewardSpec:
+    if name not in _REGISTRY:
+        load_entry_points()
     if name not in _REGISTRY:
         raise UserError(f"unknown reward '{name}'; available: {', '.join(available_rewards())}")
     return _REGISTRY[name]
