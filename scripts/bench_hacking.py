@@ -14,8 +14,8 @@ ODE, gold held-out strict accuracy, the image statistics and diversity against t
     unguarded  every rule warns: the curves of a run left alone
     guarded    gold divergence and diversity collapse roll back to the `best` checkpoint (at most 3 times, then
                stop); statistic drift warns
-
-(GARDO, the regularised GRPO of docs/monitor.md, joins as an arm when objective.grpo has it.)
+    gardo      every rule warns, and GRPO regularised by GARDO (objective.grpo.regularizer gardo, KL weight 0.04,
+               the gate ranking the trained reward against shapes_clean, scored with weight 0)
 Writes hacking.png (training reward, gold, diversity and each statistic against iterations, one colour per
 arm) and hacking.json to --out, and prints per arm what fired and when, the gold at the end and at its best,
 and the guarded arm's final gold against the unguarded one's.
@@ -41,7 +41,15 @@ ARMS = {
     "unguarded": WARN_ALL,
     "guarded": ["monitor.on_gold_divergence=rollback", "monitor.on_drift=warn", "monitor.on_diversity=rollback",
                 "monitor.max_rollbacks=3"],
+    "gardo": [*WARN_ALL, "objective.grpo.regularizer=gardo", "objective.grpo.gardo_auxiliary=[shapes_clean]", "trainer.kl_beta=0.04"],
 }
+AUXILIARY = "shapes_clean"  # GARDO's auxiliary reward: the share of clean on-palette pixels, never trained on
+
+
+def arm_overrides(arm: str, reward: str) -> list[str]:
+    """The trained reward alone (GARDO's arm also scores its auxiliary, with weight 0), then the arm's settings."""
+    weights = f"{{{reward}: 1.0, {AUXILIARY}: 0.0}}" if arm == "gardo" else f"{{{reward}: 1.0}}"
+    return [f"reward.weights={weights}", "reward.channel_weights={}", *ARMS[arm]]
 PANELS = ["reward_mean", "heldout/shapes/strict", "monitor/diversity", "monitor/brightness", "monitor/saturation",
           "monitor/dark_fraction", "monitor/bright_fraction", "monitor/colour_entropy", "monitor/edge_density"]
 SMOKE = ["trainer.iterations=2", "monitor.every=1", "monitor.num_prompts=2", "monitor.seeds=2", "run.checkpoint_every=1",
@@ -60,6 +68,8 @@ def main(argv=None) -> int:
                     "two iterations per arm, evaluated after each")
     ap.add_argument("overrides", nargs="*", help="dot-list overrides for every arm")
     args = ap.parse_args(argv)
+    if args.reward == AUXILIARY and "gardo" in args.arms:
+        ap.error(f"--reward {AUXILIARY} is GARDO's auxiliary reward; train another, or leave out the gardo arm")
     with contextlib.ExitStack() as stack:
         if args.smoke:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,8 +92,7 @@ def run(args) -> int:
     for arm in args.arms:
         run_dir = out / arm
         t0 = time.perf_counter()
-        code = cli_main(["train", *COMMON, f"reward.weights={{{args.reward}: 1.0}}", "reward.channel_weights={}", *ARMS[arm],
-                         *args.overrides, f"trainer.seed={args.train_seed}", f"trainer.max_minutes={args.minutes}",
+        code = cli_main(["train", *COMMON, *arm_overrides(arm, args.reward), *args.overrides, f"trainer.seed={args.train_seed}", f"trainer.max_minutes={args.minutes}",
                          "--run-dir", str(run_dir)])
         if code != 0:
             raise SystemExit(f"bench_hacking: the {arm} arm's training failed (exit {code})")
@@ -102,8 +111,9 @@ def run(args) -> int:
     (out / "hacking.json").write_text(json.dumps(results, indent=1))
     _plot(results, out / "hacking.png")
     arms = results["arms"]
-    if {"guarded", "unguarded"} <= set(arms) and arms["guarded"]["gold_end"] is not None and arms["unguarded"]["gold_end"]:
-        print(f"guarded gold at the end {arms['guarded']['gold_end'] / arms['unguarded']['gold_end']:.3g}x the unguarded arm's")
+    for arm in ("guarded", "gardo"):
+        if {arm, "unguarded"} <= set(arms) and arms[arm]["gold_end"] is not None and arms["unguarded"]["gold_end"]:
+            print(f"{arm} gold at the end {arms[arm]['gold_end'] / arms['unguarded']['gold_end']:.3g}x the unguarded arm's")
     print(f"wrote {out / 'hacking.json'} and {out / 'hacking.png'}")
     return 0
 

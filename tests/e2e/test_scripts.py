@@ -299,10 +299,12 @@ def test_bench_hacking_trains_every_arm_under_the_monitor_and_plots_the_curves(t
     assert load_script("bench_hacking").main(["--smoke", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "hacking.json").read_text())
-    assert set(results["arms"]) == {"unguarded", "guarded"} and results["reward"] == "shapes_quality"
+    assert set(results["arms"]) == {"unguarded", "guarded", "gardo"} and results["reward"] == "shapes_quality"
     for arm, r in results["arms"].items():
         assert r["iterations"] == 2 and len(r["curves"]["heldout/shapes/strict"]) == 2  # evaluated after each iteration
         assert len(r["curves"]["monitor/colour_entropy"]) == 2 and r["base"]["stats"]["brightness"] >= 0
         assert re.search(rf"^{arm} +2 iterations; gold \(held-out strict\) at the end [\d.]+, best [\d.]+ at iteration \d", printed,
                          re.MULTILINE)
     assert (out / "hacking.png").stat().st_size > 0
+    gardo_rows = [json.loads(line) for line in (out / "gardo" / "metrics.jsonl").read_text().splitlines()]
+    assert all("gardo_kappa" in row for row in gardo_rows)  # the GARDO arm trained with the regulariser
