@@ -251,3 +251,23 @@ def test_the_gpu_image_presets_watch_and_the_cheap_ones_do_not():
     assert not load_config("tiny_jpeg").monitor.enabled
     default = load_config(None, validate_paths=False).monitor
     assert not default.enabled and default.gold == ["shapes/strict"] and default.prompt_file == "builtin:shapes-heldout"
+
+
+def test_a_stop_ends_the_run_with_a_checkpoint_and_says_so(tiny_sd3_dir, tmp_path):
+    from accelerate.state import AcceleratorState
+    from flowrl.train.loop import Trainer
+
+    AcceleratorState._reset_state()
+    torch.set_num_threads(1)
+    cfg = load_config("tiny_jpeg", FAST + [f"model.path={tiny_sd3_dir}", "trainer.iterations=4", "run.checkpoint_every=0",
+                                           "monitor.enabled=true", "monitor.every=2", "monitor.num_prompts=1", "monitor.seeds=2",
+                                           "monitor.on_drift=stop", "monitor.drift={brightness: 1e-9}"])
+    try:
+        trainer = Trainer(cfg, run_dir=tmp_path / "run")
+        history = trainer.train()
+    finally:
+        AcceleratorState._reset_state()
+    assert len(history) == 2 and trainer.stop_reason == "monitor: stat_drift"  # evaluated after iteration 2: stopped there
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000002"
+    assert not (tmp_path / "run" / "checkpoints" / "best").exists()  # no gold: no best checkpoint
+    assert "monitor: stat_drift (stop) at iteration 2" in trainer.closing_line()
