@@ -1,7 +1,7 @@
 """objective.grpo.regularizer gardo (flowrl/train/objectives/gardo.py) in the trainer: its checks, an
 iteration's gate and advantages from the experience, the KL on gated transitions only, the reference
 reset copying the adapter exactly, and its state through a checkpoint's tensors. The math itself is
-tested against the spec's numbers in tests/core/test_gardo.py."""
+tested against the spec's numbers in tests/core/test_gardo_math.py."""
 
 from __future__ import annotations
 
