@@ -48,7 +48,7 @@ from rewards import available_rewards, check_reward_config
 
 TRACKERS = ("tensorboard", "wandb", "none")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")
-REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights")
+REPLACED_MAPPINGS = ("reward.weights", "reward.channel_weights", "monitor.drift")
 # keys that moved: the old name is refused with a sentence naming the new one
 MOVED_KEYS = {"trainer.objective": "objective.kind", "trainer.clip_range": "objective.grpo.clip_range",
               "trainer.clip_range_high": "objective.grpo.clip_range_high",
