@@ -35,10 +35,16 @@ class CLIPPairScorer:
         self.max_length = self.model.config.text_config.max_position_embeddings
 
     @torch.inference_mode()
-    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> torch.Tensor:
+    def image_features(self, images: torch.Tensor) -> torch.Tensor:
+        """The CLIP image embeddings [N, D]: the feature space of the monitor's diversity and GARDO's novelty
+        (docs/monitor.md) when this reward is loaded."""
         pixels = self.processor(images=to_pil(images), return_tensors="pt")["pixel_values"]
+        return pooled(self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype))).float()
+
+    @torch.inference_mode()
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> torch.Tensor:
         text = self.processor(text=list(prompts), padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
-        image_emb = pooled(self.model.get_image_features(pixel_values=pixels.to(self.device, self.dtype))).float()
+        image_emb = self.image_features(images)
         text_emb = pooled(
             self.model.get_text_features(input_ids=text["input_ids"].to(self.device), attention_mask=text["attention_mask"].to(self.device))
         ).float()

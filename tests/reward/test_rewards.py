@@ -381,3 +381,24 @@ def test_a_rewards_breakdown_reaches_metrics_and_evals_through_the_reward():
     assert {k: v for k, v in columns.items() if k.startswith("strict/")} == {
         f"strict/{c}": row["strict"] for c, row in expected.items() if c != "overall"}
     assert columns["reward/shapes/partial"] == pytest.approx(partial.mean().item())
+
+
+def test_clip_rewards_lend_their_image_encoder_to_the_monitor(tiny_clip_dir):
+    from flowrl.schema import Config
+    from flowrl.train.monitor.image_stats import group_diversity
+    from flowrl.train.monitor.watch import Monitor
+
+    scorer = get_reward("clip_score").factory(path=tiny_clip_dir, device="cpu")
+    images = _images(3)
+    feats = scorer.image_features(images)
+    assert feats.shape == (3, 16)
+    # the score is the cosine of these very features with the prompt's embedding
+    text = scorer.processor(text=PROMPTS[:3], padding=True, return_tensors="pt")
+    text_emb = scorer.model.get_text_features(input_ids=text["input_ids"], attention_mask=text["attention_mask"])
+    text_emb = getattr(text_emb, "pooler_output", text_emb).float()
+    assert torch.allclose(scorer(images, PROMPTS[:3]), torch.nn.functional.cosine_similarity(feats, text_emb, dim=-1), atol=1e-5)
+    cfg = Config(data=Config().data.__class__(prompts=["a"]))
+    monitor = Monitor(cfg, encoders=[lambda i, p: None, scorer])
+    assert monitor.encoder == scorer.image_features
+    same = torch.cat([images[:1]] * 2)
+    assert group_diversity(monitor.encoder(same), torch.zeros(2), "cosine") == pytest.approx(0.0, abs=1e-6)

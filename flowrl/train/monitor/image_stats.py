@@ -85,11 +85,15 @@ def image_statistics(images: torch.Tensor) -> dict[str, float]:
     return out
 
 
+def middle_frames(images: torch.Tensor) -> torch.Tensor:
+    """Images as they are; videos [N, 3, F, H, W] by their middle frame [N, 3, H, W] (what an image encoder sees)."""
+    return images[:, :, images.shape[2] // 2] if images.ndim == 5 else images
+
+
 def pixel_features(images: torch.Tensor, side: int = 16) -> torch.Tensor:
     """Images area-averaged to side x side (a video: its middle frame), flattened: [N, 3 side^2], the
     feature space of diversity when no reward brings an image encoder."""
-    x = images[:, :, images.shape[2] // 2] if images.ndim == 5 else images
-    return F.adaptive_avg_pool2d(x.float(), side).flatten(1)
+    return F.adaptive_avg_pool2d(middle_frames(images).float(), side).flatten(1)
 
 
 def group_diversity(features: torch.Tensor, groups: torch.Tensor, metric: str = "rms") -> float:

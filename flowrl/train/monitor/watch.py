@@ -20,7 +20,7 @@ from flowrl.runtime.checkpoint import BEST, best_checkpoint, load_checkpoint, po
 from flowrl.runtime.processes import rank0
 from flowrl.train.evaluate import ode_images
 from flowrl.train.images import save_grid
-from flowrl.train.monitor.image_stats import group_diversity, image_statistics, pixel_features
+from flowrl.train.monitor.image_stats import group_diversity, image_statistics, middle_frames, pixel_features
 from flowrl.train.monitor.rules import Evaluation, Firing, check_rules
 from flowrl.train.monitor.validate import gold_reward
 from flowrl.train.prompts import load_prompts, read_prompt_file
@@ -72,7 +72,8 @@ class Monitor:
             scores = self.gold(images, self.prompts)
             means = dict(zip(self.gold.channel_names, scores.mean(0).tolist()))
             gold = {c: means[c] for c in self.options.gold}
-        features, metric = (self.encoder(images), "cosine") if self.encoder is not None else (pixel_features(images), "rms")
+        features, metric = ((self.encoder(middle_frames(images)).float().cpu(), "cosine") if self.encoder is not None
+                            else (pixel_features(images), "rms"))
         return {"gold": gold, "stats": image_statistics(images), "diversity": group_diversity(features, self.groups, metric)}
 
     def summary(self) -> list[str]:

@@ -21,7 +21,7 @@ from flowrl.core.gardo import (KappaController, diversity_aware_advantages, gate
                                reference_reset_due, uncertainty, uncertainty_gate)
 from flowrl.runtime.ema import EMA
 from flowrl.train.experience import Experience, TransitionBatch, advantages_at
-from flowrl.train.monitor.image_stats import pixel_features
+from flowrl.train.monitor.image_stats import middle_frames, pixel_features
 
 
 def channel_columns(channel_names: list[str], wanted: list[str]) -> list[int]:
@@ -75,7 +75,7 @@ class GardoRegularizer:
             real = sb.index < n
             if bool(real.any()):
                 images = ctx.policy.decode(sb.x0[real.to(sb.x0.device)])
-                feats.append((encoder(images) if encoder is not None else pixel_features(images)).float().cpu())
+                feats.append((encoder(middle_frames(images)) if encoder is not None else pixel_features(images)).float().cpu())
                 rows.append(sb.index[real])
         dim = feats[0].shape[1] if feats else 0
         dim = int(ctx.accelerator.reduce(torch.tensor(dim, device=ctx.accelerator.device), "max"))
