@@ -271,3 +271,20 @@ def test_a_stop_ends_the_run_with_a_checkpoint_and_says_so(tiny_sd3_dir, tmp_pat
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "iter_000002"
     assert not (tmp_path / "run" / "checkpoints" / "best").exists()  # no gold: no best checkpoint
     assert "monitor: stat_drift (stop) at iteration 2" in trainer.closing_line()
+
+
+def test_a_resumed_run_keeps_the_monitors_record(rolled_back_run):
+    from accelerate.state import AcceleratorState
+    from flowrl.runtime.run_dir import CONFIG_FILE
+    from flowrl.train.loop import Trainer
+
+    r = rolled_back_run
+    AcceleratorState._reset_state()
+    try:
+        resumed = Trainer(load_config(r.run / CONFIG_FILE), run_dir=r.run, resume=True)
+    finally:
+        AcceleratorState._reset_state()
+    before, after = r.trainer.monitor, resumed.monitor
+    assert after.base == before.base and after.best == before.best and after.rollbacks == before.rollbacks == 2
+    assert after.fired == before.fired and [vars(e) for e in after.evaluations] == [vars(e) for e in before.evaluations]
+    assert resumed.closing_line().split("; run:")[0] == r.trainer.closing_line().split("; run:")[0]
