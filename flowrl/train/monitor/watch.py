@@ -44,7 +44,6 @@ class Monitor:
 
     def __init__(self, cfg, rewards: dict | None = None, encoders=()):
         self.options = m = cfg.monitor
-        self.cfg = cfg
         prompts = monitor_prompts(cfg)
         self.prompts = [p for p in prompts for _ in range(m.seeds)]  # each prompt's seeds side by side: its group
         self.groups = torch.arange(len(prompts)).repeat_interleave(m.seeds)
@@ -152,7 +151,8 @@ def monitor_evaluate(tr, row: dict) -> dict:
     mon.evaluations.append(ev)
     out = {f"heldout/{c}": v for c, v in ev.gold.items()}
     out.update({f"monitor/{k}": v for k, v in ev.stats.items()})
-    out["monitor/diversity"] = ratio if ratio is not None else float("nan")
+    if ratio is not None:  # None: the base's groups had no spread to compare with (one seed, or identical images)
+        out["monitor/diversity"] = ratio
     if ev.gold:
         first = ev.gold[mon.options.gold[0]]
         if mon.best is None or first > mon.best[1]:
