@@ -119,8 +119,8 @@ def test_compatibility_comes_from_the_declarations(toy_parts):
     with pytest.raises(ConfigError, match="^objective.kind 'toy_awfm' trains on clean samples.*objective.kind may be grpo with it$"):
         load_config("tiny_jpeg", ["rollout.kind=tree", "rollout.tree.split_steps=[0,1]", "data.group_size=4", "objective.kind=toy_awfm"])
     assert TRANSITIONS in ROLLOUTS["flat"].provides(load_config("tiny_jpeg"))
-    with pytest.raises(ConfigError, match=f"^objective.kind must be one of {', '.join(OBJECTIVES.names())}; got 'dpo'$"):
-        load_config("tiny_jpeg", ["objective.kind=dpo"])
+    with pytest.raises(ConfigError, match=f"^objective.kind must be one of {', '.join(OBJECTIVES.names())}; got 'kto'$"):
+        load_config("tiny_jpeg", ["objective.kind=kto"])
 
 
 # A user's own objective with two options, in a module outside the package, named by the config's
