@@ -126,6 +126,8 @@ def test_function_rewards_are_refused_where_they_cannot_reach_and_where_names_cl
         api.config(reward={"brightness": lambda images, prompts: images.mean((1, 2, 3))})
     with pytest.raises(UserError, match=r"reward 'custom' must take \(images, prompts\) or \(images, prompts, metadata\)"):
         api.config(reward=lambda images: images.mean((1, 2, 3)))
+    with pytest.raises(UserError, match="'qwen25_05b_gsm8k_1gpu' is a text config .* use the flowrl command"):
+        api.train("qwen25_05b_gsm8k_1gpu")
 
 
 def test_config_takes_sections_dot_lists_a_config_and_a_reward_mapping():
