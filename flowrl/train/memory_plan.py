@@ -19,6 +19,7 @@ import torch
 from flowrl.errors import UserError, check_choice
 from flowrl.models import FAMILIES, pipeline_kinds
 from flowrl.models.quantize import NF4_BLOCK, QUANTIZE_MODES
+from flowrl.models.text_cache import TEXT_ENCODER_MODES
 from flowrl.runtime.optimizers import BLOCK_SIZE, MIN_8BIT_SIZE, check_optimizer, optimizer_state_bytes
 
 GIB = 1024**3
@@ -63,6 +64,9 @@ class Launch:
     optimizer: str = "adamw"  # trainer.optimizer: adamw | adamw8bit | paged_adamw8bit
     quantize: str = "none"  # model.quantize: the frozen transformer's Linear weights in nf4 | int8 (LoRA, ddp)
     quantize_text_encoders: str = "none"  # model.quantize_text_encoders: none | nf4 | int8
+    text_encoders: str = "device"  # model.text_encoders: device | cpu | cached (cpu and cached: none of them on the GPU)
+    # the reward models on the GPU, by weights name: [registered kind, dtype] (reward_models: those of a config)
+    rewards: dict[str, list[str]] = field(default_factory=dict)
     # T5 tokens per prompt (model.max_sequence_length); 0: the pipeline's own default (SD3 256, FLUX 512).
     # SD3 adds CLIP's 77 in front
     max_sequence_length: int = 0
@@ -79,7 +83,8 @@ class Launch:
                    dtype=cfg.model.dtype, batch=cfg.sampling.batch_size, height=cfg.model.height, width=cfg.model.width,
                    frames=cfg.model.num_frames, gradient_checkpointing=cfg.model.gradient_checkpointing, ema=cfg.trainer.ema,
                    kl=cfg.trainer.kl_beta > 0, max_sequence_length=cfg.model.max_sequence_length, optimizer=cfg.trainer.optimizer,
-                   quantize=cfg.model.quantize, quantize_text_encoders=cfg.model.quantize_text_encoders)
+                   quantize=cfg.model.quantize, quantize_text_encoders=cfg.model.quantize_text_encoders,
+                   text_encoders=cfg.model.text_encoders, rewards=reward_models(cfg))
 
 
 @dataclass
@@ -214,9 +219,17 @@ def quantized_how(modules: list[torch.nn.Module], mode: str, low: int) -> str:
 
 
 def check_quantized_launch(launch: Launch) -> None:
-    """model.quantize's rules (flowrl/config.py): a quantised base trains a LoRA, under ddp."""
+    """model.quantize's and model.text_encoders' rules (flowrl/config.py): a quantised base trains a LoRA, under ddp;
+    text encoders off the GPU are not quantised."""
     check_choice("quantize", launch.quantize, QUANTIZE_MODES)
     check_choice("quantize_text_encoders", launch.quantize_text_encoders, QUANTIZE_MODES)
+    check_choice("text_encoders", launch.text_encoders, TEXT_ENCODER_MODES)
+    for name, (kind, dtype) in launch.rewards.items():
+        check_choice(f"reward {name}'s kind", kind, REWARD_NETWORKS)
+        check_choice(f"reward {name}'s dtype", dtype, BYTES)
+    if launch.text_encoders != "device" and launch.quantize_text_encoders != "none":
+        raise UserError(f"text_encoders {launch.text_encoders} keeps the text encoders off the GPU; quantize_text_encoders "
+                        f"{launch.quantize_text_encoders} has nothing to quantise there")
     if launch.quantize != "none" and (launch.lora_rank == 0 or launch.distributed == "fsdp2"):
         raise UserError(f"quantize {launch.quantize} plans a LoRA over the quantised base under ddp, as model.quantize trains; "
                         f"got {'full fine-tuning' if launch.lora_rank == 0 else 'fsdp2'}")
@@ -231,11 +244,82 @@ def frozen_rows(model: Model, launch: Launch, low: int, n: int, shard: str) -> t
     q, encoders = launch.quantize_text_encoders, model.text_encoders
     frozen = low * model.frozen_params
     how = f"{model.frozen_params / 1e9:.2f}B x {low} B, not sharded"
+    if launch.text_encoders != "device" and encoders:  # model.text_encoders cpu | cached: only the VAE on the GPU
+        vae = model.frozen_params - sum(map(count, encoders))
+        return transformer, ("text encoders and VAE", low * vae, f"text encoders on the CPU ({launch.text_encoders}); "
+                                                                  f"VAE {vae / 1e9:.2f}B x {low} B, not sharded")
     if q != "none" and encoders:
         frozen += sum(weight_bytes(e, q, low) - low * count(e) for e in encoders)
         others = model.frozen_params - sum(map(count, encoders))
         how = f"text encoders {quantized_how(encoders, q, low)}; VAE {others / 1e9:.2f}B x {low} B, not sharded"
     return transformer, ("text encoders and VAE", frozen, how)
+
+
+# The networks of the registered rewards that load one, as published (built on the meta device: no download).
+# Text/vision configs are the checkpoints' config.json values; HPSv2's OpenCLIP ViT-H-14 has the layer shapes of
+# transformers' CLIP ViT-H-14 (PickScore's base), so it is counted as that; aesthetic adds its 0.9M-value MLP head.
+CLIP_H = {"projection_dim": 1024,
+          "text_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16},
+          "vision_config": {"hidden_size": 1280, "intermediate_size": 5120, "num_hidden_layers": 32, "num_attention_heads": 16,
+                            "image_size": 224, "patch_size": 14}}
+CLIP_L = {"projection_dim": 768,
+          "text_config": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12},
+          "vision_config": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+                            "image_size": 224, "patch_size": 14}}
+REWARD_NETWORKS = {  # registered reward -> (what it is, its network's parameters by construction on meta)
+    "pickscore": ("CLIP ViT-H-14 (yuvalkirstain/PickScore_v1's config)", lambda: _clip(CLIP_H)),
+    "hpsv2": ("OpenCLIP ViT-H-14, counted as CLIP ViT-H-14", lambda: _clip(CLIP_H)),
+    "clip_score": ("CLIP ViT-L/14 (openai/clip-vit-large-patch14's config)", lambda: _clip(CLIP_L)),
+    "aesthetic": ("CLIP ViT-L/14 + the LAION MLP head", lambda: _clip(CLIP_L) + _aesthetic_head()),
+    "imagereward": ("BLIP ViT-L + BERT-base with cross-attention + MLP (ImageReward-v1.0's med_config)", lambda: _image_reward()),
+}
+
+
+def _clip(config: dict) -> int:
+    import transformers
+
+    return count(on_meta(lambda: transformers.CLIPModel(transformers.CLIPConfig(**config))))
+
+
+def _aesthetic_head() -> int:
+    from rewards.aesthetic import AestheticHead
+
+    return count(on_meta(lambda: AestheticHead(768)))
+
+
+def _image_reward() -> int:
+    from rewards.imagereward import ImageRewardModel
+
+    config = {"vision": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+                         "image_size": 224, "patch_size": 16},
+              "text": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                       "encoder_hidden_size": 1024, "vocab_size": 30524}}
+    return count(on_meta(lambda: ImageRewardModel(config)))
+
+
+def reward_models(cfg) -> dict[str, list[str]]:
+    """The reward models a config loads onto the GPU, by name: [kind, dtype], from reward.weights and the monitor's
+    gold rewards (reward.options NAME.kind, .device, .dtype; a reward on the CPU or with no network counts 0)."""
+    names = list(cfg.reward.weights)
+    if cfg.monitor.enabled:
+        names += [g.split("/")[0] for g in cfg.monitor.gold]
+    out = {}
+    for name in dict.fromkeys(names):
+        options = cfg.reward.options.get(name, {})
+        kind = options.get("kind", name)
+        if kind in REWARD_NETWORKS and options.get("device", "auto") != "cpu":
+            out[name] = [kind, options.get("dtype", "fp32")]
+    return out
+
+
+def reward_row(rewards: dict[str, list[str]]) -> tuple[str, float, str]:
+    """The reward models' weights on the GPU (their activations, under no_grad on a batch of 224 px images, left out)."""
+    total, how = 0, []
+    for name, (kind, dtype) in rewards.items():
+        what, params = REWARD_NETWORKS[kind][0], REWARD_NETWORKS[kind][1]()
+        total += params * BYTES[dtype]
+        how.append(f"{name}: {what} {params / 1e9:.2f}B x {BYTES[dtype]} B")
+    return "reward models", total, "; ".join(how) or "none on the GPU"
 
 
 def lora_shapes(transformer: torch.nn.Module, rank: int, targets: list[str]) -> dict[str, tuple[int, int]]:
@@ -300,6 +384,7 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     rows.append(("reference copy", low * base / n if ref else 0.0,
                  f"frozen {launch.dtype} copy {shard}" if ref else ("LoRA: the adapter disabled, no copy" if not full else "no KL")))
     rows.append(frozen_components)
+    rows.append(reward_row(launch.rewards))
 
     blocks = model.blocks()
     unit = max(count(b) for b in blocks)

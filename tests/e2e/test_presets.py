@@ -4,6 +4,7 @@ diffusers transformer classes (checked on the tiny built-in architectures, offli
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,8 +21,10 @@ MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8, "qwen_ima
              "z_image_turbo_pickscore_8gpu": 8, "flux2_klein_9b_pickscore_8gpu": 8, "wan21_1_3b_pickscore_8gpu": 8,
              "flux2_dev_pickscore_8gpu": 8}
 SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu", "sd35_medium_fast_1gpu",
-               "sd35_medium_dpo_1gpu", "sd35_medium_dppo_1gpu")
-FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu", "flux1_dev_g2rpo_1gpu")
+               "sd35_medium_dpo_1gpu", "sd35_medium_dppo_1gpu", "sd35_medium_pickscore_8gb")
+FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu", "flux1_dev_g2rpo_1gpu", "flux1_dev_hps_12gb")
+# the presets for small cards (issue 68) -> their card's size: a "12 GB" card holds 12 GiB (an RTX 3060 reports 12288 MiB)
+SMALL_CARD_PRESETS = {"flux1_dev_hps_12gb": 12, "sd35_medium_pickscore_8gb": 8}
 QWEN_IMAGE_PRESETS = ("qwen_image_pickscore_1gpu", "qwen_image_pickscore_8gpu")
 Z_IMAGE_PRESETS = ("z_image_turbo_pickscore_1gpu", "z_image_turbo_pickscore_8gpu")
 FLUX2_PRESETS = ("flux2_klein_9b_pickscore_1gpu", "flux2_klein_9b_pickscore_8gpu")
@@ -91,6 +94,26 @@ def test_reference_settings(name):
         assert (cfg.sampling.sampler, cfg.sampling.noise_level, cfg.sampling.num_steps) == ("dance_grpo", 0.3, 16)
         assert cfg.data.group_size == 12
         assert _yaml_reward_weights(name) == {"hpsv2": 1.0}
+
+
+CUDA_CONTEXT_GIB = 1.0  # what the plan leaves out and a card must hold beside it: at least the CUDA context
+
+
+@pytest.mark.parametrize("name,card_gb", sorted(SMALL_CARD_PRESETS.items()))
+def test_small_card_presets_plan_within_their_card(name, card_gb):
+    """scripts/plan_memory.py's plan of the preset, with a GiB to spare for the CUDA context, fits its card; and the
+    memory features it turns on are what make it fit (the same launch with them off does not)."""
+    from script_loader import load_script
+
+    from flowrl.train.memory_plan import plan, plan_peak
+
+    model, launch = load_script("plan_memory").config_launch(name, None)
+    assert plan_peak(plan(model, launch)) + CUDA_CONTEXT_GIB <= card_gb
+    cfg = load_config(_preset(name), validate_paths=False)
+    assert (cfg.model.quantize, cfg.model.text_encoders, cfg.model.gradient_checkpointing) == ("nf4", "cached", True)
+    assert all(dtype == "bf16" for _, dtype in launch.rewards.values()) and launch.rewards
+    full = dataclasses.replace(launch, quantize="none", text_encoders="device")
+    assert plan_peak(plan(model, full)) > card_gb
 
 
 def _assert_flow_factory_batching(name: str, cfg) -> None:

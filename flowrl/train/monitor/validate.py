@@ -34,7 +34,9 @@ def validate_monitor(cfg, validate_paths: bool = True) -> None:
         raise ConfigError(f"monitor.seeds must be at least 2 for the diversity within a group that monitor.on_diversity "
                           f"{m.on_diversity} acts on; got {m.seeds}")
     rewards = sorted({gold_reward(c) for c in m.gold})
-    check_reward_config({r: 0.0 for r in rewards}, cfg.reward.options, validate_paths=validate_paths)
+    # the gold rewards' own options only: reward.validate checks those of the trained rewards
+    check_reward_config({r: 0.0 for r in rewards}, {k: v for k, v in cfg.reward.options.items() if k in rewards},
+                        validate_paths=validate_paths)
     for c in m.gold:
         channels = get_reward(gold_reward(c)).channels
         named = [gold_reward(c)] if len(channels) == 1 else [f"{gold_reward(c)}/{k}" for k in channels]
