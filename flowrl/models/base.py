@@ -411,6 +411,38 @@ class FlowPolicy:
         return (torch.tensor(c.latents_mean, device=like.device, dtype=like.dtype).view(shape),
                 torch.tensor(c.latents_std, device=like.device, dtype=like.dtype).view(shape))
 
+    # ---- the family's own diffusers pipeline (flowrl/models/pipeline_call.py) ------------------------
+    def diffusers_call(self, pipe, latents: torch.Tensor, prompts: list[str], num_steps: int, schedule: str = "pipeline",
+                       shift: float = 3.0) -> torch.Tensor:
+        """flowrl's `num_steps`-step ODE sample on sampling.schedule `schedule` (sampling.shift `shift`), drawn
+        by `pipe`, the family's own diffusers pipeline, from flowrl's initial noise `latents` [B, *latent_shape]
+        (seeded_noise(seeds, INITIAL, ...)): images [B, 3, H, W] (videos [B, 3, F, H, W]) in [0, 1], which
+        equal `decode` of flowrl's ODE sample up to float rounding."""
+        from flowrl.models.pipeline_call import draw
+
+        return draw(self, pipe, latents, prompts, num_steps, schedule, shift)
+
+    def pipeline_arguments(self) -> dict[str, Any]:
+        """The keyword arguments of the pipeline's __call__ that make it sample as flowrl does, besides
+        prompt, latents, the steps and the grid: the size, the guidance (with the family's negative prompt)
+        and max_sequence_length as configured (the shapes model's 0 T5 tokens). A family adds its own."""
+        # a pixel-space model: the pipeline divides the size by the VAE factor it assumes without a VAE
+        scale = 1 if self.vae is not None else getattr(self.pipe, "vae_scale_factor", 8)
+        args = {"height": self.cfg.height * scale, "width": self.cfg.width * scale, self.guidance_argument: self.guidance_scale}
+        negative = getattr(self, "negative_prompt", None)
+        if negative is not None and self.guidance_scale > 1.0:
+            args["negative_prompt"] = negative
+        args["max_sequence_length"] = self.cfg.max_sequence_length
+        return args
+
+    def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """flowrl's latents [B, *latent_shape] in the layout the pipeline's `latents` argument takes."""
+        return latents
+
+    def pipeline_latents_code(self, name: str) -> str:
+        """`pipeline_latents` as Python source over the variable `name` ('' where the layouts agree)."""
+        return ""
+
     # ---- LoRA and the reference policy ----------------------------------------------
     def add_lora(self, lora: LoraConfig, seed: int = 0) -> None:
         from peft import LoraConfig as PeftLoraConfig

@@ -62,6 +62,14 @@ class Flux2KleinPolicy(FlowPolicy):
     def latent_shape(self):
         return self._packed_latent_shape()
 
+    def pipeline_latents(self, latents):
+        h, w = self._latent_hw()
+        return latents.transpose(1, 2).unflatten(2, (h // 2, w // 2))
+
+    def pipeline_latents_code(self, name):
+        h, w = self._latent_hw()
+        return f"{name}.transpose(1, 2).unflatten(2, ({h // 2}, {w // 2}))  # flowrl's tokens as the pipeline's [B, 4C, h/2, w/2]"
+
     @property
     def guided(self) -> bool:
         return self.guidance_scale > 1.0 and not self.pipe.config.is_distilled

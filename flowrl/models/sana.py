@@ -57,6 +57,9 @@ class SanaPolicy(FlowPolicy):
     def latent_shape(self):
         return (self.transformer.config.in_channels, self.cfg.height // self.vae_scale_factor, self.cfg.width // self.vae_scale_factor)
 
+    def pipeline_arguments(self):
+        return {**super().pipeline_arguments(), "use_resolution_binning": False}  # flowrl samples the configured size itself
+
     def _velocity(self, x, sigma, cond):
         g = self.guidance_scale
         use_cfg = g > 1.0

@@ -1,14 +1,17 @@
 """The plain-diffusers code that draws what `flowrl sample` draws from an exported run (`flowrl
 export`): the pipeline class and the components saved as none (the pixel-space shapes model has no
 VAE and no T5), the adapter where only it was exported, the sample's initial noise as a seeded
-torch.randn, the run's evaluation grid (passed as `sigmas` where flowrl's grid is not the
-pipeline's own), its guidance and size, and for a model without a VAE the pixels from the latents."""
+torch.randn in the pipeline's latent layout, and the family's own call of its pipeline
+(flowrl/models/pipeline_call.py: the scheduler and grid flowrl samples with, guidance, size, the
+family's arguments), printed from the same `PipelineCall` that `FlowPolicy.diffusers_call` runs; for a
+model without a VAE, the pixels from the latents."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from flowrl.models.base import absent_components, resolve_model_path, resolve_schedule
+from flowrl.models.base import absent_components, resolve_model_path
+from flowrl.models.pipeline_call import pipeline_call
 from flowrl.sampling.noise import initial_noise_seed
 
 
@@ -21,40 +24,51 @@ def diffusers_snippet(policy, cfg, out: Path, prompt: str, seed: int = 0, merged
     """Python source that loads the export in `out` with diffusers alone and draws the first image
     of `flowrl sample --prompt PROMPT --seed SEED` on it (the same noise, grid and guidance)."""
     cls, s, m = policy.pipeline_name, cfg.sampling, cfg.model
+    call = pipeline_call(policy, s.eval_num_steps, s.schedule, s.shift)
     source = out if merged else Path(resolve_model_path(m.path))
     optional = set(getattr(policy.pipeline_class, "_optional_components", ()))  # diffusers fills these with None itself
     absent = "".join(f", {name}=None" for name in absent_components(str(source)) if name not in optional)
-    custom_grid = resolve_schedule(s.schedule, m.path) != "pipeline"  # flowrl's shifted_linear grid: the pipeline's own differs
-    imports = [cls, "FlowMatchEulerDiscreteScheduler"] if custom_grid else [cls]
-    lines = ["import torch", f"from diffusers import {', '.join(imports)}", ""]
-    lines.append(f"pipe = {cls}.from_pretrained({str(source)!r}{absent}, torch_dtype=torch.{_dtype_name(policy)})")
+    imports = [cls, "FlowMatchEulerDiscreteScheduler"] if call.scheduler_shift is not None else [cls]
+    lines = ["import torch", f"from diffusers import {', '.join(imports)}"]
+    if policy.video:
+        lines.append("from diffusers.utils import export_to_video")
+    if call.scheduler_sigmas is not None:
+        lines.insert(0, "import functools")
+    lines += ["", f"pipe = {cls}.from_pretrained({str(source)!r}{absent}, torch_dtype=torch.{_dtype_name(policy)})"]
     if not merged:
         lines.append(f"pipe.load_lora_weights({str(out)!r})")
-    steps = s.eval_num_steps
-    grid = ""
-    if custom_grid:
-        lines += [f"pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift={s.shift}, "
-                  "use_dynamic_shifting=False)"]
-        grid = f", sigmas=[1 - i / {steps} for i in range({steps})]"
-    shape = (1, *policy.latent_shape())
-    lines += [f"# flowrl sample --seed {seed}: its initial noise, then the run's {steps}-step ODE",
-              f"latents = torch.randn({shape}, generator=torch.Generator().manual_seed({initial_noise_seed(seed)}))"]
-    pixels = policy.vae is None  # the transformer works in pixels: the pipeline returns them as its "latents"
-    scale = 1 if not pixels else getattr(policy.pipe, "vae_scale_factor", 8)  # diffusers divides the size by it
-    args = [repr(prompt), f"latents=latents.to(pipe.dtype), height={m.height * scale}, width={m.width * scale}",
-            f"num_inference_steps={steps}{grid}", f"{policy.guidance_argument}={m.guidance_scale}"]
-    negative = getattr(policy, "negative_prompt", None)
-    if negative is not None and m.guidance_scale > 1.0:
-        args.append(f"negative_prompt={negative!r}")
-    args.append(f"max_sequence_length={m.max_sequence_length}")  # flowrl passes it as configured (the shapes model: 0 T5 tokens)
+    lines += _scheduler_lines(call, cls)
+    lines += [f"# flowrl sample --seed {seed}: its initial noise, then the run's {s.eval_num_steps}-step ODE",
+              f"latents = torch.randn({(1, *policy.latent_shape())}, generator=torch.Generator().manual_seed({initial_noise_seed(seed)}))"]
+    layout = policy.pipeline_latents_code("latents")
+    if layout:
+        lines.append(f"latents = {layout}")
+    return "\n".join(lines + _call_lines(policy, call, prompt)) + "\n"
+
+
+def _scheduler_lines(call, cls: str) -> list[str]:
+    if call.scheduler_shift is None:
+        return []
+    lines = [f"pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift={call.scheduler_shift})  # {call.reason}"]
+    if call.scheduler_sigmas is not None:
+        lines.append(f"pipe.scheduler.set_timesteps = functools.partial(pipe.scheduler.set_timesteps, "
+                     f"sigmas={call.scheduler_sigmas!r})  # {cls}.__call__ takes no sigmas")
+    return lines
+
+
+def _call_lines(policy, call, prompt: str) -> list[str]:
+    """The pipeline's call and the saving of its output: images [1, H, W, 3] (frames [1, F, H, W, 3])
+    in [0, 1] as numpy arrays, `flowrl sample`'s sample before it is rounded into a file."""
+    args = ", ".join([f"prompt={prompt!r}", "latents=latents.to(pipe.dtype)", *(f"{k}={v!r}" for k, v in call.arguments.items())])
     if policy.video:
-        lines += [f"frames = pipe({', '.join(args)}).frames[0]  # [frames, H, W, 3]"]
-    elif pixels:
-        lines += [f"x = pipe({', '.join(args)}, output_type='latent').images",
-                  "image = (x.float() / 2 + 0.5).clamp(0, 1)  # [1, 3, H, W] pixels: this model has no VAE"]
+        return [f"frames = pipe({args}, output_type='np').frames  # [1, F, H, W, 3] in [0, 1]",
+                "export_to_video(frames[0], 'sample.mp4', fps=16)"]
+    if policy.vae is None:  # the transformer works in pixels: the pipeline returns them as its "latents"
+        lines = [f"x = pipe({args}, output_type='latent').images  # [1, 3, H, W] pixels in [-1, 1]: this model has no VAE",
+                 "images = (x.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()  # [1, H, W, 3] in [0, 1]"]
     else:
-        lines += [f"image = pipe({', '.join(args)}).images[0]", "image.save('sample.png')"]
-    return "\n".join(lines) + "\n"
+        lines = [f"images = pipe({args}, output_type='np').images  # [1, H, W, 3] in [0, 1]"]
+    return lines + ["pipe.numpy_to_pil(images)[0].save('sample.png')"]
 
 
 def _dtype_name(policy) -> str:

@@ -66,6 +66,9 @@ class WanPolicy(FlowPolicy):
         f = self.vae_scale_factor
         return (self.transformer.config.in_channels, self.latent_frames(), self.cfg.height // f, self.cfg.width // f)
 
+    def pipeline_arguments(self):
+        return {**super().pipeline_arguments(), "num_frames": self.cfg.num_frames}
+
     def _velocity(self, x, sigma, cond):
         g = self.guidance_scale
         use_cfg = g > 1.0

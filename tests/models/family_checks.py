@@ -6,9 +6,6 @@ DiffusionNFT trains 2 iterations and moves the adapter."""
 from __future__ import annotations
 
 import math
-from typing import Callable
-
-import torch
 
 from flowrl.cli import _load_run_policy, _ode_images, main
 from flowrl.sampling.noise import INITIAL, seeded_noise
@@ -16,12 +13,6 @@ from run_checks import run_metrics, trainable
 
 PROMPTS = ["a red circle", "two small blue squares on a table"]  # two lengths: variable-length text streams pad
 SEEDS = [3, 4]
-
-
-def flux2_pipeline_latents(packed: torch.Tensor, side: int = 4) -> torch.Tensor:
-    """FLUX.2's packed tokens [B, h/2 x w/2, 4C] in flowrl as its pipelines' `latents` argument [B, 4C, h/2, w/2]."""
-    b, n, c = packed.shape
-    return packed.permute(0, 2, 1).reshape(b, c, side, side)
 
 
 def train_args(kind: str, path: str, guidance: float) -> list[str]:
@@ -34,17 +25,16 @@ def train_args(kind: str, path: str, guidance: float) -> list[str]:
             "run.progress=false", "run.sample_every=0"]
 
 
-def check_lora_reproduces_flowrl_sample(run, args: list[str], pipe,
-                                        images: Callable[[object, torch.Tensor, list[str]], torch.Tensor]) -> None:
-    """Train with Flow-GRPO's SDE into `run`; `images(pipe, latents, prompts)` samples 4 steps with the
-    family's pipeline from flowrl's initial noise (in flowrl's latent layout) and returns images."""
+def check_lora_reproduces_flowrl_sample(run, args: list[str], pipe) -> None:
+    """Train with Flow-GRPO's SDE into `run`; `pipe`, the family's own diffusers pipeline, samples as the
+    policy's `diffusers_call` makes it (flowrl's initial noise in the pipeline's layout, its grid, guidance)."""
     assert main([*args, "sampling.sampler=flow_grpo", "--run-dir", str(run)]) == 0
     cfg, policy, ckpt = _load_run_policy(run)
     ours = _ode_images(cfg, policy, PROMPTS, SEEDS)  # what `flowrl sample` draws
-    latents = seeded_noise(SEEDS, INITIAL, policy.latent_shape())
-    base = images(pipe, latents, list(PROMPTS))  # a copy of the prompts: some pipelines template the list in place
+    latents, s = seeded_noise(SEEDS, INITIAL, policy.latent_shape()), cfg.sampling
+    base = policy.diffusers_call(pipe, latents, PROMPTS, s.eval_num_steps, s.schedule, s.shift)
     pipe.load_lora_weights(str(ckpt / "ema_lora"))
-    theirs = images(pipe, latents, list(PROMPTS))
+    theirs = policy.diffusers_call(pipe, latents, PROMPTS, s.eval_num_steps, s.schedule, s.shift)
     assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-5
     assert (base - ours).abs().max() > 1e-4  # the adapter changed the samples, so the match above means something
 

@@ -13,7 +13,7 @@ from diffusers import Flux2Pipeline
 from flowrl.models import load_policy
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.schema import ModelConfig
-from family_checks import PROMPTS, SEEDS, check_lora_reproduces_flowrl_sample, check_nft_trains, flux2_pipeline_latents, train_args
+from family_checks import PROMPTS, SEEDS, check_lora_reproduces_flowrl_sample, check_nft_trains, train_args
 
 
 @pytest.mark.parametrize("guidance", [1.0, 4.0])
@@ -23,7 +23,8 @@ def test_ode_equals_the_pipeline_call(tiny_flux2_dir, guidance):
     assert not policy.guided and "neg_embeds" not in policy.encode(PROMPTS[:1])
     traj = rollout(policy, PROMPTS, SEEDS, SamplerSpec.ode(policy.sigmas(5, "pipeline", 3.0)), len(PROMPTS))
     pipe = Flux2Pipeline.from_pretrained(tiny_flux2_dir)
-    theirs = pipe(prompt=list(PROMPTS), latents=flux2_pipeline_latents(traj.latents[:, 0]), height=64, width=64,
+    # the pipeline takes latents [B, 4C, h/2, w/2] where flowrl keeps tokens [B, h/2 x w/2, 4C]
+    theirs = pipe(prompt=list(PROMPTS), latents=policy.pipeline_latents(traj.latents[:, 0]), height=64, width=64,
                   num_inference_steps=5, guidance_scale=guidance, max_sequence_length=64, output_type="latent").images
     assert theirs.shape == traj.final.shape and (theirs - traj.final).abs().max() <= 1e-5  # both packed tokens
 
@@ -40,12 +41,8 @@ def test_the_guidance_scale_moves_the_velocity(tiny_flux2_dir):
 
 
 def test_a_lora_trained_with_flow_grpo_reproduces_flowrl_sample_in_diffusers(tmp_path, tiny_flux2_dir):
-    def images(pipe, latents, prompts):
-        return pipe(prompt=prompts, guidance_scale=4.0, latents=flux2_pipeline_latents(latents), height=64, width=64,
-                    num_inference_steps=4, max_sequence_length=64, output_type="pt").images
-
     pipe = Flux2Pipeline.from_pretrained(tiny_flux2_dir)
-    check_lora_reproduces_flowrl_sample(tmp_path / "run", train_args("flux2", tiny_flux2_dir, 4.0), pipe, images)
+    check_lora_reproduces_flowrl_sample(tmp_path / "run", train_args("flux2", tiny_flux2_dir, 4.0), pipe)
 
 
 def test_diffusion_nft_trains(tmp_path, tiny_flux2_dir):

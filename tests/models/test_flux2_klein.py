@@ -15,7 +15,7 @@ from flowrl.models import load_policy
 from flowrl.models.tiny import build_tiny_flux2_klein
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.schema import ModelConfig
-from family_checks import PROMPTS, SEEDS, check_lora_reproduces_flowrl_sample, check_nft_trains, flux2_pipeline_latents, train_args
+from family_checks import PROMPTS, SEEDS, check_lora_reproduces_flowrl_sample, check_nft_trains, train_args
 
 
 def _policy(path, guidance):
@@ -30,11 +30,12 @@ def test_ode_equals_the_pipeline_call(tiny_flux2_klein_dir, tmp_path, distilled)
     assert policy.guided == (not distilled)
     traj = rollout(policy, PROMPTS, SEEDS, SamplerSpec.ode(policy.sigmas(5, "pipeline", 3.0)), len(PROMPTS))
     pipe = Flux2KleinPipeline.from_pretrained(path)
-    theirs = pipe(prompt=list(PROMPTS), latents=flux2_pipeline_latents(traj.latents[:, 0]), height=64, width=64,
+    # the pipeline takes latents [B, 4C, h/2, w/2] where flowrl keeps tokens [B, h/2 x w/2, 4C]
+    theirs = pipe(prompt=list(PROMPTS), latents=policy.pipeline_latents(traj.latents[:, 0]), height=64, width=64,
                   num_inference_steps=5, guidance_scale=4.0, max_sequence_length=64, output_type="latent").images
     # the pipeline returns unpatchified, de-normalised latents: flowrl's decode path before the VAE
     mean, std = policy._bn_stats(traj.final)
-    ours = Flux2KleinPipeline._unpatchify_latents(flux2_pipeline_latents(traj.final) * std + mean)
+    ours = Flux2KleinPipeline._unpatchify_latents(policy.pipeline_latents(traj.final) * std + mean)
     assert (theirs - ours).abs().max() <= 1e-5
 
 
@@ -49,13 +50,9 @@ def test_latents_pack_and_normalise_as_the_pipeline_does(tiny_flux2_klein_dir):
 
 
 def test_a_lora_trained_with_flow_grpo_reproduces_flowrl_sample_in_diffusers(tmp_path, tiny_flux2_klein_dir):
-    def images(pipe, latents, prompts):
-        return pipe(prompt=prompts, guidance_scale=4.0, latents=flux2_pipeline_latents(latents), height=64, width=64,
-                    num_inference_steps=4, max_sequence_length=64, output_type="pt").images
-
     pipe = Flux2KleinPipeline.from_pretrained(tiny_flux2_klein_dir)
     args = train_args("flux2_klein", tiny_flux2_klein_dir, 4.0)
-    check_lora_reproduces_flowrl_sample(tmp_path / "run", args, pipe, images)
+    check_lora_reproduces_flowrl_sample(tmp_path / "run", args, pipe)
 
 
 def test_diffusion_nft_trains(tmp_path, tiny_flux2_klein_dir):

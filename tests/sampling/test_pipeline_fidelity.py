@@ -1,12 +1,14 @@
 """flowrl samples what the diffusers pipeline samples (sampling.schedule pipeline): ODE rollouts of
 tiny SD3 and FLUX pipelines equal the pipelines' own __call__ (FLUX at two resolutions, so that
 dynamic shifting's mu differs), a LoRA trained by flowrl reproduces `flowrl sample` in plain
-diffusers (the checkpoint's adapter, `flowrl export`'s adapter or its merged pipeline), the
-presets' grids are their references' grids, and the SDE steps keep their precision."""
+diffusers (the checkpoint's adapter, `flowrl export`'s adapter or its merged pipeline), the code
+`flowrl export` prints draws `flowrl sample`'s image for every family, the presets' grids are their
+references' grids, and the SDE steps keep their precision."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ from flowrl.models.snippet import snippet_prompt
 from flowrl.sampling.noise import INITIAL, seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.sampling.steps import cps_step, dance_grpo_step, gaussian_log_prob
+from tiny_families import EXPORT_SCHEDULES, TINY_FAMILIES, tiny_family_args
 
 PROMPTS = ["a red circle", "two blue squares"]
 SEEDS = [3, 4]
@@ -62,18 +65,24 @@ def test_flux_grids_differ_between_the_two_resolutions(tiny_flux_dir):
     assert not torch.allclose(*grids)  # auto is pipeline for a model that is not built in
 
 
-def _printed_snippet(capsys) -> dict:
-    """Run the plain-diffusers code `flowrl export` printed last; its namespace."""
+def _printed_snippet(capsys) -> torch.Tensor:
+    """Run the plain-diffusers code `flowrl export` printed last (in the current directory, where it saves its
+    file); its sample as flowrl's images [1, 3, H, W] (videos [1, 3, F, H, W])."""
     printed = capsys.readouterr().out
     code = printed.split("In plain diffusers", 1)[1].split("\n\n", 1)[1]
     namespace: dict = {}
     exec(compile(code, "printed-snippet", "exec"), namespace)
-    return namespace
+    if "frames" in namespace:  # [1, F, H, W, 3]
+        assert Path("sample.mp4").is_file()
+        return torch.from_numpy(namespace["frames"]).permute(0, 4, 1, 2, 3)
+    assert Path("sample.png").is_file()
+    return torch.from_numpy(namespace["images"]).permute(0, 3, 1, 2)
 
 
-def test_the_printed_export_snippet_draws_flowrl_samples_image_of_the_pixel_space_shapes_model(tmp_path, capsys):
+def test_the_printed_export_snippet_draws_flowrl_samples_image_of_the_pixel_space_shapes_model(tmp_path, capsys, monkeypatch):
     # the built-in shapes model: no VAE and no T5 (components saved as none), flowrl's shifted_linear grid (not the
     # pipeline's), 0 T5 tokens; the printed code must load the merged pipeline and draw what `flowrl sample` draws
+    monkeypatch.chdir(tmp_path)  # the printed code saves sample.png here
     run, merged = tmp_path / "run", tmp_path / "merged"
     assert main(["train", "tiny_jpeg", "model.path=builtin:shapes", "model.height=32", "model.width=32", "sampling.num_steps=3",
                  "sampling.eval_num_steps=4", "data.group_size=4", "sampling.batch_size=4", "data.prompts_per_iteration=1",
@@ -81,7 +90,7 @@ def test_the_printed_export_snippet_draws_flowrl_samples_image_of_the_pixel_spac
                  "run.sample_every=0", "--run-dir", str(run)]) == 0
     capsys.readouterr()
     assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
-    theirs = _printed_snippet(capsys)["image"]
+    theirs = _printed_snippet(capsys)
     cfg, policy, _ = _load_run_policy(run)
     prompt = [snippet_prompt(cfg)]  # the run's first held-out prompt
     ours = _ode_images(cfg, policy, prompt, [0])
@@ -91,7 +100,8 @@ def test_the_printed_export_snippet_draws_flowrl_samples_image_of_the_pixel_spac
     assert (merged / "sample_with_diffusers.py").read_text().startswith("import torch")
 
 
-def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp_path, tiny_flux_dir, capsys):
+def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp_path, tiny_flux_dir, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the printed code saves sample.png here
     run = tmp_path / "run"
     args = ["train", "tiny_jpeg", "model.kind=flux", f"model.path={tiny_flux_dir}", "model.guidance_scale=3.5",
             "model.max_sequence_length=32", "sampling.num_steps=3", "sampling.eval_num_steps=4", "data.group_size=4",
@@ -103,37 +113,54 @@ def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp
     assert cfg.sampling.schedule == "auto" and not torch.allclose(policy.sigmas(4, "auto", 3.0), policy.sigmas(4, "shifted_linear", 3.0))
     ours = _ode_images(cfg, policy, PROMPTS, SEEDS)  # what `flowrl sample` draws
 
+    latents = seeded_noise(SEEDS, INITIAL, policy.latent_shape())
+
+    def pipeline_sample(pipe):  # FluxPipeline.__call__ as FluxPolicy.diffusers_call makes it (the pipeline's own grid)
+        return policy.diffusers_call(pipe, latents, PROMPTS, 4, cfg.sampling.schedule, cfg.sampling.shift)
+
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
     pipe.load_lora_weights(str(ckpt / "ema_lora"))
-    latents = seeded_noise(SEEDS, INITIAL, policy.latent_shape())
-    theirs = pipe(prompt=PROMPTS, latents=latents, height=64, width=64, num_inference_steps=4, guidance_scale=3.5,
-                  max_sequence_length=32, output_type="pt").images
+    theirs = pipeline_sample(pipe)
     assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-5
-    base = FluxPipeline.from_pretrained(tiny_flux_dir)(prompt=PROMPTS, latents=latents, height=64, width=64,
-                                                        num_inference_steps=4, guidance_scale=3.5, max_sequence_length=32,
-                                                        output_type="pt").images
+    base = pipeline_sample(FluxPipeline.from_pretrained(tiny_flux_dir))
     assert (base - ours).abs().max() > 1e-4  # the adapter changed the samples, so the match above means something
 
     # flowrl export: the LoRA alone for load_lora_weights, and a standalone pipeline with it fused in
-    def pipeline_sample(p):
-        return p(prompt=PROMPTS, latents=latents, height=64, width=64, num_inference_steps=4, guidance_scale=3.5,
-                 max_sequence_length=32, output_type="pt").images
-
     merged, lora = tmp_path / "merged", tmp_path / "lora"
     capsys.readouterr()
     assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
     assert (pipeline_sample(FluxPipeline.from_pretrained(str(merged))) - ours).abs().max() <= 1e-5
-    # the printed code: flowrl sample's first image of the first held-out prompt at seed 0, saved as a PNG
-    first = _ode_images(cfg, policy, [snippet_prompt(cfg)], [0])[0]
-    png = torch.from_numpy(np.array(_printed_snippet(capsys)["image"])).permute(2, 0, 1).float() / 255
-    assert (png - first).abs().max() <= 1 / 255 + 1e-5
+    # the printed code: flowrl sample's first image of the first held-out prompt at seed 0
+    first = _ode_images(cfg, policy, [snippet_prompt(cfg)], [0])
+    assert (_printed_snippet(capsys) - first).abs().max() <= 1e-5
     assert main(["export", "--run", str(run), "-o", str(lora)]) == 0
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
     pipe.load_lora_weights(str(lora))
     assert (pipeline_sample(pipe) - ours).abs().max() <= 1e-5
-    png = torch.from_numpy(np.array(_printed_snippet(capsys)["image"])).permute(2, 0, 1).float() / 255  # the base plus the LoRA
-    assert (png - first).abs().max() <= 1 / 255 + 1e-5
+    assert (_printed_snippet(capsys) - first).abs().max() <= 1e-5  # the base plus the LoRA
     assert main(["export", "--run", str(run), "-o", str(lora)]) == 2  # never written over
+
+
+@pytest.mark.parametrize("kind", list(TINY_FAMILIES))
+def test_the_printed_snippet_of_a_merged_export_draws_flowrl_sample_for_every_family(kind, tmp_path, capsys, monkeypatch, request):
+    # each family's own call: FLUX.2's latent layout, Qwen-Image's true_cfg_scale and negative prompt, SANA's and Wan's
+    # Euler scheduler in place of their multistep solvers, Wan's frames and its grid through the scheduler (its __call__
+    # takes no sigmas), flowrl's shifted_linear grid for half the families (tests/tiny_families.py)
+    monkeypatch.chdir(tmp_path)  # the printed code saves sample.png (sample.mp4) here
+    run, merged = tmp_path / "run", tmp_path / "merged"
+    args = tiny_family_args(kind, request, EXPORT_SCHEDULES[kind])
+    assert main(["train", *args, "trainer.iterations=1", "run.tracker=none", "run.progress=false", "run.sample_every=0",
+                 "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
+    theirs = _printed_snippet(capsys)
+    cfg, policy, _ = _load_run_policy(run)
+    prompt = [snippet_prompt(cfg)]
+    ours = _ode_images(cfg, policy, prompt, [0])
+    # 1e-4: flowrl adds the adapter's output, the merged pipeline computes with the adapter fused into its weights
+    assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-4
+    with policy.reference():  # the trained adapter moved the sample, so the match means something
+        assert (_ode_images(cfg, policy, prompt, [0]) - ours).abs().max() > 1e-4
 
 
 # ---- the presets' grids against their references, written out ------------------------------

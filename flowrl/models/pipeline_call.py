@@ -1,0 +1,99 @@
+"""How a family's own diffusers pipeline draws flowrl's ODE sample from flowrl's initial noise: one
+`PipelineCall` (the scheduler flowrl samples with, the grid, the keyword arguments of `__call__`) that
+`FlowPolicy.diffusers_call` runs and flowrl/models/snippet.py prints as source, so that the code a user
+is shown is the code the tests run.
+
+flowrl's grid reaches the pipeline in one of two ways. `sampling.schedule: pipeline` is the pipeline's
+own, but flowrl's transitions are one-step Euler, so a pipeline that ships a multistep solver (SANA's
+DPM-Solver++, Wan's UniPC) gets `FlowMatchEulerDiscreteScheduler(shift=flow_shift)` in its place, the
+scheduler flowrl's grid came from (`euler_scheduler`). shifted_linear is time_shift(linspace(1, 0, T + 1),
+sampling.shift): linspace(1, 1 / T, T) passed as `sigmas` to a plain `FlowMatchEulerDiscreteScheduler(
+shift=sampling.shift)`, which shifts them and appends the final 0 (none of the pipeline's dynamic
+shifting or terminal stretch: those belong to its own grid); a pipeline whose `__call__` takes no
+`sigmas` (WanPipeline) gets them through its scheduler's `set_timesteps`."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from flowrl.models.base import euler_scheduler, resolve_schedule
+
+
+class LinearSigmas(list):
+    """linspace(1, 1 / T, T), the unshifted grid a pipeline's scheduler shifts; printed as the
+    expression that makes it rather than T numbers."""
+
+    def __init__(self, steps: int):
+        super().__init__(1 - i / steps for i in range(steps))
+        self.steps = steps
+
+    def __repr__(self) -> str:
+        return f"[1 - i / {self.steps} for i in range({self.steps})]"
+
+
+@dataclass
+class PipelineCall:
+    """One call of a family's pipeline that draws flowrl's ODE sample (all but prompt, latents and
+    output_type). Every value prints as the Python that makes it (`repr`)."""
+
+    arguments: dict[str, Any]  # keyword arguments of __call__: size, steps, guidance, the family's own
+    scheduler_shift: float | None  # swap in FlowMatchEulerDiscreteScheduler(shift=...); None: the pipeline's own is flowrl's
+    scheduler_sigmas: LinearSigmas | None  # flowrl's grid for a __call__ without `sigmas`: bound into set_timesteps
+    reason: str = ""  # why the scheduler is swapped (a comment in the printed code)
+
+
+def pipeline_call(policy, num_steps: int, schedule: str, shift: float) -> PipelineCall:
+    """The call of `policy`'s pipeline that samples flowrl's `num_steps`-step ODE under
+    sampling.schedule `schedule` and sampling.shift `shift`."""
+    arguments = {**policy.pipeline_arguments(), "num_inference_steps": num_steps}
+    scheduler = policy.pipe.scheduler
+    if resolve_schedule(schedule, policy.cfg.path) != "pipeline":
+        sigmas = LinearSigmas(num_steps)
+        takes_sigmas = "sigmas" in inspect.signature(policy.pipeline_class.__call__).parameters
+        if takes_sigmas:
+            arguments["sigmas"] = sigmas
+        return PipelineCall(arguments, float(shift), None if takes_sigmas else sigmas,
+                            f"flowrl's shifted_linear grid: linspace(1, 0) time-shifted by sampling.shift {float(shift)}")
+    euler = euler_scheduler(scheduler)
+    if euler is scheduler:
+        return PipelineCall(arguments, None, None)
+    return PipelineCall(arguments, float(euler.config.shift), None,
+                        f"flowrl's Euler step on the grid of the shipped {type(scheduler).__name__}'s flow_shift")
+
+
+def flowrl_scheduler(call: PipelineCall, scheduler):
+    """The scheduler `call` samples with, in place of the pipeline's `scheduler` (itself where kept)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if call.scheduler_shift is None:
+        return scheduler
+    euler = FlowMatchEulerDiscreteScheduler(shift=call.scheduler_shift)
+    if call.scheduler_sigmas is not None:
+        euler.set_timesteps = functools.partial(euler.set_timesteps, sigmas=call.scheduler_sigmas)
+    return euler
+
+
+@torch.no_grad()
+def draw(policy, pipe, latents: torch.Tensor, prompts: list[str], num_steps: int, schedule: str, shift: float) -> torch.Tensor:
+    """`pipe` (the family's diffusers pipeline) sampling from flowrl's initial noise `latents` [B, *latent_shape]:
+    images [B, 3, H, W] (videos [B, 3, F, H, W]) in [0, 1], fp32 on the CPU, as `policy.decode` of flowrl's ODE
+    sample gives them. The pipeline's scheduler is swapped only for the call."""
+    call = pipeline_call(policy, num_steps, schedule, shift)
+    pixels = policy.vae is None  # the transformer works in pixels: the pipeline returns them as its "latents"
+    own = pipe.scheduler
+    pipe.scheduler = flowrl_scheduler(call, own)
+    try:
+        out = pipe(prompt=list(prompts), latents=policy.pipeline_latents(latents).to(pipe.device, pipe.dtype), **call.arguments,
+                   output_type="latent" if pixels else "pt")  # a copy of the prompts: some pipelines template the list in place
+    finally:
+        pipe.scheduler = own
+    if policy.video:
+        return out.frames.transpose(1, 2).float().cpu()  # [B, F, 3, H, W] as flowrl's [B, 3, F, H, W]
+    if pixels:
+        return (out.images.float() / 2 + 0.5).clamp(0, 1).cpu()
+    return out.images.float().cpu()
