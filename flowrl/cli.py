@@ -112,6 +112,8 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
                    "(the default when the reward is shapes: a GenEval-style per-category table)")
     e.add_argument("-n", type=_int(1), default=1, help="images (videos) per prompt")
     e.add_argument("--per-category", type=_int(1), default=150, help="built-in prompt sets: images per category (default 150)")
+    e.add_argument("--no-base", action="store_true", help="with --run: skip the base model's scores (by default the run's "
+                   "are printed beside the base's, the adapter disabled, on the same prompts and seeds, and the change)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--judge", metavar="REWARD", help="an auxiliary judge reward for GDRO's corrected score next to each channel "
                    "(default: reward.judge); its scores map from reward.judge_range onto 1-5")
@@ -507,20 +509,25 @@ def cmd_eval(args) -> int:
     if is_text_run(args.run) or is_text_config(args.config):  # greedy accuracy per bucket
         from flowrl.text import cli as text
 
-        return text.evaluate(args.run, args.config, list(args.overrides), args.checkpoint)
-    from flowrl.train.evaluate import format_category_table
+        return text.evaluate(args.run, args.config, list(args.overrides), args.checkpoint, base=not args.no_base)
+    from flowrl.train.evaluate import format_category_table, format_comparison
     from flowrl.train.prompts import read_prompt_file
 
     prompts = read_prompt_file(args.prompts, field="--prompts", per_category=args.per_category) if args.prompts else None
-    result, what, source = evaluate_policy(args, prompts, args.prompts)
+    result, base, what, source = _evaluate(args, prompts, args.prompts, with_base=bool(args.run) and not args.no_base)
     print(f"eval of {what} on {len(result.prompts) // args.n} prompts x {args.n} images ({source})")
-    means = result.means()
-    width = max(len(c) for c in means)
-    for name, value in means.items():
-        print(f"{name:<{width}}  {value:.4f}")
+    if base is None:
+        means = result.means()
+        width = max(len(c) for c in means)
+        for name, value in means.items():
+            print(f"{name:<{width}}  {value:.4f}")
+    else:
+        print(format_comparison(base.means(), result.means()))
     table = result.category_table()
     if table is not None:
-        print(format_category_table({Path(args.run).name if args.run else "base model": table}))
+        run_name = Path(args.run).name if args.run else "base model"
+        tables = {"base": base.category_table(), run_name: table} if base is not None else {run_name: table}
+        print(format_category_table(tables))
     return 0
 
 
@@ -550,6 +557,13 @@ def evaluate_policy(args, prompts: list[str] | None, source: str | None):
         if "shapes" not in reward.channels:
             raise UserError("--prompts is required unless the config's reward is shapes (then builtin:shapes-heldout is the default)")
         source = "builtin:shapes-heldout"
+    result, _, what, source = _evaluate(args, prompts, source, with_base=False)
+    return result, what, source
+
+
+def _evaluate(args, prompts: list[str] | None, source: str | None, with_base: bool):
+    """evaluate_policy's work; with `with_base`, also the base model's scores on the same prompts and
+    seeds (the adapter disabled; None for a search, or a run without an adapter, which says so)."""
         prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category)
     expanded = [p for p in prompts for _ in range(args.n)]
     if search:
@@ -562,9 +576,16 @@ def evaluate_policy(args, prompts: list[str] | None, source: str | None):
         what += (f", {cfg.search.method} search on {cfg.search.reward or 'reward.weights'} (mean {found.rewards[-1].mean():.4f}), "
                  f"{t['nfe'] / len(expanded):.0f} network evaluations, {t['decodes'] / len(expanded):.0f} decodes and "
                  f"{t['reward_calls'] / len(expanded):.0f} reward calls per image")
-    else:
-        result = evaluate(cfg, policy, reward, expanded, seed=args.seed, progress=True, judge=judge)
-    return result, what, source
+        return result, None, what, source
+    result = evaluate(cfg, policy, reward, expanded, seed=args.seed, progress=True, judge=judge)
+    if not with_base:
+        return result, None, what, source
+    if not policy.has_lora:
+        print("the base model is not evaluated beside a full fine-tuning run: score it with flowrl eval --config")
+        return result, None, what, source
+    with policy.reference():  # the same network with the adapter disabled: the model the run started from
+        base = evaluate(cfg, policy, reward, expanded, seed=args.seed, progress=True, judge=judge, desc="eval sampling (base)")
+    return result, base, what, source
 
 
 def cmd_offline(args) -> int:

@@ -83,13 +83,33 @@ def format_eval(result: dict, what: str, names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def evaluate(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None) -> int:
+def evaluate(run: str | None, config: str | None, overrides: list[str], checkpoint: int | None, base: bool = False) -> int:
+    """Greedy accuracy per bucket of a run's checkpoint or a config's base model; for a run with
+    `base`, beside the base model's (loaded as the run's config names it) and the change."""
+    from flowrl.text.policy import load_text_policy
     from flowrl.text.train import evaluate_text
 
     cfg, policy, what = policy_for(run, config, overrides, checkpoint)
     data, reward = eval_parts(cfg)
-    print(format_eval(evaluate_text(policy, data, cfg, reward), f"{what} on {cfg.data.source} ({cfg.data.eval_split})", reward.names))
+    result = evaluate_text(policy, data, cfg, reward)
+    title = f"{what} on {cfg.data.source} ({cfg.data.eval_split})"
+    if run is None or not base:
+        print(format_eval(result, title, reward.names))
+        return 0
+    base_result = evaluate_text(load_text_policy(cfg, trainable=False), data, cfg, reward)
+    print(format_eval_comparison(base_result, result, title, reward.names))
     return 0
+
+
+def format_eval_comparison(base: dict, run: dict, what: str, names: list[str]) -> str:
+    """Per bucket and reward: the base model's score, the run's and the change."""
+    keys = [k for k in run if k != "count"]
+    head = f"{'bucket':<8} {'prompts':>7}" + "".join(f"  {n + ' base':>16} {'run':>8} {'change':>8}" for n in names)
+    lines = [f"eval of {what}: greedy completions, beside the base model", head]
+    for k in keys:
+        lines.append(f"{k:<8} {run['count'][k]:>7}" + "".join(f"  {base[k][n]:>16.4f} {run[k][n]:>8.4f} {run[k][n] - base[k][n]:>+8.4f}"
+                                                            for n in names))
+    return "\n".join(lines)
 
 
 def sample(run: str | None, config: str | None, overrides: list[str], prompts: list[str], n: int, seed: int,

@@ -55,13 +55,13 @@ def ode_images(policy, prompts: list[str], seeds: list[int], sigmas: torch.Tenso
 
 
 def evaluate(cfg, policy, reward, prompts: list[str], seed: int = 0, num_steps: int | None = None,
-             progress: bool = False, judge=None) -> EvalResult:
+             progress: bool = False, judge=None, desc: str = "eval sampling") -> EvalResult:
     """Score one ODE sample per prompt (seed + index) with `reward` (a MultiReward), and with
     `judge` (a one-channel MultiReward) for the corrected score."""
     seeds = [seed + j for j in range(len(prompts))]
     s = cfg.sampling
     images = ode_images(policy, prompts, seeds, policy.sigmas(num_steps or s.eval_num_steps, s.schedule, s.shift), s.batch_size,
-                        progress=progress)
+                        progress=progress, desc=desc)
     return score_images(cfg, reward, images, prompts, judge)
 
 
@@ -71,6 +71,15 @@ def score_images(cfg, reward, images: torch.Tensor, prompts: list[str], judge=No
     scores = reward(images, prompts)
     return EvalResult(list(prompts), scores, list(reward.channel_names), reward.channel_weights, judged,
                       tuple(cfg.reward.judge_range), reward.breakdown(prompts, scores))
+
+
+def format_comparison(base: dict[str, float], run: dict[str, float], first: str = "channel") -> str:
+    """One row per score: the base model's, the run's and the change, side by side."""
+    width = max(len(first), *(len(name) for name in run))
+    lines = [f"{first:<{width}}  {'base':>8}  {'run':>8}  {'change':>8}"]
+    for name, value in run.items():
+        lines.append(f"{name:<{width}}  {base[name]:>8.4f}  {value:>8.4f}  {value - base[name]:>+8.4f}")
+    return "\n".join(lines)
 
 
 def format_category_table(tables: dict[str, dict[str, dict[str, float]]]) -> str:

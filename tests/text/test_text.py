@@ -238,9 +238,10 @@ def test_text_default_trains_resumes_exactly_and_evaluates_per_bucket(tmp_path, 
     assert "--resume takes its config from the run directory" in capsys.readouterr().err
     assert main(["eval", "--run", str(stopped)]) == 0
     out = capsys.readouterr().out
-    assert "exact_match" in out and out.count("\n") >= 7  # header lines, all, and the 5 buckets
-    overall = next(line for line in out.splitlines() if line.startswith("all ")).split()[2:]
-    assert held_out.endswith(", ".join(f"exact_match {v}" for v in overall))  # the saved weights score as the trained ones
+    assert "exact_match base" in out and out.count("\n") >= 7  # header lines, all, and the 5 buckets
+    base, trained, change = (float(v) for v in next(line for line in out.splitlines() if line.startswith("all ")).split()[2:5])
+    assert held_out.endswith(f"exact_match {trained:.4f}")  # the saved weights score as the trained ones
+    assert change == pytest.approx(trained - base, abs=2e-4)  # beside the base model, on the same problems
     assert main(["sample", "--run", str(stopped), "--prompt", "12+34=", "-n", "2"]) == 0
     assert out.count("'12+34=' ->") == 0 and capsys.readouterr().out.count("'12+34=' ->") == 2
 

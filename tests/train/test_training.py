@@ -235,8 +235,14 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle\n\na blue square\n")
+    capsys.readouterr()
     assert main(["eval", "--run", str(run), "--prompts", str(prompts)]) == 0
-    assert main(["eval", "--run", str(run), "--prompts", str(prompts), "model.guidance_scale=2.5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["channel", "base", "run", "change"]  # the run beside the base model (adapter disabled)
+    base, trained, change = (float(v) for v in next(line for line in lines if line.startswith("weighted sum")).split()[2:5])
+    assert change == pytest.approx(trained - base, abs=2e-4) and base != trained
+    assert main(["eval", "--run", str(run), "--prompts", str(prompts), "model.guidance_scale=2.5", "--no-base"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[0] != "channel"  # the run alone
     assert main(["eval", "--run", str(run), "--prompts", str(prompts), "model.bogus=1"]) == 2
     capsys.readouterr()
     assert main(["eval", "--run", str(run), "--prompts", str(prompts), "--checkpoint", "1"]) == 0
@@ -332,13 +338,6 @@ def test_every_sampler_trains_within_its_window(tmp_path, tiny_sd3_dir, sampler)
     assert training_spec(trainer.cfg, 0, trainer.policy).trained_steps() == [1, 2]
 
 
-def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_sd3_dir, capsys):
-    args = [*FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=1", "run.sample_every=0", "--run-dir", str(tmp_path / "r")]
-    assert main(["train", "tiny_jpeg", *args]) == 0
-    assert main(["train", "tiny_jpeg", *args]) == 2
-    assert "--resume" in capsys.readouterr().err
-    assert len(run_metrics(tmp_path / "r")) == 1
-
 def test_a_scattered_window_samples_and_trains_its_steps_only(tmp_path, tiny_sd3_dir):
     # Flow-DPPO's step draw: 2 distinct steps of the first half of 8, not necessarily consecutive, SDE there, ODE elsewhere
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=1",
@@ -349,6 +348,13 @@ def test_a_scattered_window_samples_and_trains_its_steps_only(tmp_path, tiny_sd3
     row = trainer.train()[0]
     assert row["trained_steps"] == 2 and row["first_ratio_deviation"] < 1e-5
 
+
+def test_existing_run_directory_is_not_overwritten(tmp_path, tiny_sd3_dir, capsys):
+    args = [*FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=1", "run.sample_every=0", "--run-dir", str(tmp_path / "r")]
+    assert main(["train", "tiny_jpeg", *args]) == 0
+    assert main(["train", "tiny_jpeg", *args]) == 2
+    assert "--resume" in capsys.readouterr().err
+    assert len(run_metrics(tmp_path / "r")) == 1
 
 
 def test_gradient_accumulation_takes_fewer_optimizer_steps(tmp_path, tiny_sd3_dir):
