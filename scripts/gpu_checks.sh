@@ -96,6 +96,15 @@ fi
 if wanted families_video named; then
   run families_video 150 "$PY" scripts/bench_families.py --families wan --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke --iterations 1)
 fi
+# The memory features of issue 68 (AdamW vs 8-bit, bf16 vs NF4 base, text encoders on the device vs cached, all three),
+# one Flow-GRPO iteration each at the real transformer size with random weights: peak memory against the plan
+# (`memory_features`: SD3.5-Medium, batch 4; `memory_features_flux`: FLUX.1-dev, batch 2).
+if wanted memory_features named; then
+  run memory_features 300 "$PY" scripts/bench_memory_features.py --model sd35 --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
+fi
+if wanted memory_features_flux named; then
+  run memory_features_flux 560 "$PY" scripts/bench_memory_features.py --model flux1 --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
+fi
 # Two iterations of the Qwen2.5-0.5B GSM8K text preset at its real size with random weights (128 new tokens).
 if wanted text_preset named; then
   run text_preset 90 "$PY" scripts/bench_text_preset.py --out "$RESULTS" $([ "$SMOKE" = 1 ] && echo --cpu-smoke)

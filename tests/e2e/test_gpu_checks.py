@@ -77,3 +77,19 @@ def test_bench_text_preset_trains_the_qwen_preset_from_a_saved_random_model(tmp_
     row = json.loads(out.read_text())
     assert row["preset"] == "qwen25_05b_gsm8k_1gpu" and row["completions_per_iteration"] == 4 and row["max_new_tokens"] == 4
     assert row["params"] > 151936 * 32 and row["seconds_per_iteration"] > 0 and "peak_gib" not in row
+
+
+def test_bench_memory_features_runs_every_configuration_against_its_plan(tmp_path, fresh_accelerate):
+    # the `memory_features` GPU check on a tiny SD3: each configuration trains one iteration and is planned; cached
+    # prompts change nothing the iteration computes (the same loss), the NF4 base does; the plans rank as they should
+    from script_loader import load_script
+
+    bench = load_script("bench_memory_features")
+    out = tmp_path / "results.jsonl"
+    assert bench.main(["--cpu-smoke", "--out", str(out)]) == 0
+    rows = {r["config"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert list(rows) == list(bench.CONFIGS) and all("peak_gib" not in r and r["cpu_smoke"] for r in rows.values())
+    assert rows["cached"]["loss"] == rows["adamw_bf16"]["loss"] and rows["nf4"]["loss"] != rows["adamw_bf16"]["loss"]
+    plans = {name: r["plan_gib"] for name, r in rows.items()}
+    assert plans["nf4"] < plans["adamw_bf16"] and plans["cached"] < plans["adamw_bf16"]
+    assert plans["all"] < min(plans["nf4"], plans["cached"])

@@ -47,6 +47,8 @@ SMOKE_TESTS = {
 # script -> (test file, test) elsewhere whose test runs the script's main path (or, for a helper
 # module without a main, the scripts that import it) on a tiny workload
 COVERED_ELSEWHERE = {
+    # the memory features' GPU check (gpu_checks.sh memory_features), its --cpu-smoke in process
+    "bench_memory_features": ("e2e/test_gpu_checks.py", "test_bench_memory_features_runs_every_configuration_against_its_plan"),
     # the GPU checks' one command, with --cpu-smoke
     "gpu_checks": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
     # the arenas' --smoke: one cell end to end, its JSON line, resume and report
