@@ -16,6 +16,7 @@ import torch
 from flowrl.models import load_policy
 from flowrl.schema import Config
 from flowrl.train.parts import TrainContext
+from flowrl.train.monitor.watch import held_out_prompts
 from flowrl.train.prompts import load_prompts, prompt_set
 from flowrl.train.registry import objective_class, rollout_class
 from rewards import AsyncRewardRunner, MultiReward
@@ -54,7 +55,7 @@ def image_producer(cfg: Config, allocator_state: dict, rewards: dict | None = No
     acc = plain_accelerator(cpu, "the image producer runs as one process",
                             mixed_precision=autocast_precision(cfg.trainer.mixed_precision, cpu))
     prompts = load_prompts(cfg.data)
-    policy = load_policy(cfg.model, device=acc.device, prompts=prompt_set(cfg.data, prompts))  # model.text_encoders cached: the trainer's file
+    policy = load_policy(cfg.model, device=acc.device, prompts=prompt_set(cfg.data, prompts, held_out_prompts(cfg)))  # model.text_encoders cached: the trainer's file
     if cfg.lora.enabled:
         policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
     else:

@@ -33,7 +33,7 @@ from flowrl.train.experience import Experience
 from flowrl.train.image_producer import image_producer
 from flowrl.train.images import save_grid
 from flowrl.train.metrics import iteration_row
-from flowrl.train.monitor.watch import Monitor, monitor_evaluate, monitor_saved, monitor_start
+from flowrl.train.monitor.watch import Monitor, held_out_prompts, monitor_evaluate, monitor_saved, monitor_start
 from flowrl.train.parts import TrainContext
 from flowrl.train.prompts import eval_prompts, load_prompts, prompt_set
 from flowrl.train.registry import check_async_processes, objective_class, rollout_class
@@ -75,7 +75,7 @@ class Trainer(RunManager):
 
         optimizer_class(t.optimizer)  # a missing bitsandbytes is named before the model loads, not after
         # model.text_encoders cached: the prompts and eval prompts encoded once, the encoders then off the GPU
-        self.policy = load_policy(cfg.model, device=acc.device, prompts=prompt_set(cfg.data, self.prompts))
+        self.policy = load_policy(cfg.model, device=acc.device, prompts=prompt_set(cfg.data, self.prompts, held_out_prompts(cfg)))
         if cfg.lora.enabled:
             self.policy.add_lora(cfg.lora, seed=t.seed)
         else:

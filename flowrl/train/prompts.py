@@ -56,7 +56,8 @@ def eval_prompts(data: DataConfig, prompts: list[str]) -> list[str]:
     return list(data.eval_prompts) or prompts[:4]
 
 
-def prompt_set(data: DataConfig, prompts: list[str]) -> list[str]:
-    """Every prompt a run conditions on, once each in order: what model.text_encoders cached encodes ahead
-    (the trainer and an async producer name the same set, so they share one cache file)."""
-    return list(dict.fromkeys([*prompts, *eval_prompts(data, prompts)]))
+def prompt_set(data: DataConfig, prompts: list[str], held_out: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Every prompt a run conditions on, once each in order: the training prompts, the eval prompts and `held_out`
+    (the monitor's). What model.text_encoders cached encodes ahead; the trainer and an async producer name the same
+    set, so they share one cache file."""
+    return list(dict.fromkeys([*prompts, *eval_prompts(data, prompts), *held_out]))

@@ -116,13 +116,14 @@ def test_a_training_run_encodes_its_prompt_set_once_and_a_second_run_loads_no_en
     def train(name):
         return main(["train", "tiny_jpeg", f"model.path={tiny_sd3_dir}", "model.text_encoders=cached",
                      f"model.text_cache_dir={tmp_path / 'cache'}", "trainer.iterations=1", "run.sample_every=0",
-                     "run.tracker=none", "data.eval_prompts=[a cat]", "--run-dir", str(tmp_path / name)])
+                     "run.tracker=none", "data.eval_prompts=[a cat]", "monitor.enabled=true", "monitor.prompts=[a dog]",
+                     "monitor.seeds=2", "monitor.every=100", "--run-dir", str(tmp_path / name)])
 
     assert train("first") == 0
     (file,) = (tmp_path / "cache").glob("*.safetensors")
-    with safe_open(str(file), framework="pt") as f:  # the training prompts and the eval prompt, once each
+    with safe_open(str(file), framework="pt") as f:  # the training prompts, the eval prompt and the monitor's, once each
         assert json.loads(f.metadata()["prompts"]) == ["a red circle", "a blue square", "two green triangles",
-                                                       "a yellow star above a cat", "a cat"]
+                                                       "a yellow star above a cat", "a cat", "a dog"]
     monkeypatch.setattr(FlowPolicy, "_load_missing_text_encoders", lambda self: pytest.fail("a text encoder was loaded"))
     fill, seen = FlowPolicy._fill_text_cache, []
 

@@ -39,6 +39,11 @@ def monitor_prompts(cfg) -> list[str]:
     return prompts[:: max(1, len(prompts) // m.num_prompts)][: m.num_prompts]
 
 
+def held_out_prompts(cfg) -> list[str]:
+    """The monitor's prompts where it is on (none where off): model.text_encoders cached encodes them with the run's."""
+    return monitor_prompts(cfg) if cfg.monitor.enabled else []
+
+
 class Monitor:
     """What the monitor holds between evaluations; its state goes into every checkpoint."""
 
