@@ -10,6 +10,7 @@ accelerate-prepared (DDP / autocast) wrapper of `self.transformer`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,8 +22,8 @@ from flowrl.hub import check_hub_id
 from flowrl.models.attention import set_attention_backend
 from flowrl.models.compile import compile_network, padded_velocity
 from flowrl.models.quantize import quantized_components
-from flowrl.models.text_cache import (cache_file, load_embeddings, load_text_encoders_on_cpu, save_embeddings,
-                                      text_encoder_names)
+from flowrl.models.text_cache import (SHARD, StoredEmbeddings, cache_path, load_embeddings, load_text_encoders_on_cpu,
+                                      mark_complete, save_shard, text_encoder_names)
 from flowrl.models.tiny import TINY_BUILDERS
 from flowrl.sampling.schedules import shifted_sigmas
 from flowrl.schema import LoraConfig, ModelConfig
@@ -171,8 +172,8 @@ class FlowPolicy:
         # the pipeline's own rule (a video pipeline names its spatial factor apart from the temporal one)
         spatial = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
         self.vae_scale_factor = spatial if self.vae is not None else 1
-        # model.text_encoders (flowrl/models/text_cache.py): cpu keeps them there; cached moves them there once encoded
-        self.text_device = torch.device("cpu") if cfg.text_encoders == "cpu" else self.device
+        # model.text_encoders (flowrl/models/text_cache.py): cpu and cached keep them (where loaded at all) on the CPU
+        self.text_device = self.device if cfg.text_encoders == "device" else torch.device("cpu")
         self.model_dir: str | None = None  # the pipeline's directory or hub id: text encoders left unloaded load from it
         for module in self._modules():
             module.requires_grad_(False)
@@ -185,7 +186,8 @@ class FlowPolicy:
         if cfg.attention_backend is not None:  # once, before anything runs: rollouts and training share the kernel
             set_attention_backend(self.transformer, cfg.attention_backend, self.device)
         self.net = self.transformer
-        self._cache: dict[str, dict[str, torch.Tensor]] = {}
+        self._cache: dict[str, dict[str, torch.Tensor]] = {}  # on the text encoders' device
+        self._stored: StoredEmbeddings | None = None  # model.text_encoders cached: the run's prompt set, read from disk
         self._negative: dict[str, torch.Tensor] | None = None  # `negative_once`
         self.has_lora = False
         self.lora_sigma_range: tuple[float, float] | None = None  # None: the adapter acts at every sigma
@@ -211,48 +213,55 @@ class FlowPolicy:
         cls._check_pipeline_class(cfg.path, path)
         device = torch.device(device) if device is not None else pick_device(cfg.device)
         prompt_set = list(dict.fromkeys(prompts or [])) if cfg.text_encoders == "cached" else []
-        cached = load_embeddings(cls._text_cache_file(path, cfg, prompt_set)) if prompt_set else None
+        stored = None
+        if prompt_set:
+            stored = load_embeddings(cls._text_cache_dir(path, cfg, prompt_set)) or cls._encode_prompt_set(path, cfg, device, prompt_set)
+        # model.quantize, model.quantize_text_encoders: those components load quantised onto their device first
+        unloaded = {name: None for name in text_encoder_names(path)} if stored is not None else {}
+        pipe = cls._load_pipeline(path, cfg, **quantized_components(path, cfg, DTYPES[cfg.dtype], device), **unloaded)
+        policy = cls(pipe, cfg, device)
+        policy.model_dir, policy._stored = path, stored
+        return policy
+
+    @classmethod
+    def _load_pipeline(cls, path: str, cfg: ModelConfig, **components) -> Any:
+        """The pipeline from model.path in model.dtype, `components` given (None: left out; a module: as loaded)."""
         try:
-            # model.quantize, model.quantize_text_encoders: those components load quantised onto their device first
-            quantized = quantized_components(path, cfg, DTYPES[cfg.dtype], device)
-            # a complete cache: the text encoders are not loaded at all (diffusers takes None for a component)
-            unloaded = {name: None for name in text_encoder_names(path)} if cached is not None else {}
-            pipe = cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **absent_components(path), **quantized,
-                                                      **unloaded)
+            return cls.pipeline_class.from_pretrained(path, dtype=DTYPES[cfg.dtype], **{**absent_components(path), **components})
         except (OSError, ValueError) as exc:
             raise UserError(f"model.path '{cfg.path}' could not be loaded as a {cls.pipeline_name}: {str(exc).splitlines()[0]}") from None
         except ImportError as exc:  # a component's class needs a package flowrl does not (FLUX.2 [dev]'s processor: torchvision)
             missing = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
             raise UserError(f"model.path '{cfg.path}' needs a package that is not installed to load its {cls.pipeline_name}: "
                             f"{missing}") from None
-        policy = cls(pipe, cfg, device)
-        policy.model_dir = path
-        if cfg.text_encoders == "cached":
-            policy._fill_text_cache(prompt_set, cached)
-        return policy
 
     @classmethod
-    def _text_cache_file(cls, path: str, cfg: ModelConfig, prompts: list[str]) -> Path:
-        return cache_file(path, cls.kind, cfg.dtype, cfg.max_sequence_length, getattr(cls, "negative_prompt", ""), prompts,
+    def _text_cache_dir(cls, path: str, cfg: ModelConfig, prompts: list[str]) -> Path:
+        return cache_path(path, cls.kind, cfg.dtype, cfg.max_sequence_length, getattr(cls, "negative_prompt", ""), prompts,
                           cfg.text_cache_dir)
 
-    def _fill_text_cache(self, prompts: list[str], cached: dict[str, dict[str, torch.Tensor]] | None) -> None:
-        """model.text_encoders cached: the set's embeddings read back, or encoded here on the device and written
-        (the file named after loading, when a hub id's revision is known); then the encoders leave the GPU."""
-        if cached is None and prompts:
-            self.encode(prompts)
-            save_embeddings(self._text_cache_file(self.model_dir, self.cfg, prompts), prompts, {p: self._cache[p] for p in prompts})
-        moved: dict[int, torch.Tensor] = {}  # a tensor every prompt shares (the negative) moves once
-        for p, conditioning in (cached or {}).items():
-            self._cache[p] = {k: moved.setdefault(id(v), v.to(self.device)) for k, v in conditioning.items()}
-        self.offload_text_encoders()
-
-    def offload_text_encoders(self) -> None:
-        """From now on the text encoders live and encode on the CPU (prompts outside the cached set)."""
-        self.text_device = torch.device("cpu")
-        for module in self._text_encoders().values():
-            module.to(self.text_device)
-        if self.device.type == "cuda":
+    @classmethod
+    def _encode_prompt_set(cls, path: str, cfg: ModelConfig, device: torch.device,
+                           prompts: list[str]) -> StoredEmbeddings:
+        """model.text_encoders cached, no complete cache: the text encoders alone (no transformer, no VAE) encode the set
+        on `device`, or on the CPU where they do not fit beside what it holds, SHARD prompts at a time into the cache
+        directory (named once the pipeline is loaded, so a hub id's revision is known)."""
+        pipe = cls._load_pipeline(path, cfg, transformer=None, vae=None)
+        size = sum(p.numel() * p.element_size() for n in text_encoder_names(path) for p in getattr(pipe, n).parameters())
+        fits = device.type != "cuda" or size < 0.9 * torch.cuda.mem_get_info(device)[0]
+        if not fits:
+            print(f"model.text_encoders cached: the text encoders ({size / 2**30:.1f} GiB) do not fit on {device}; "
+                  f"encoding {len(prompts)} prompts on the CPU, once")
+        plain = dict(gradient_checkpointing=False, attention_backend=None, compile="none", quantize="none")
+        encoder = cls(pipe, dataclasses.replace(cfg, text_encoders="device" if fits else "cpu", **plain), device)
+        directory = cls._text_cache_dir(path, cfg, prompts)
+        for number, start in enumerate(range(0, len(prompts), SHARD)):
+            shard = prompts[start:start + SHARD]
+            encoder._encode_new(shard)
+            save_shard(directory, number, shard, {p: encoder._cache.pop(p) for p in shard})
+        mark_complete(directory, prompts, SHARD)
+        del encoder, pipe
+        if device.type == "cuda":
             torch.cuda.empty_cache()
 
     @classmethod
@@ -295,7 +304,14 @@ class FlowPolicy:
         """Batched conditioning for `prompts`; each distinct prompt is encoded once and cached."""
         # one prompt at a time: batched text encoders differ in the last bits with the batch's
         # other prompts, and a prompt's embedding must not depend on who it was cached with
-        new = [p for p in dict.fromkeys(prompts) if p not in self._cache]
+        self._encode_new(prompts)
+        batch = self._batch([self._cache[p] if p in self._cache else self._stored.get(p) for p in prompts])
+        return {k: v.to(self.device) for k, v in batch.items()}  # cpu, cached: from the CPU to the policy's device
+
+    def _encode_new(self, prompts: list[str]) -> None:
+        """Each of `prompts` neither encoded nor stored yet, encoded into the cache on the text encoders' device."""
+        stored = self._stored or ()
+        new = [p for p in dict.fromkeys(prompts) if p not in self._cache and p not in stored]
         if new and self.text_device.type == "cpu":  # model.text_encoders cpu or cached: those left unloaded load now
             self._load_missing_text_encoders()
         for p in new:
@@ -315,8 +331,8 @@ class FlowPolicy:
     def negative_once(self, encode: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The negative prompt's conditioning for one prompt, its keys prefixed "neg_": the same beside
         every prompt, so `encode()` runs once per policy, not once per prompt."""
-        if self._negative is None:  # on the policy's device once (`encode` then moves it no more)
-            self._negative = {"neg_" + k: v.to(self.device) for k, v in encode().items()}
+        if self._negative is None:
+            self._negative = {"neg_" + k: v for k, v in encode().items()}
         return self._negative
 
     # ---- the sigma grid ------------------------------------------------------------

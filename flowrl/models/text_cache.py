@@ -3,13 +3,14 @@
 device  the encoders on the GPU beside the transformer, each prompt encoded when first met (flowrl's
         default, and Flow-GRPO's: its three SD3 encoders stay on the GPU).
 cpu     the encoders on the CPU, encoding there; the embeddings then move to the GPU.
-cached  every prompt of the run's set (data.prompts or data.prompt_file, the eval prompts; each entry
-        carries the family's negative prompt where it guides with one) encoded once on the device, then
-        the encoders move to the CPU. The embeddings go to a safetensors file keyed by the model (path and
-        revision, or a local directory's modification time), the prompt set and the encoder settings
-        (model.kind, model.dtype, model.max_sequence_length, the negative prompt); a later run finding it
-        complete loads the pipeline without its text encoders at all. A prompt outside the set (`flowrl
-        sample --prompt`, another eval) is encoded on demand by the encoders loaded on the CPU.
+cached  every prompt of the run's set (data.prompts or data.prompt_file, the eval prompts, the monitor's;
+        each entry carries the family's negative prompt where it guides with one) encoded once by the text
+        encoders alone on the device (on the CPU where they do not fit there), into safetensors files of
+        SHARD prompts in a directory keyed by the model (path and revision, or a local directory's
+        modification time), the prompt set and the encoder settings (model.kind, model.dtype,
+        model.max_sequence_length, the negative prompt). The pipeline then loads without its text encoders,
+        and each batch's embeddings are read from the files and moved to the device. A prompt outside the set
+        (`flowrl sample --prompt`, another eval) is encoded on demand by the encoders loaded on the CPU.
         Flow-Factory's preprocessing does the same (docs/ALGORITHMS.md III.7d).
 
 A cached embedding is the tensor encoding produced, stored and read back unchanged, so the conditioning a
@@ -58,53 +59,90 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")) / "text_embeddings"
 
 
-def cache_file(path: str, kind: str, dtype: str, max_sequence_length: int, negative: str, prompts: list[str],
+def cache_path(path: str, kind: str, dtype: str, max_sequence_length: int, negative: str, prompts: list[str],
                cache_dir: str | None) -> Path:
-    """The file the embeddings of `prompts` (in order) live in, named by a hash of everything they depend on."""
+    """The directory the embeddings of `prompts` (in order) live in, named by a hash of everything they depend on."""
     key = {"format": FORMAT, "model": model_identity(path), "kind": kind, "dtype": dtype,
            "max_sequence_length": max_sequence_length, "negative": negative, "prompts": prompts}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_root(cache_dir) / f"{kind}-{digest}.safetensors"
+    return cache_root(cache_dir) / f"{kind}-{digest}"
 
 
-SHARED = "*"  # the index of a tensor every prompt shares (a family's negative prompt, `FlowPolicy.negative_once`)
+SHARD = 256  # prompts per file: encoding holds one file's embeddings at a time, and reading opens only the files asked for
+SHARED = "*"  # the row of a tensor every prompt of a file shares (a family's negative prompt, `FlowPolicy.negative_once`)
+MANIFEST = "prompts.json"  # written last: a directory without it is incomplete
 
 
-def save_embeddings(file: Path, prompts: list[str], encoded: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Each prompt's conditioning as tensors named INDEX/KEY (one tensor every prompt holds, once as */KEY), the
-    prompts in the metadata; written to a temporary name and renamed, so a reader (or another process writing the
-    same file) never sees half."""
+def shard_name(number: int) -> str:
+    return f"shard-{number:05d}.safetensors"
+
+
+def save_shard(directory: Path, number: int, prompts: list[str], encoded: dict[str, dict[str, torch.Tensor]]) -> None:
+    """One file of SHARD prompts' conditioning, tensors named ROW/KEY (one tensor every prompt holds, once as */KEY);
+    written to a temporary name and renamed, so a reader (or another process writing the same file) never sees half."""
     from safetensors.torch import save_file
 
     first = encoded[prompts[0]]
     shared = {k for k, v in first.items() if all(encoded[p][k] is v for p in prompts)}
     named = {f"{SHARED}/{k}": first[k] for k in shared}
     named.update({f"{i}/{k}": v for i, p in enumerate(prompts) for k, v in encoded[p].items() if k not in shared})
-    tensors = {name: v.detach().cpu().contiguous() for name, v in named.items()}
-    file.parent.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    _replace(directory / shard_name(number), lambda tmp: save_file({n: v.detach().cpu().contiguous() for n, v in named.items()},
+                                                                    str(tmp)))
+
+
+def mark_complete(directory: Path, prompts: list[str], shard: int) -> None:
+    """The manifest, written once every file is: the prompts in order, `shard` to a file."""
+    _replace(directory / MANIFEST, lambda tmp: tmp.write_text(json.dumps({"shard": shard, "prompts": prompts})))
+
+
+def _replace(file: Path, write) -> None:
     tmp = file.with_name(f".{file.name}.{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"prompts": json.dumps(prompts)})
+    write(tmp)
     tmp.replace(file)
 
 
-def load_embeddings(file: Path) -> dict[str, dict[str, torch.Tensor]] | None:
-    """prompt -> its conditioning as saved, or None where the file is missing or unreadable (then encoded anew)."""
+class StoredEmbeddings:
+    """A complete cache directory: each prompt's conditioning read from its file when asked for, so a prompt set's
+    embeddings need not fit in memory (the files stay open, their pages in the OS cache)."""
+
+    def __init__(self, directory: Path, prompts: list[str], shard: int):
+        self.directory, self.shard = directory, shard
+        self.row = {p: i for i, p in enumerate(prompts)}
+        self.files = {n: _open(directory / shard_name(n)) for n in range(-(-len(prompts) // shard))}
+        self.shared: dict[tuple[int, str], torch.Tensor] = {}  # each file's shared tensors, read once
+
+    def __contains__(self, prompt: str) -> bool:
+        return prompt in self.row
+
+    def get(self, prompt: str) -> dict[str, torch.Tensor]:
+        number, row = divmod(self.row[prompt], self.shard)
+        f = self.files[number]
+        out = {}
+        for name in f.keys():
+            index, key = name.split("/", 1)
+            if index == SHARED:
+                if (number, key) not in self.shared:
+                    self.shared[number, key] = f.get_tensor(name)
+                out[key] = self.shared[number, key]
+            elif int(index) == row:
+                out[key] = f.get_tensor(name)
+        return out
+
+
+def _open(file: Path):
     from safetensors import safe_open
 
-    if not file.is_file():
-        return None
+    return safe_open(str(file), framework="pt")
+
+
+def load_embeddings(directory: Path) -> StoredEmbeddings | None:
+    """The complete cache in `directory`, or None where it is missing, incomplete or unreadable (then encoded anew)."""
     try:
-        with safe_open(str(file), framework="pt") as f:
-            prompts = json.loads(f.metadata()["prompts"])
-            out: dict[str, dict[str, torch.Tensor]] = {p: {} for p in prompts}
-            for name in f.keys():
-                index, key = name.split("/", 1)
-                tensor = f.get_tensor(name)
-                for p in prompts if index == SHARED else [prompts[int(index)]]:
-                    out[p][key] = tensor
-    except Exception:  # a truncated or foreign file: encode again and overwrite it
+        manifest = json.loads((directory / MANIFEST).read_text())
+        return StoredEmbeddings(directory, manifest["prompts"], manifest["shard"])
+    except Exception:  # no manifest yet, a truncated or foreign file: encode again and overwrite it
         return None
-    return out if all(out.values()) else None
 
 
 def load_text_encoders_on_cpu(path: str, names: list[str], dtype: torch.dtype) -> dict[str, torch.nn.Module]:

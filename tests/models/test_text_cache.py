@@ -23,6 +23,15 @@ def _cfg(kind: str, path: str, mode: str, cache_dir, **kw) -> ModelConfig:
                           "text_cache_dir": str(cache_dir), **kw})
 
 
+@pytest.fixture(autouse=True)
+def two_prompts_a_file(monkeypatch):
+    monkeypatch.setattr("flowrl.models.base.SHARD", 2)  # three prompts: two files, the second of one prompt
+
+
+def _cache_dirs(root) -> list:
+    return sorted(f.parent for f in root.glob("*/prompts.json"))
+
+
 def _loaded_encoders(policy) -> list[str]:
     return [n for n in ENCODERS if getattr(policy.pipe, n, None) is not None]
 
@@ -41,13 +50,15 @@ def test_cached_embeddings_are_those_of_encoding_on_the_fly(kind, fixture, reque
     expected = reference.encode(PROMPTS)
     expected_outside = reference.encode([OUTSIDE])
 
-    first = load_policy(_cfg(kind, path, "cached", tmp_path), prompts=PROMPTS)  # encodes the set, writes the file
-    assert len(list(tmp_path.glob("*.safetensors"))) == 1
-    assert first.text_device.type == "cpu" and _loaded_encoders(first) == _loaded_encoders(reference)
+    # encodes the set with the text encoders alone, writes the files; the policy's pipeline has no encoder
+    first = load_policy(_cfg(kind, path, "cached", tmp_path), prompts=PROMPTS)
+    (directory,) = _cache_dirs(tmp_path)
+    assert sorted(f.name for f in directory.glob("*.safetensors")) == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    assert first.text_device.type == "cpu" and _loaded_encoders(first) == []
     _assert_identical(first.encode(PROMPTS), expected)
 
-    again = load_policy(_cfg(kind, path, "cached", tmp_path), prompts=PROMPTS)  # the complete file: no encoder loaded
-    assert _loaded_encoders(again) == []
+    again = load_policy(_cfg(kind, path, "cached", tmp_path), prompts=PROMPTS)  # the complete cache, read back
+    assert _loaded_encoders(again) == [] and not again._cache
     _assert_identical(again.encode(PROMPTS), expected)
     _assert_identical(again.encode([PROMPTS[1], PROMPTS[0], PROMPTS[1]]), reference.encode([PROMPTS[1], PROMPTS[0], PROMPTS[1]]))
     # a prompt outside the set: the encoders load onto the CPU on demand, and encode as the pipeline's own would
@@ -67,7 +78,7 @@ def test_cpu_encoders_encode_as_on_the_device(tiny_sd3_dir, tmp_path):
 def test_the_cache_file_follows_the_prompt_set_and_the_encoder_settings(tiny_sd3_dir, tmp_path):
     def files_after(**kw):
         load_policy(_cfg("sd3", tiny_sd3_dir, "cached", tmp_path, **kw.pop("model", {})), prompts=kw.pop("prompts", PROMPTS))
-        return {f.name for f in tmp_path.glob("*.safetensors")}
+        return set(_cache_dirs(tmp_path))
 
     one = files_after()
     assert files_after() == one  # the same set and settings: the same file, read back
@@ -77,15 +88,17 @@ def test_the_cache_file_follows_the_prompt_set_and_the_encoder_settings(tiny_sd3
     assert len(one) == 1 and len(two) == 2 and len(three) == 3 and len(four) == 4
 
 
-def test_a_damaged_cache_file_is_encoded_anew(tiny_flux_dir, tmp_path):
+def test_a_damaged_or_unfinished_cache_is_encoded_anew(tiny_flux_dir, tmp_path):
     cfg = _cfg("flux", tiny_flux_dir, "cached", tmp_path)
     expected = load_policy(dataclasses.replace(cfg, text_encoders="device")).encode(PROMPTS)
     load_policy(cfg, prompts=PROMPTS)
-    (file,) = tmp_path.glob("*.safetensors")
-    file.write_bytes(file.read_bytes()[:100])
-    policy = load_policy(cfg, prompts=PROMPTS)
-    assert _loaded_encoders(policy)  # loaded, since the file was unreadable
-    _assert_identical(policy.encode(PROMPTS), expected)
+    (directory,) = _cache_dirs(tmp_path)
+    shard = directory / "shard-00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    _assert_identical(load_policy(cfg, prompts=PROMPTS).encode(PROMPTS), expected)
+    (directory / "prompts.json").unlink()  # a run stopped before its manifest: incomplete
+    _assert_identical(load_policy(cfg, prompts=PROMPTS).encode(PROMPTS), expected)
+    assert (directory / "prompts.json").is_file()
 
 
 def test_without_a_prompt_set_cached_encodes_on_the_cpu(tiny_flux_dir, tmp_path):
@@ -108,8 +121,6 @@ def test_refusals_are_one_sentence(override, says):
 def test_a_training_run_encodes_its_prompt_set_once_and_a_second_run_loads_no_encoder(tiny_sd3_dir, tmp_path, monkeypatch):
     import json
 
-    from safetensors import safe_open
-
     from flowrl.cli import main
     from flowrl.models.base import FlowPolicy
 
@@ -120,17 +131,10 @@ def test_a_training_run_encodes_its_prompt_set_once_and_a_second_run_loads_no_en
                      "monitor.seeds=2", "monitor.every=100", "--run-dir", str(tmp_path / name)])
 
     assert train("first") == 0
-    (file,) = (tmp_path / "cache").glob("*.safetensors")
-    with safe_open(str(file), framework="pt") as f:  # the training prompts, the eval prompt and the monitor's, once each
-        assert json.loads(f.metadata()["prompts"]) == ["a red circle", "a blue square", "two green triangles",
-                                                       "a yellow star above a cat", "a cat", "a dog"]
+    (directory,) = _cache_dirs(tmp_path / "cache")
+    # the training prompts, the eval prompt and the monitor's, once each
+    assert json.loads((directory / "prompts.json").read_text())["prompts"] == [
+        "a red circle", "a blue square", "two green triangles", "a yellow star above a cat", "a cat", "a dog"]
     monkeypatch.setattr(FlowPolicy, "_load_missing_text_encoders", lambda self: pytest.fail("a text encoder was loaded"))
-    fill, seen = FlowPolicy._fill_text_cache, []
-
-    def fill_and_look(self, prompts, cached):
-        seen.append((cached is not None, _loaded_encoders(self)))
-        fill(self, prompts, cached)
-
-    monkeypatch.setattr(FlowPolicy, "_fill_text_cache", fill_and_look)
+    monkeypatch.setattr(FlowPolicy, "_encode_prompt_set", lambda *a: pytest.fail("the prompt set was encoded again"))
     assert train("second") == 0
-    assert seen == [(True, [])]  # read from the file; the pipeline loaded without its three encoders
