@@ -201,7 +201,7 @@ class FlowPolicy:
     @classmethod
     def from_config(cls, cfg: ModelConfig, device: torch.device | str | None = None, prompts: list[str] | None = None) -> "FlowPolicy":
         """The policy model.path holds, on `device`. Under model.text_encoders cached, `prompts` is the run's prompt
-        set: encoded once (or read from a complete cache without loading the encoders), the encoders then on the CPU."""
+        set: read from its cache file, or encoded into it first; the pipeline then loads without its text encoders."""
         import diffusers
         import transformers
 
@@ -251,6 +251,7 @@ class FlowPolicy:
         fits = device.type != "cuda" or size < 0.9 * torch.cuda.mem_get_info(device)[0]
         if not fits:
             print(f"model.text_encoders cached: the text encoders ({size / 2**30:.1f} GiB) do not fit on {device}; "
+        return load_embeddings(directory)
                   f"encoding {len(prompts)} prompts on the CPU, once")
         plain = dict(gradient_checkpointing=False, attention_backend=None, compile="none", quantize="none")
         encoder = cls(pipe, dataclasses.replace(cfg, text_encoders="device" if fits else "cpu", **plain), device)
@@ -315,9 +316,8 @@ class FlowPolicy:
         if new and self.text_device.type == "cpu":  # model.text_encoders cpu or cached: those left unloaded load now
             self._load_missing_text_encoders()
         for p in new:
-            with torch.no_grad():  # encoded on the text encoders' device, kept on the policy's
-                self._cache[p] = {k: v.to(self.device) for k, v in self._encode_uncached([p]).items()}
-        return self._batch([self._cache[p] for p in prompts])
+            with torch.no_grad():
+                self._cache[p] = self._encode_uncached([p])
 
     def _batch(self, per_prompt: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One conditioning batch from each prompt's own; a family whose prompt embeddings vary in
