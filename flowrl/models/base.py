@@ -251,7 +251,6 @@ class FlowPolicy:
         fits = device.type != "cuda" or size < 0.9 * torch.cuda.mem_get_info(device)[0]
         if not fits:
             print(f"model.text_encoders cached: the text encoders ({size / 2**30:.1f} GiB) do not fit on {device}; "
-        return load_embeddings(directory)
                   f"encoding {len(prompts)} prompts on the CPU, once")
         plain = dict(gradient_checkpointing=False, attention_backend=None, compile="none", quantize="none")
         encoder = cls(pipe, dataclasses.replace(cfg, text_encoders="device" if fits else "cpu", **plain), device)
@@ -264,6 +263,7 @@ class FlowPolicy:
         del encoder, pipe
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        return load_embeddings(directory)
 
     @classmethod
     def _check_pipeline_class(cls, given: str, path: str) -> None:
