@@ -109,18 +109,6 @@ def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return tokens.view(b, h // 2, w // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c // 4, h, w)
 
 
-def euler_scheduler(scheduler):
-    """The Euler flow-matching scheduler flowrl samples with: the pipeline's own where it is one,
-    else one with the shipped multistep solver's flow shift (SANA's DPM-Solver++, Wan's UniPC): flowrl's
-    transitions are one-step Euler (ODE) or Euler-Maruyama (SDE), whose log-probabilities a multistep
-    solver does not have."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
-        return scheduler
-    return FlowMatchEulerDiscreteScheduler(shift=float(scheduler.config.get("flow_shift", 1.0) or 1.0))
-
-
 class DiffusersClass:
     """A class attribute that names a diffusers class by a string attribute of its owner and imports it
     on first use: importing an adapter does not import its pipeline (a few seconds each)."""
@@ -436,7 +424,7 @@ class FlowPolicy:
         equal `decode` of flowrl's ODE sample up to float rounding."""
         from flowrl.models.pipeline_call import draw
 
-        return draw(self, pipe, latents, prompts, num_steps, schedule, shift)
+        return draw(self, pipe, latents, prompts, num_steps, resolve_schedule(schedule, self.cfg.path) == "pipeline", shift)
 
     def pipeline_arguments(self) -> dict[str, Any]:
         """The keyword arguments of the pipeline's __call__ that make it sample as flowrl does, besides

@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from flowrl.models.base import euler_scheduler, resolve_schedule
-
 
 class LinearSigmas(list):
     """linspace(1, 1 / T, T), the unshifted grid a pipeline's scheduler shifts; printed as the
@@ -36,6 +34,18 @@ class LinearSigmas(list):
         return f"[1 - i / {self.steps} for i in range({self.steps})]"
 
 
+def euler_scheduler(scheduler):
+    """The Euler flow-matching scheduler flowrl samples with: the pipeline's own where it is one,
+    else one with the shipped multistep solver's flow shift (SANA's DPM-Solver++, Wan's UniPC): flowrl's
+    transitions are one-step Euler (ODE) or Euler-Maruyama (SDE), whose log-probabilities a multistep
+    solver does not have."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return scheduler
+    return FlowMatchEulerDiscreteScheduler(shift=float(scheduler.config.get("flow_shift", 1.0) or 1.0))
+
+
 @dataclass
 class PipelineCall:
     """One call of a family's pipeline that draws flowrl's ODE sample (all but prompt, latents and
@@ -47,12 +57,12 @@ class PipelineCall:
     reason: str = ""  # why the scheduler is swapped (a comment in the printed code)
 
 
-def pipeline_call(policy, num_steps: int, schedule: str, shift: float) -> PipelineCall:
-    """The call of `policy`'s pipeline that samples flowrl's `num_steps`-step ODE under
-    sampling.schedule `schedule` and sampling.shift `shift`."""
+def pipeline_call(policy, num_steps: int, pipeline_grid: bool, shift: float) -> PipelineCall:
+    """The call of `policy`'s pipeline that samples flowrl's `num_steps`-step ODE on the pipeline's own grid
+    (`pipeline_grid`: sampling.schedule resolves to pipeline) or on shifted_linear's with sampling.shift `shift`."""
     arguments = {**policy.pipeline_arguments(), "num_inference_steps": num_steps}
     scheduler = policy.pipe.scheduler
-    if resolve_schedule(schedule, policy.cfg.path) != "pipeline":
+    if not pipeline_grid:
         sigmas = LinearSigmas(num_steps)
         takes_sigmas = "sigmas" in inspect.signature(policy.pipeline_class.__call__).parameters
         if takes_sigmas:
@@ -79,11 +89,11 @@ def flowrl_scheduler(call: PipelineCall, scheduler):
 
 
 @torch.no_grad()
-def draw(policy, pipe, latents: torch.Tensor, prompts: list[str], num_steps: int, schedule: str, shift: float) -> torch.Tensor:
+def draw(policy, pipe, latents: torch.Tensor, prompts: list[str], num_steps: int, pipeline_grid: bool, shift: float) -> torch.Tensor:
     """`pipe` (the family's diffusers pipeline) sampling from flowrl's initial noise `latents` [B, *latent_shape]:
     images [B, 3, H, W] (videos [B, 3, F, H, W]) in [0, 1], fp32 on the CPU, as `policy.decode` of flowrl's ODE
     sample gives them. The pipeline's scheduler is swapped only for the call."""
-    call = pipeline_call(policy, num_steps, schedule, shift)
+    call = pipeline_call(policy, num_steps, pipeline_grid, shift)
     pixels = policy.vae is None  # the transformer works in pixels: the pipeline returns them as its "latents"
     own = pipe.scheduler
     pipe.scheduler = flowrl_scheduler(call, own)

@@ -16,7 +16,8 @@ import inspect
 import torch
 
 from flowrl.models import register_family
-from flowrl.models.base import FlowPolicy, euler_scheduler
+from flowrl.models.base import FlowPolicy
+from flowrl.models.pipeline_call import euler_scheduler
 from flowrl.models.sd3 import sd3_pipeline_sigmas
 
 

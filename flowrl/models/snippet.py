@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowrl.models.base import absent_components, resolve_model_path
+from flowrl.models.base import absent_components, resolve_model_path, resolve_schedule
 from flowrl.models.pipeline_call import pipeline_call
 from flowrl.sampling.noise import initial_noise_seed
 
@@ -24,7 +24,7 @@ def diffusers_snippet(policy, cfg, out: Path, prompt: str, seed: int = 0, merged
     """Python source that loads the export in `out` with diffusers alone and draws the first image
     of `flowrl sample --prompt PROMPT --seed SEED` on it (the same noise, grid and guidance)."""
     cls, s, m = policy.pipeline_name, cfg.sampling, cfg.model
-    call = pipeline_call(policy, s.eval_num_steps, s.schedule, s.shift)
+    call = pipeline_call(policy, s.eval_num_steps, resolve_schedule(s.schedule, m.path) == "pipeline", s.shift)
     source = out if merged else Path(resolve_model_path(m.path))
     optional = set(getattr(policy.pipeline_class, "_optional_components", ()))  # diffusers fills these with None itself
     absent = "".join(f", {name}=None" for name in absent_components(str(source)) if name not in optional)

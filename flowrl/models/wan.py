@@ -17,7 +17,8 @@ import torch
 
 from flowrl.errors import UserError
 from flowrl.models import register_family
-from flowrl.models.base import FlowPolicy, euler_scheduler
+from flowrl.models.base import FlowPolicy
+from flowrl.models.pipeline_call import euler_scheduler
 from flowrl.models.sd3 import sd3_pipeline_sigmas
 
 
