@@ -47,8 +47,8 @@ class ModelConfig:
     # training alike: native | flash | xformers | sage | flex | ...; null: diffusers' default (torch's SDPA)
     attention_backend: Optional[str] = None
     # where the prompt encoders live (flowrl/models/text_cache.py): device (beside the transformer) | cpu (encode on the CPU) |
-    # cached (the run's prompt set encoded once on the device into a file on disk, then the encoders on the CPU; a later run
-    # with the file complete never loads them)
+    # cached (the run's prompt set encoded once, by the text encoders alone, into files on disk; the pipeline then loads
+    # without them and reads each batch's embeddings from the files; a prompt outside the set is encoded on the CPU)
     text_encoders: str = "device"
     text_cache_dir: Optional[str] = None  # model.text_encoders cached: where the files go; null: $FLOWRL_CACHE/text_embeddings
 
