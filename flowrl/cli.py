@@ -1,4 +1,4 @@
-"""`flowrl train | sample | eval | offline build | config show | rewards | serve-reward | produce`: parse, build, call. User mistakes print one
+"""`flowrl train | sample | eval | offline build | export | check | config show | rewards | serve-reward | produce`: parse, build, call. User mistakes print one
 sentence on stderr and exit 2, without a traceback."""
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     _eval_parser(sub)
     _offline_parser(sub)
     _export_parser(sub)
+    _check_parser(sub)
     _config_parser(sub)
     sub.add_parser("rewards", help="list the registered rewards")
     _produce_parser(sub)
@@ -145,6 +146,16 @@ def _export_parser(sub: argparse._SubParsersAction) -> None:
                    help="the checkpoint of this iteration, or best (the best by monitor.gold; default: the latest)")
     x.add_argument("--merge", action="store_true", help="write the whole pipeline, the LoRA fused in (`<Pipeline>.from_pretrained(DIR)`)")
     x.add_argument("-o", "--out", required=True, metavar="DIR", help="a new or empty directory")
+
+
+def _check_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `flowrl check` and its arguments."""
+    c = sub.add_parser("check", help="parity before a run (flowrl/train/check.py): the training sampler's log-probs recomputed in "
+                       "training mode (ratio 1), flowrl's ODE against the diffusers pipeline's own call, and a one-step LoRA "
+                       "change replayed in plain diffusers; exit 1 when a check fails",
+                       epilog=f"presets (CONFIG): {', '.join(preset_names())}. Overrides may come anywhere on the line.")
+    c.add_argument("config", nargs="?", help="a YAML file or a preset name (default: the default preset)")
+    c.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. model.height=256 sampling.eval_num_steps=8")
 
 
 def _config_parser(sub: argparse._SubParsersAction) -> None:
@@ -503,6 +514,17 @@ def _print_snippet(cfg, policy, out: Path, merged: bool) -> None:
     print(f"\nIn plain diffusers, flowrl sample --prompt {prompt!r} --seed 0 (also in {out / SNIPPET}){note}:\n\n{code}")
 
 
+def cmd_check(args) -> int:
+    from flowrl.config import load_config
+    from flowrl.text.config import is_text_config
+    from flowrl.train.check import run_check
+
+    config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    if is_text_config(config):
+        raise UserError("flowrl check compares flowrl's sampler with a diffusers pipeline; give an image config, not a text one")
+    return run_check(load_config(config, overrides))
+
+
 def cmd_eval(args) -> int:
     from flowrl.text.cli import is_text_config, is_text_run
 
@@ -700,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flowrl: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "export": cmd_export, "offline": cmd_offline, "rewards": cmd_rewards,
+    handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "export": cmd_export, "check": cmd_check, "offline": cmd_offline, "rewards": cmd_rewards,
                "serve-reward": cmd_serve_reward, "produce": cmd_produce, "config": cmd_config}[args.command]
     try:
         return handler(args)

@@ -19,6 +19,8 @@ KNOWN_MESSAGES = {
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
     # saving a pipeline whose model has no VAE or T5 (the shapes model): those components are saved as null, as intended
     "diffusers.pipelines.pipeline_utils": ("of type <class 'NoneType'> cannot be saved",),
+    # load_lora_weights of a flowrl adapter (flowrl check): flowrl trains the transformer's LoRA, never a text encoder's
+    "diffusers.loaders.lora_base": ("No LoRA keys associated to",),
 }
 KNOWN_WARNINGS = (
     # flowrl needs broadcast_buffers=False's behaviour (no buffer sync at init either); see flowrl/train/loop.py
