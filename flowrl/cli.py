@@ -112,9 +112,9 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--prompts", metavar="FILE", help="one prompt per line, or builtin:shapes-heldout "
                    "(the default when the reward is shapes: a GenEval-style per-category table)")
     e.add_argument("-n", type=_int(1), default=1, help="images (videos) per prompt")
-    e.add_argument("--per-category", type=_int(1), default=150, help="built-in prompt sets: images per category (default 150)")
     e.add_argument("--no-base", action="store_true", help="with --run: skip the base model's scores (by default the run's "
                    "are printed beside the base's, the adapter disabled, on the same prompts and seeds, and the change)")
+    e.add_argument("--per-category", type=_int(1), default=150, help="built-in prompt sets: images per category (default 150)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--judge", metavar="REWARD", help="an auxiliary judge reward for GDRO's corrected score next to each channel "
                    "(default: reward.judge); its scores map from reward.judge_range onto 1-5")
@@ -557,6 +557,13 @@ def evaluate_policy(args, prompts: list[str] | None, source: str | None):
     """`flowrl eval`'s scores (and flowrl.api.evaluate's): the policy of args.run or args.config on
     `prompts` (None: the shapes reward's held-out set), args.n images each, with the judge and the
     search asked for. Returns the EvalResult, what was evaluated, and where the prompts came from."""
+    result, _, what, source = _evaluate(args, prompts, source, with_base=False)
+    return result, what, source
+
+
+def _evaluate(args, prompts: list[str] | None, source: str | None, with_base: bool):
+    """evaluate_policy's work; with `with_base`, also the base model's scores on the same prompts and
+    seeds (the adapter disabled; None for a search, or a run without an adapter, which says so)."""
     from flowrl.train.evaluate import evaluate
     from flowrl.train.prompts import read_prompt_file
     from rewards import MultiReward
@@ -579,13 +586,6 @@ def evaluate_policy(args, prompts: list[str] | None, source: str | None):
         if "shapes" not in reward.channels:
             raise UserError("--prompts is required unless the config's reward is shapes (then builtin:shapes-heldout is the default)")
         source = "builtin:shapes-heldout"
-    result, _, what, source = _evaluate(args, prompts, source, with_base=False)
-    return result, what, source
-
-
-def _evaluate(args, prompts: list[str] | None, source: str | None, with_base: bool):
-    """evaluate_policy's work; with `with_base`, also the base model's scores on the same prompts and
-    seeds (the adapter disabled; None for a search, or a run without an adapter, which says so)."""
         prompts = read_prompt_file(source, field="--prompts", per_category=args.per_category)
     expanded = [p for p in prompts for _ in range(args.n)]
     if search:
