@@ -301,7 +301,7 @@ class FlowPolicy:
         """Each of `prompts` neither encoded nor stored yet, encoded into the cache on the text encoders' device."""
         stored = self._stored or ()
         new = [p for p in dict.fromkeys(prompts) if p not in self._cache and p not in stored]
-        if new and self.text_device.type == "cpu":  # model.text_encoders cpu or cached: those left unloaded load now
+        if new and self.cfg.text_encoders == "cached":  # a complete cache let the pipeline load without its encoders
             self._load_missing_text_encoders()
         for p in new:
             with torch.no_grad():
