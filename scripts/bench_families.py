@@ -123,7 +123,7 @@ def bench(kind: str, cuda: bool, iterations: int, resolution: int) -> dict:
             "reward.weights={brightness: 1.0}", "run.tracker=none", "run.progress=false", "run.sample_every=0",
             "run.checkpoint_every=0"], validate_paths=False)
         # the pipeline in memory instead of from_pretrained of the preset's hub id
-        loop.load_policy = lambda model_cfg, device=None: policy_class(kind)(pipe, model_cfg, device or "cpu")
+        loop.load_policy = lambda model_cfg, device=None, prompts=None: policy_class(kind)(pipe, model_cfg, device or "cpu")
         trainer = loop.Trainer(cfg, run_dir=Path(tmp) / "run")
         if cuda:
             torch.cuda.reset_peak_memory_stats()
