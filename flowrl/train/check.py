@@ -139,7 +139,7 @@ def check_log_probs(cfg, policy, say: Callable[[str], None]) -> Outcome:
             for t in steps:
                 recomputed = recompute_transition(policy, traj, spec, slice(None), t).log_prob.detach().float().cpu()
                 ratio = torch.exp(recomputed - traj.log_probs[:, t])
-                deviation = float((ratio - 1).abs().max())
+                deviation = float((ratio - 1).abs().nan_to_num(nan=float("inf")).max())  # a NaN ratio fails
                 worst = max(worst, deviation)
                 say(f"  step {t} (sigma {float(spec.sigmas[t]):.4f} -> {float(spec.sigmas[t + 1]):.4f}): ratio "
                     f"{float(ratio.min()):.8f} .. {float(ratio.max()):.8f} over {len(prompts)} samples")
@@ -181,11 +181,17 @@ def _both_ways(cfg, policy, pipe, prompts, seeds) -> tuple[torch.Tensor, torch.T
     return ours, theirs
 
 
+def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|, inf where either holds a non-finite value (a NaN never passes a tolerance silently:
+    an adapter loaded with missing keys can leave uninitialised weights)."""
+    return float((a - b).abs().nan_to_num(nan=float("inf")).max())
+
+
 def check_pipeline(cfg, policy, prompts, seeds) -> tuple[Outcome, torch.Tensor]:
     """(b) on the base model (the adapter disabled on both sides); also returns flowrl's base images."""
     with policy.reference() if policy.has_lora else contextlib.nullcontext():
         ours, theirs = _both_ways(cfg, policy, policy.pipe, prompts, seeds)
-    difference = float((ours - theirs).abs().max())
+    difference = largest_difference(ours, theirs)
     return Outcome(f"(b) ODE = {policy.pipeline_name}.__call__", difference <= IMAGE_TOLERANCE, difference, IMAGE_TOLERANCE), ours
 
 
@@ -206,7 +212,7 @@ def check_adapter_replay(cfg, policy, prompts, seeds, base: torch.Tensor) -> Out
         policy.pipe.load_lora_weights(directory)
         theirs = policy.diffusers_call(policy.pipe, seeded_noise(seeds, INITIAL, policy.latent_shape()), prompts,
                                        s.eval_num_steps, s.schedule, s.shift)
-    difference, moved = float((ours - theirs).abs().max()), float((ours - base).abs().max())
+    difference, moved = largest_difference(ours, theirs), largest_difference(ours, base)
     note = f"the change moved flowrl's sample by {moved:.3g}"
     if moved <= IMAGE_TOLERANCE:
         return Outcome(name, False, difference, IMAGE_TOLERANCE, note + ", within the tolerance: nothing was compared")
