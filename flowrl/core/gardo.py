@@ -1,4 +1,4 @@
-"""GARDO's pieces (He et al., arXiv 2512.24138; the spec's section III.5, read from the authors' code
+"""GARDO's pieces (He et al., arXiv 2512.24138, read from the authors' code
 tinnerhrhe/GARDO): the diversity-aware advantage, the uncertainty gate that decides which samples the
 KL regularises, the adaptive gate fraction kappa, and the reference reset rule. Tensors in, tensors out.
 

@@ -11,7 +11,7 @@ cached  every prompt of the run's set (data.prompts or data.prompt_file, the eva
         model.max_sequence_length, the negative prompt). The pipeline then loads without its text encoders,
         and each batch's embeddings are read from the files and moved to the device. A prompt outside the set
         (`flowrl sample --prompt`, another eval) is encoded on demand by the encoders loaded on the CPU.
-        Flow-Factory's preprocessing does the same (docs/ALGORITHMS.md III.7d).
+        Flow-Factory's preprocessing does the same (docs/distributed.md, "Prompt encoders off the GPU").
 
 A cached embedding is the tensor encoding produced, stored and read back unchanged, so the conditioning a
 run trains on is bit for bit that of encoding on the fly on the same device.

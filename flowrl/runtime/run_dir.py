@@ -83,22 +83,7 @@ class RunDir:
         panels = 1 + bool(categories) + bool(buckets)
         fig, axes = plt.subplots(panels, 1, figsize=(6, 3.5 * panels), dpi=100, squeeze=False)
         window = max(1, min(20, len(rows) // 5))  # a few prompts per kind per iteration: smooth over a trailing window
-        marker = "o" if len(rows) < 10 else None  # a short run: its few points visible as points
-        ax = axes[0, 0]
-        series = [("reward_mean", "reward (weighted sum)")] + [(k, k) for k in sorted(k for k in rows[-1] if k.startswith("reward/"))]
-        for i, (key, label) in enumerate(series):  # the raw iterations faint, their trailing mean drawn over them
-            raw = [r.get(key) for r in rows]
-            ax.plot(its, [float("nan") if v is None else v for v in raw], color=f"C{i}", alpha=0.25, lw=0.8, marker=marker, ms=3)
-            smoothed = f"{label}, mean of {window} iterations" if window > 1 else label
-            ax.plot(its, trailing_mean(raw, window), color=f"C{i}", label=smoothed, marker=marker, ms=3)
-        held_out = sorted({k for r in rows for k in r if k.startswith("heldout/")})  # evaluations the run made, where it made them
-        for i, key in enumerate(held_out):
-            points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
-            ax.plot(*zip(*points), ls="none", marker="D", ms=5, color=f"C{len(series) + i}", label=f"{key} (held-out)")
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("mean reward")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        draw_rewards(axes[0, 0], rows, window)
         if categories:
             ax = axes[1, 0]
             for key in categories:
@@ -124,6 +109,28 @@ class RunDir:
         fig.savefig(out)
         plt.close(fig)
         return out
+
+
+def draw_rewards(ax, rows: list[dict], window: int) -> None:
+    """The reward panel: each channel's raw iterations faint, their trailing mean over `window` drawn
+    over them, held-out evaluations (heldout/ keys) as points where the run made them, and a run of
+    under 10 iterations as points."""
+    its = [r["iteration"] for r in rows]
+    marker = "o" if len(rows) < 10 else None
+    series = [("reward_mean", "reward (weighted sum)")] + [(k, k) for k in sorted(k for k in rows[-1] if k.startswith("reward/"))]
+    for i, (key, label) in enumerate(series):
+        raw = [r.get(key) for r in rows]
+        ax.plot(its, [float("nan") if v is None else v for v in raw], color=f"C{i}", alpha=0.25, lw=0.8, marker=marker, ms=3)
+        smoothed = f"{label}, mean of {window} iterations" if window > 1 else label
+        ax.plot(its, trailing_mean(raw, window), color=f"C{i}", label=smoothed, marker=marker, ms=3)
+    held_out = sorted({k for r in rows for k in r if k.startswith("heldout/")})
+    for i, key in enumerate(held_out):
+        points = [(r["iteration"], r[key]) for r in rows if r.get(key) is not None]
+        ax.plot(*zip(*points), ls="none", marker="D", ms=5, color=f"C{len(series) + i}", label=f"{key} (held-out)")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def trailing_mean(values: list[float | None], window: int) -> list[float]:

@@ -392,22 +392,7 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     gathered = 2 * low * unit if sharded else 0.0  # the block computing and the next one prefetched
     rows.append(("gathered blocks (fsdp2)", gathered, f"2 x the largest block ({unit / 1e6:.0f}M) x {low} B" if sharded else "-"))
 
-    # prompt tokens: the family's pipeline default (SD3's T5 256, FLUX's 512); Qwen-Image's vary with the prompt,
-    # at most 512 by default
-    family = model.family
-    t5 = launch.max_sequence_length or family.prompt_tokens
-    if family.cross_attention:  # the prompt is read by cross-attention, not carried through the blocks
-        t5 = 0
-    tokens = model.image_tokens(launch.height, launch.width, launch.frames) + t5 + family.extra_prompt_tokens
-    rows_per_forward = launch.batch * (2 if family.trains_with_cfg else 1)  # trained with CFG: two halves per sample
-    per_block = ACTIVATION_BYTES_PER_HIDDEN * model.hidden * tokens * rows_per_forward
-    if launch.gradient_checkpointing:  # each block's 16-bit input kept, one block's activations recomputed at a time
-        acts = len(blocks) * 2 * model.hidden * tokens * rows_per_forward + per_block
-        how = (f"{len(blocks)} block inputs + one block's {ACTIVATION_BYTES_PER_HIDDEN} x hidden x {tokens} tokens x "
-               f"{rows_per_forward} rows")
-    else:
-        acts = len(blocks) * per_block
-        how = f"{len(blocks)} blocks x {ACTIVATION_BYTES_PER_HIDDEN} B x hidden {model.hidden} x {tokens} tokens x {rows_per_forward} rows"
+    acts, how = activation_bytes(model, launch, len(blocks))
     rows.append(("activations (estimate)", acts, how))
 
     transient = ("gathered blocks (fsdp2)", "activations (estimate)")
@@ -422,6 +407,24 @@ def plan(model: Model, launch: Launch) -> list[tuple[str, float, str]]:
     rows.append(("peak while sampling", sample_peak, f"resident - gradients + the whole network ({launch.dtype})" if sharded
                  else "resident - gradients"))
     return [(what, b / GIB, how) for what, b, how in rows]
+
+
+def activation_bytes(model: Model, launch: Launch, blocks: int) -> tuple[float, str]:
+    """The training forward's activations (bytes) and how they were counted."""
+    # prompt tokens: the family's pipeline default (SD3's T5 256, FLUX's 512); Qwen-Image's vary with the prompt,
+    # at most 512 by default
+    family = model.family
+    t5 = launch.max_sequence_length or family.prompt_tokens
+    if family.cross_attention:  # the prompt is read by cross-attention, not carried through the blocks
+        t5 = 0
+    tokens = model.image_tokens(launch.height, launch.width, launch.frames) + t5 + family.extra_prompt_tokens
+    rows_per_forward = launch.batch * (2 if family.trains_with_cfg else 1)  # trained with CFG: two halves per sample
+    per_block = ACTIVATION_BYTES_PER_HIDDEN * model.hidden * tokens * rows_per_forward
+    if launch.gradient_checkpointing:  # each block's 16-bit input kept, one block's activations recomputed at a time
+        return (blocks * 2 * model.hidden * tokens * rows_per_forward + per_block,
+                f"{blocks} block inputs + one block's {ACTIVATION_BYTES_PER_HIDDEN} x hidden x {tokens} tokens x {rows_per_forward} rows")
+    return (blocks * per_block,
+            f"{blocks} blocks x {ACTIVATION_BYTES_PER_HIDDEN} B x hidden {model.hidden} x {tokens} tokens x {rows_per_forward} rows")
 
 
 def plan_peak(rows: list[tuple[str, float, str]]) -> float:

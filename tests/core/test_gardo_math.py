@@ -1,5 +1,5 @@
-"""GARDO's pieces (flowrl/core/gardo.py) against the spec's worked numbers (ALGORITHMS.md III.5, "What a
-test should write out independently"), written out here."""
+"""GARDO's pieces (flowrl/core/gardo.py) against the worked numbers of GARDO's
+specification (docs/monitor.md, "GARDO"), written out here."""
 
 from __future__ import annotations
 
