@@ -133,6 +133,8 @@ def test_bad_dpo_settings_are_one_sentence(tiny_sd3_dir):
         load_config("tiny_jpeg", [*base, "objective.dpo.beta=0"])
     with pytest.raises(ConfigError, match=r"^objective.kind dpo draws its training sigmas over all of \(0, 1\]"):
         load_config("tiny_jpeg", [*base, "lora.sigma_range=[0.5, 1.0]"])
+    with pytest.raises(ConfigError, match=r"^objective.kind dpo adds no KL term .*; got 0.01$"):  # never silently ignored
+        load_config("tiny_jpeg", [*base, "trainer.kl_beta=0.01"])
     with pytest.raises(ConfigError, match="^objective.kind dpo needs lora.enabled=true"):
         load_config("tiny_jpeg", [*base, "lora.enabled=false"])
 

@@ -160,6 +160,9 @@ class DPO(Objective):
         if o.guidance_scale is not None and not o.guidance_scale >= 1.0:
             raise ConfigError(f"objective.dpo.guidance_scale must be >= 1 (1: the conditional velocity alone) or null "
                               f"(model.guidance_scale); got {o.guidance_scale}")
+        if cfg.trainer.kl_beta != 0:  # beta is DPO's tie to the reference; neither reference adds a KL term
+            raise ConfigError(f"objective.kind dpo adds no KL term (objective.dpo.beta ties it to the reference); set "
+                              f"trainer.kl_beta: 0; got {cfg.trainer.kl_beta}")
         if not cfg.lora.enabled:
             raise ConfigError("objective.kind dpo needs lora.enabled=true: its implicit reward compares the policy with the "
                               "network with the adapter disabled")
