@@ -24,17 +24,78 @@ def fresh_accelerate():
     AcceleratorState._reset_state()
 
 
-@pytest.mark.slow
-def test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it(tmp_path):
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run(["bash", "scripts/gpu_checks.sh", "--cpu-smoke"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+# A stand-in for the interpreter: it records each command the script runs (one line, the arguments
+# separated by \x1f), answers the version probe, writes a pipeline marker and one JSON row per
+# check, and exits $SHIM_FAIL_EXIT for the check script named in $SHIM_FAIL.
+SHIM = r"""#!/usr/bin/env bash
+(IFS=$'\x1f'; echo "$*") >> "$SHIM_LOG"
+case "$1" in
+  -c) echo "torch shim diffusers shim" ;;
+  scripts/random_pipeline.py) mkdir -p "$2" && touch "$2/model_index.json" ;;
+  *) out=""; prev=""; for a in "$@"; do [ "$prev" = --out ] && out="$a"; prev="$a"; done
+     echo "{\"check\": \"shim\", \"script\": \"$1\"}" >> "$out"
+     [ "$1" = "scripts/$SHIM_FAIL.py" ] && exit "$SHIM_FAIL_EXIT" ;;
+esac
+exit 0
+"""
+
+
+def shell_smoke(tmp_path, *names: str, fail: str = "none") -> tuple[subprocess.CompletedProcess, list[list[str]], Path]:
+    """gpu_checks.sh --cpu-smoke NAMES with the stand-in interpreter: its output, the commands it ran, $OUT."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    shim, log, out = tmp_path / "python", tmp_path / "commands.log", tmp_path / "out"
+    shim.write_text(SHIM)
+    shim.chmod(0o755)
+    env = {**os.environ, "OUT": str(out), "PYTHON": str(shim), "SHIM_LOG": str(log), "SHIM_FAIL": fail, "SHIM_FAIL_EXIT": "3"}
+    done = subprocess.run(["bash", "scripts/gpu_checks.sh", "--cpu-smoke", *names], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    return done, [line.split("\x1f") for line in log.read_text().splitlines()], out
+
+
+def test_gpu_checks_runs_the_default_checks_in_order_and_records_each_status(tmp_path):
+    done, commands, out = shell_smoke(tmp_path, fail="bench_explore")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # the version probe, then each check's script in priority order (the SD3.5-sized pipeline built first for grpo_compile)
+    assert [c[0] for c in commands] == ["-c", "scripts/bench_explore.py", "scripts/random_pipeline.py", "scripts/bench_compile.py",
+                                        "scripts/bench_fsdp_memory.py"]
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    # the shell's status line per check, in priority order, each finished (not stopped at its cap)
-    assert [(r["check"], r["exit"], r["cpu_smoke"]) for r in rows if "exit" in r] == [
-        ("explore", 0, True), ("grpo_compile", 0, True), ("fsdp_memory", 0, True)]
+    # the shell's status line after each check's own rows; a failing check (exit 3) leaves the later ones to run
+    assert [(r["check"], r.get("exit"), r.get("cpu_smoke")) for r in rows] == [
+        ("shim", None, None), ("explore", 3, True), ("shim", None, None), ("grpo_compile", 0, True), ("shim", None, None),
+        ("fsdp_memory", 0, True)]
+    assert (out / "explore.log").is_file() and "=== results" in done.stdout and "cpu smoke run" in (out / "machine.txt").read_text()
+    # named checks run alone, and only the named ones
+    _, named, _ = shell_smoke(tmp_path / "named", "fsdp_memory")
+    assert [c[0] for c in named] == ["-c", "scripts/bench_fsdp_memory.py"]
+
+
+def check_commands(tmp_path) -> dict[str, list[str]]:
+    """The default checks' commands as the script runs them under --cpu-smoke, by script name."""
+    _, commands, _ = shell_smoke(tmp_path)
+    return {Path(c[0]).stem: c[1:] for c in commands if c[0].startswith("scripts/")}
+
+
+def with_out(args: list[str], out: Path) -> list[str]:
+    return [str(out) if prev == "--out" else a for prev, a in zip(["", *args], args)]
+
+
+@pytest.mark.slow
+def test_the_default_checks_commands_run_their_cpu_smoke_and_record_it(tmp_path, fresh_accelerate):
+    # each command exactly as gpu_checks.sh --cpu-smoke gives it (the test above): the explore and compile benches in
+    # this process, the FSDP2 one in its own (it starts a process group)
+    from script_loader import load_script
+
+    commands, out = check_commands(tmp_path / "shell"), tmp_path / "results.jsonl"
+    pipe = commands["random_pipeline"][0]
+    assert load_script("random_pipeline").main(commands["random_pipeline"]) in (0, None)
+    assert (Path(pipe) / "model_index.json").is_file() and (Path(pipe) / "transformer").is_dir()
+    assert load_script("bench_explore").main(with_out(commands["bench_explore"], out)) == 0
+    load_script("bench_compile").main(with_out(commands["bench_compile"], out))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "scripts/bench_fsdp_memory.py", *with_out(commands["bench_fsdp_memory"], out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
     explore = {r["variant"]: r for r in rows if r["check"] == "explore" and "variant" in r}
     assert list(explore) == ["bf16", "fp8+preview+fbc", "fp8", "fp8+preview"]
     assert explore["fp8"]["label"] == "fp8-emulated-row" and explore["fp8"]["quantized_linears"] > 0
@@ -44,9 +105,7 @@ def test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it(tmp_path):
     assert [r["mode"] for r in compiled] == ["none"] and compiled[0]["config"] == "sd35_medium_pickscore_1gpu"
     fsdp = next(r for r in rows if r["check"] == "fsdp_memory" and "plan_gib" in r)
     assert fsdp["plan_gib"] > 0 and "peak_gib" not in fsdp  # no memory reading on the CPU
-    log = (out / "fsdp_memory.log").read_text()
-    assert "fsdp2, full fine-tuning" in log and "iteration 0:" in log and "skipped 0" in log
-    assert "=== results" in done.stdout
+    assert "fsdp2, full fine-tuning" in done.stdout and "iteration 0:" in done.stdout and "skipped 0" in done.stdout
 
 
 @pytest.mark.slow

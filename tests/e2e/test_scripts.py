@@ -50,17 +50,17 @@ COVERED_ELSEWHERE = {
     # the memory features' GPU check (gpu_checks.sh memory_features), its --cpu-smoke in process
     "bench_memory_features": ("e2e/test_gpu_checks.py", "test_bench_memory_features_runs_every_configuration_against_its_plan"),
     # the GPU checks' one command, with --cpu-smoke
-    "gpu_checks": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
+    "gpu_checks": ("e2e/test_gpu_checks.py", "test_gpu_checks_runs_the_default_checks_in_order_and_records_each_status"),
     # the arenas' --smoke: one cell end to end, its JSON line, resume and report
     "arena": ("e2e/test_arena.py", "test_smoke_run_records_one_line_resumes_and_reports"),
     "arena_text": ("e2e/test_arena.py", "test_text_arena_smoke_run_records_resumes_and_reports"),
     # gpu_checks.sh --cpu-smoke runs bench_explore --cpu-smoke, bench_compile (eager, 2 iterations on a
     # random_pipeline.py --tiny pipeline) and bench_fsdp_memory --cpu-smoke, each through gpu_bench.py
-    "bench_compile": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
-    "bench_explore": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
-    "bench_fsdp_memory": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
-    "random_pipeline": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
-    "gpu_bench": ("e2e/test_gpu_checks.py", "test_gpu_checks_cpu_smoke_runs_every_default_check_and_records_it"),
+    "bench_compile": ("e2e/test_gpu_checks.py", "test_the_default_checks_commands_run_their_cpu_smoke_and_record_it"),
+    "bench_explore": ("e2e/test_gpu_checks.py", "test_the_default_checks_commands_run_their_cpu_smoke_and_record_it"),
+    "bench_fsdp_memory": ("e2e/test_gpu_checks.py", "test_the_default_checks_commands_run_their_cpu_smoke_and_record_it"),
+    "random_pipeline": ("e2e/test_gpu_checks.py", "test_the_default_checks_commands_run_their_cpu_smoke_and_record_it"),
+    "gpu_bench": ("e2e/test_gpu_checks.py", "test_the_default_checks_commands_run_their_cpu_smoke_and_record_it"),
     "bench_presets": ("e2e/test_gpu_checks.py", "test_bench_presets_trains_every_algorithms_preset_from_a_saved_random_pipeline"),
     "bench_text_preset": ("e2e/test_gpu_checks.py", "test_bench_text_preset_trains_the_qwen_preset_from_a_saved_random_model"),
     "bench_families": ("models/test_models.py", "test_the_families_bench_trains_each_family_through_the_trainer_on_the_cpu"),

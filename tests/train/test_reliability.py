@@ -5,6 +5,7 @@ written with a non-finite tensor."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -305,7 +306,7 @@ def _kill_launcher(proc: subprocess.Popen, run: Path, training: bool = True) -> 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
-def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_path, tiny_sd3_dir):
+def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_path, tiny_sd3_dir, capfd):
     # two CPU processes, a checkpoint every 2 of 4 iterations. One run is killed with kill -9 of its
     # launcher three times, each time continued as a user would (`--resume` once the run directory
     # holds a config, else the same command again): once both processes train, before the first
@@ -316,12 +317,19 @@ def test_kill_9_at_random_moments_then_resume_gives_the_uninterrupted_run(tmp_pa
     import random
 
     args = ["train", "tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", "model.device=cpu", "trainer.iterations=4",
-            "run.checkpoint_every=2", "run.cpu_processes=2", "trainer.kl_beta=0.01"]
+            "run.checkpoint_every=2", "run.cpu_processes=2", "trainer.kl_beta=0.01", "run.sample_every=1"]
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "FLOWRL_LAUNCHED", "FLOWRL_LAUNCHER_PID")}
     straight, run = tmp_path / "straight", tmp_path / "run"
     t0 = time.monotonic()
+    capfd.readouterr()
     assert main([*args, "--run-dir", str(straight)]) == 0  # this process launches the two processes
     whole = time.monotonic() - t0
+    # run.cpu_processes relaunches `flowrl train` once as that many processes, which do not launch again
+    assert capfd.readouterr().err.count("launching 2 CPU processes") == 1
+    assert json.loads((straight / "checkpoints" / "iter_000004" / "state.json").read_text())["num_processes"] == 2
+    assert [(r["iteration"], r["samples"]) for r in run_metrics(straight)] == [(i, 8) for i in range(4)]
+    # rank 0 alone draws the sample grids: a forward that synchronised the processes would hang
+    assert sorted(f.name for f in (straight / "samples").iterdir()) == ["iter_000000_before.png", *(f"iter_00000{i}.png" for i in range(1, 5))]
 
     def launch() -> subprocess.Popen:  # what a user types next
         again = ["train", "--resume", str(run)] if (run / "config.yaml").is_file() else [*args, "--run-dir", str(run)]
