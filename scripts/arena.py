@@ -8,11 +8,12 @@ machine, judged by held-out strict accuracy at half the budget and at its end.
     python scripts/arena.py --smoke --cells nft --runs /tmp/arena-runs --out /tmp/arena.jsonl   # seconds (the test)
 
 A cell is a preset of configs/arena/ (one per algorithm, all on the default preset's model,
-prompts and rewards). For each cell and training seed, one after another (never two at once):
-`flowrl train` with the preset, `trainer.budget_minutes` set to the budget (gdro_offline first
-builds its group store with `flowrl offline build`, timed, and trains for what is left), and
-`run.checkpoint_at_minutes` at half the budget, so the run writes a checkpoint when its clock
-first passes the half. After the run (not counted in the budget) the half-budget and final
+prompts and rewards). A cell X_tuned is configs/arena/X_tuned.yaml, X's preset with the settings
+scripts/tune_arena.py chose for it, once that file exists. For each cell and training seed, one
+after another (never two at once): `flowrl train` with the preset, `trainer.budget_minutes` set
+to the budget (gdro_offline first builds its group store with `flowrl offline build`, timed, and
+trains for what is left), and `run.checkpoint_at_minutes` at half the budget, so the run writes
+a checkpoint when its clock first passes the half. After the run (not counted in the budget) the half-budget and final
 checkpoints (EMA weights) are scored on the two eval sets bench_shapes uses (400 held-out prompts
 each, 20-step ODE, eval seeds from 10000 and 20000); the base model is scored once per eval set
 and cached in the --runs directory. Each finished (cell, seed) appends one JSON line to --out;
@@ -38,10 +39,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
-         "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo")
+REFERENCE_CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
+                   "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo")  # each algorithm with its reference's settings
 OFFLINE_CELLS = ("gdro_offline",)  # train from a group store that the arena builds, timed, inside the budget
 PRESETS = ROOT / "configs" / "arena"
+TUNED = "_tuned"  # cell X_tuned: configs/arena/X_tuned.yaml, written by scripts/tune_arena.py
+
+
+def tuned_cells(presets: Path = PRESETS) -> tuple[str, ...]:
+    """The X_tuned cells whose preset exists in `presets`, in the reference cells' order."""
+    return tuple(f"{c}{TUNED}" for c in REFERENCE_CELLS if (presets / f"{c}{TUNED}.yaml").is_file())
+
+
+def reference_cell(cell: str) -> str:
+    """The reference cell a cell belongs to: X for X_tuned, the cell itself otherwise."""
+    base = cell.removesuffix(TUNED)
+    return base if base in REFERENCE_CELLS else cell
+
+
+CELLS = REFERENCE_CELLS + tuned_cells()
 EVAL_SEEDS = (10_000, 20_000)  # bench_shapes' two eval sets: image j of a set with seed S is sampled from seed S + j
 PER_CATEGORY = 100  # 400 held-out prompts per eval set
 STORE_PROMPTS = 256  # gdro_offline's store: 256 prompts x data.group_size samples (bench_offline's)
@@ -111,7 +127,7 @@ def fmt(x: float) -> str:
 def cell_overrides(cell: str, seed: int, budget: float, smoke: bool) -> list[str]:
     """The overrides of the cell's preset that the arena sets: the config hash is taken over them.
     gdro_offline's run then replaces its budget with what the store's build left."""
-    return [*(SMOKE + SMOKE_CELL[cell] if smoke else []), f"trainer.seed={seed}", *budget_overrides(budget, budget / 2),
+    return [*(SMOKE + SMOKE_CELL[reference_cell(cell)] if smoke else []), f"trainer.seed={seed}", *budget_overrides(budget, budget / 2),
             "run.progress=false"]
 
 
@@ -121,8 +137,35 @@ def budget_overrides(train_budget: float, half_mark: float) -> list[str]:
             f"run.checkpoint_at_minutes={marks}"]
 
 
-def preset(cell: str) -> str:
-    return str(PRESETS / f"{cell}.yaml")
+def preset(cell: str, presets: Path = PRESETS) -> str:
+    return str(presets / f"{cell}.yaml")
+
+
+def train(argv: list[str], run_dir: Path) -> None:
+    """`flowrl train ARGV` in this process (it launches its CPU processes itself); a failure stops the run."""
+    from flowrl.cli import main as cli_main
+
+    if cli_main(["train", *argv]) != 0:
+        raise SystemExit(f"arena: training {run_dir} failed")
+
+
+def build_store(cell: str, overrides: list[str], store: Path, prompts: int) -> float:
+    """`flowrl offline build` of the cell's group store (`prompts` groups from the base model) at
+    `store`; the minutes it took."""
+    from flowrl.cli import main as cli_main
+
+    t0 = time.perf_counter()
+    if cli_main(["offline", "build", preset(cell), *overrides, "-o", str(store), "--num-prompts", str(prompts)]) != 0:
+        raise SystemExit(f"arena: building the group store {store} failed")
+    return (time.perf_counter() - t0) / 60
+
+
+def last_checkpoint(run_dir: Path) -> int:
+    """The iteration of the run's last checkpoint."""
+    from flowrl.runtime.checkpoint import checkpoint_iterations
+    from flowrl.runtime.run_dir import RunDir
+
+    return checkpoint_iterations(RunDir(run_dir).checkpoints)[-1]
 
 
 def set_aside(path: Path) -> None:
@@ -183,12 +226,15 @@ class Judge:
     """Held-out strict accuracy on the eval sets, with the default preset's eval settings for
     every cell; the base model's scores cached in RUNS/base_eval.json."""
 
-    def __init__(self, runs: Path, per_category: int, smoke: bool):
+    def __init__(self, runs: Path, per_category: int, smoke: bool, overrides=(), load_overrides=()):
         from flowrl.config import load_config
         from flowrl.train.prompts import builtin_prompts
         from rewards import MultiReward
 
-        self.cfg = load_config(None, ["run.progress=false", *(SMOKE_EVAL if smoke else [])])
+        # `overrides`: more of the default preset's (a smoke run's tiny model); `load_overrides`: of a run's config
+        # when its checkpoint is loaded (model.compile=none: no compile warm-up for one evaluation)
+        self.cfg = load_config(None, ["run.progress=false", *(SMOKE_EVAL if smoke else []), *overrides])
+        self.load_overrides = list(load_overrides)
         self.prompts = builtin_prompts("builtin:shapes-heldout", "--per-category", per_category=per_category)
         self.reward = MultiReward.from_config(self.cfg.reward)
         self.per_category = per_category
@@ -216,16 +262,14 @@ class Judge:
     def checkpoint(self, run: Path, iteration: int, seeds) -> dict[int, float]:
         from flowrl.cli import _load_run_policy
 
-        _, policy, _ = _load_run_policy(run, iteration=iteration)
+        _, policy, _ = _load_run_policy(run, self.load_overrides, iteration=iteration)
         return {s: self.strict(policy, s) for s in seeds}
 
 
 # ---- one (cell, seed) ------------------------------------------------------------------------------
 def run_cell(cell: str, seed: int, args, judge: Judge, base: dict, start: float, ident: dict) -> dict | None:
-    from flowrl.cli import main as cli_main
     from flowrl.config import load_config
     from flowrl.runtime.budget import PLAN_FILE, machine_name
-    from flowrl.runtime.checkpoint import checkpoint_iterations
     from flowrl.runtime.run_dir import RunDir
 
     runs, budget = Path(args.runs), args.budget_minutes
@@ -238,13 +282,11 @@ def run_cell(cell: str, seed: int, args, judge: Judge, base: dict, start: float,
     set_aside(run_dir)
     t0 = time.perf_counter()
     build_minutes, train_overrides = 0.0, list(overrides)
-    if cell in OFFLINE_CELLS:
+    offline = reference_cell(cell) in OFFLINE_CELLS
+    if offline:
         set_aside(store)
         train_overrides.append(f"data.offline={store}")
-        store_prompts = SMOKE_STORE_PROMPTS if args.smoke else args.store_prompts
-        if cli_main(["offline", "build", preset(cell), *train_overrides, "-o", str(store), "--num-prompts", str(store_prompts)]) != 0:
-            raise SystemExit(f"arena: building the group store {store} failed")
-        build_minutes = (time.perf_counter() - t0) / 60
+        build_minutes = build_store(cell, train_overrides, store, SMOKE_STORE_PROMPTS if args.smoke else args.store_prompts)
         left = budget - build_minutes
         if left <= 0 and args.smoke:  # a smoke run checks the path, not the budget: it trains for half the budget anyway
             left = budget / 2
@@ -253,13 +295,12 @@ def run_cell(cell: str, seed: int, args, judge: Judge, base: dict, start: float,
                              "left to train (lower --store-prompts or raise --budget-minutes)")
         train_overrides += budget_overrides(left, budget / 2 - build_minutes)
     t1 = time.perf_counter()
-    if cli_main(["train", preset(cell), *train_overrides, "--run-dir", str(run_dir)]) != 0:
-        raise SystemExit(f"arena: training {run_dir} failed")
+    train([preset(cell), *train_overrides, "--run-dir", str(run_dir)], run_dir)
     train_minutes = (time.perf_counter() - t1) / 60
     wall_minutes = (time.perf_counter() - t0) / 60
 
     rows = RunDir(run_dir).read_metrics()
-    end_iteration = checkpoint_iterations(RunDir(run_dir).checkpoints)[-1]
+    end_iteration = last_checkpoint(run_dir)
     marked = next((r for r in rows if "checkpoint_at_minutes" in r), None)
     seeds = args.eval_seeds
     end = judge.checkpoint(run_dir, end_iteration, seeds)
@@ -279,7 +320,7 @@ def run_cell(cell: str, seed: int, args, judge: Judge, base: dict, start: float,
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="nfe-", dir=runs) as work:  # a scratch run directory
-            nfe = measure_nfe(cell, train_overrides if cell in OFFLINE_CELLS else overrides, Path(work) / "run")
+            nfe = measure_nfe(cell, train_overrides if offline else overrides, Path(work) / "run")
         nfe_file.write_text(json.dumps(nfe) + "\n")
     plan_file = run_dir / PLAN_FILE
     plan = json.loads(plan_file.read_text()) if plan_file.is_file() else {}

@@ -20,8 +20,11 @@ from flowrl.train.loop import Trainer
 from script_loader import load_script
 
 ARENA_DIR = CONFIG_DIR / "arena"
-CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
-         "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo")
+REFERENCE_CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
+                   "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo")
+# a cell X_tuned once scripts/tune_arena.py has written its preset (tests/e2e/test_tune_arena.py)
+TUNED_CELLS = tuple(f"{c}_tuned" for c in REFERENCE_CELLS if (ARENA_DIR / f"{c}_tuned.yaml").is_file())
+CELLS = REFERENCE_CELLS + TUNED_CELLS
 FAST = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
         "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=4", "lora.alpha=8", "run.sample_every=0"]
 
@@ -29,7 +32,8 @@ FAST = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_i
 # ---- the presets ----------------------------------------------------------------------
 def test_every_cell_has_a_preset_and_nothing_else_is_there():
     assert sorted(p.stem for p in ARENA_DIR.glob("*.yaml")) == sorted(CELLS)
-    assert tuple(load_script("arena").CELLS) == CELLS
+    arena = load_script("arena")
+    assert (tuple(arena.CELLS), arena.REFERENCE_CELLS, arena.tuned_cells()) == (CELLS, REFERENCE_CELLS, TUNED_CELLS)
 
 
 @pytest.mark.parametrize("cell", CELLS)
@@ -45,15 +49,26 @@ def test_arena_preset_validates_on_the_default_world(cell):
     # the budget ends the run, with a backstop (gdro_offline's: what a typical store build leaves of 12 minutes);
     # the half-budget checkpoint is the arena's to ask for
     t = cfg.trainer
-    assert t.budget_minutes == (10.25 if cell == "gdro_offline" else 12) and t.budget_minutes < t.max_minutes <= t.budget_minutes + 1
+    assert t.budget_minutes == (10.25 if cell.removesuffix("_tuned") == "gdro_offline" else 12) and t.budget_minutes < t.max_minutes <= t.budget_minutes + 1
     assert t.iterations >= 270
     assert cfg.run.checkpoint_at_minutes == [] and cfg.run.cpu_processes == default.run.cpu_processes
     n = cfg.data.prompts_per_iteration * cfg.data.group_size
     assert n % cfg.sampling.batch_size == 0
 
 
+@pytest.mark.parametrize("cell", TUNED_CELLS)
+def test_a_tuned_cell_is_its_reference_cell_but_for_the_tuned_settings(cell):
+    tune = load_script("tune_arena")
+    reference = cell.removesuffix("_tuned")
+    tuned, cfg = (load_config(ARENA_DIR / f"{c}.yaml", validate_paths=False) for c in (cell, reference))
+    for p in tune.SPACES[reference]:
+        section, _, name = p.key.rpartition(".")
+        setattr(tune.get(tuned, section), name, tune.get(cfg, p.key))
+    assert tuned == cfg
+
+
 def test_the_cells_are_the_algorithms_they_name():
-    cfg = {cell: load_config(ARENA_DIR / f"{cell}.yaml", validate_paths=False) for cell in CELLS}
+    cfg = {cell: load_config(ARENA_DIR / f"{cell}.yaml", validate_paths=False) for cell in REFERENCE_CELLS}
     # the default preset is the arena's leader, DGPO, with the cell's settings (README, docs/arena.md)
     default = load_config(None)
     assert cfg["dgpo"].objective == default.objective and cfg["dgpo"].rollout == default.rollout
@@ -64,11 +79,11 @@ def test_the_cells_are_the_algorithms_they_name():
     assert (cfg["dgpo"].objective.dgpo.stepping, cfg["dgpo_reference"].objective.dgpo.stepping) == ("micro_batch", "iteration")
     cfg["dgpo_reference"].objective.dgpo.stepping = "micro_batch"
     assert cfg["dgpo_reference"] == cfg["dgpo"]
-    assert {c: cfg[c].objective.kind for c in CELLS} == {
+    assert {c: cfg[c].objective.kind for c in REFERENCE_CELLS} == {
         "flow_grpo": "grpo", "mixgrpo": "grpo", "branchgrpo": "grpo", "g2rpo": "grpo", "sol_rl": "nft", "nft": "nft",
         "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm", "dgpo_reference": "dgpo", "flow_grpo_fast": "grpo",
         "dpo": "dpo", "dpo_online": "dpo", "flow_dppo": "grpo"}
-    assert {c: cfg[c].rollout.kind for c in CELLS} == {
+    assert {c: cfg[c].rollout.kind for c in REFERENCE_CELLS} == {
         "flow_grpo": "flat", "mixgrpo": "flat", "branchgrpo": "tree", "g2rpo": "granular", "sol_rl": "two_stage", "nft": "flat",
         "dgpo": "flat", "gdro_offline": "offline", "awm": "flat", "dgpo_reference": "flat", "flow_grpo_fast": "flat",
         "dpo": "flat", "dpo_online": "flat", "flow_dppo": "flat"}
