@@ -17,6 +17,10 @@ robin so machine-load drift hits all alike. Printed per method: NFE per leaf (sa
 forwards per final sample), trained edges per iteration, median seconds per iteration (sampling,
 reward, training) and the ratio to flat, e.g. `tree 0.41x flat`.
 
+--compile none,blocks: the four trainers once per model.compile mode (eight, all interleaved in
+the same rounds), each mode's ratios to its own flat, and each compiled trainer's
+`compiled_graphs` per timed iteration (0 when nothing recompiled after warm-up).
+
 --reward-budget SECONDS: then, for each method in turn, a fresh trainer trains for that much
 wall time; the reward reached is the mean reward of deterministic (ODE, eval_num_steps) samples
 of the training prompts, 2 fixed seeds each, with the EMA weights when EMA is on. The untrained
@@ -27,6 +31,7 @@ Usage:
   .venv/bin/python scripts/bench_tree.py --smoke                     # every code path in seconds, measuring nothing
   .venv/bin/python scripts/bench_tree.py --iterations 3 --reward-budget 600
   .venv/bin/python scripts/bench_tree.py --model builtin:shapes --reward shapes --reward-budget 600
+  .venv/bin/python scripts/bench_tree.py --model builtin:shapes --reward shapes --iterations 2 --compile none,blocks
   .venv/bin/python scripts/bench_tree.py --gpu-sampling                # tree vs flat sampling time on a GPU
 Trailing key=value arguments override the config of all four trainers (e.g. model.device=cuda).
 """
@@ -114,9 +119,25 @@ def run(args) -> int:
         return run_in(args, Path(tmp))
 
 
+def compile_modes(args) -> list[str | None]:
+    """--compile's model.compile modes; [None]: the preset's own."""
+    return args.compile.split(",") if args.compile else [None]
+
+
+def timed_trainers(args, methods: dict[str, list[str]], root: Path) -> dict[tuple[str, str | None], object]:
+    """One trainer per (method, compile mode), in that order."""
+    return {(name, mode): build(args, name, extra + ([f"model.compile={mode}"] if mode else []), root, f"time-{mode or 'preset'}")
+            for mode in compile_modes(args) for name, extra in methods.items()}
+
+
+def label(key: tuple[str, str | None]) -> str:
+    name, mode = key
+    return name if mode is None else f"{name} [{mode}]"
+
+
 def run_in(args, root: Path) -> int:
     methods = method_overrides(args)
-    trainers = {name: build(args, name, extra, root, "time") for name, extra in methods.items()}
+    trainers = timed_trainers(args, methods, root)
     first = next(iter(trainers.values()))
     n_params = sum(p.numel() for p in first.policy.transformer.parameters())
     cfg = first.cfg
@@ -126,25 +147,35 @@ def run_in(args, root: Path) -> int:
     print(f"workload: {cfg.data.prompts_per_iteration} prompt(s) x {cfg.data.group_size} samples per iteration, "
           f"{cfg.sampling.num_steps} steps, dance_grpo SDE noise {cfg.sampling.noise_level}, batch {cfg.sampling.batch_size}; "
           f"tree splits at {args.split_steps} (branching 2); depth pruning {args.prune_depths}; mix window {args.mix_window} "
-          f"steps; {args.warmup} warm-up + {args.iterations} timed iterations each, interleaved")
+          f"steps; model.compile {', '.join(sorted({t.cfg.model.compile for t in trainers.values()}))}; "
+          f"{args.warmup} warm-up + {args.iterations} timed iterations each, interleaved")
     for _ in range(args.warmup):
         for t in trainers.values():
             t.train_iteration()
-    times: dict[str, list[float]] = {name: [] for name in trainers}
-    rows: dict[str, dict] = {}
+    times: dict[tuple, list[float]] = {key: [] for key in trainers}
+    graphs: dict[tuple, list[int]] = {key: [] for key in trainers}
+    rows: dict[tuple, dict] = {}
     for _ in range(args.iterations):
-        for name, t in trainers.items():
+        for key, t in trainers.items():
             t0 = time.perf_counter()
-            rows[name] = t.train_iteration()
-            times[name].append(time.perf_counter() - t0)
-    med = {name: statistics.median(v) for name, v in times.items()}
-    print(f"{'method':<11} {'NFE/leaf':>8} {'trained edges':>13} {'s/iter':>9}  {'sampling':>8} {'reward':>7} {'training':>8}")
-    for name, row in rows.items():
+            rows[key] = t.train_iteration()
+            times[key].append(time.perf_counter() - t0)
+            graphs[key].append(rows[key].get("compiled_graphs", 0))
+    med = {key: statistics.median(v) for key, v in times.items()}
+    width = max(len(label(key)) for key in trainers)
+    print(f"{'method':<{width}} {'NFE/leaf':>8} {'trained edges':>13} {'s/iter':>9}  {'sampling':>8} {'reward':>7} {'training':>8}"
+          f"  compiled_graphs, seconds per timed iteration")
+    for key, row in rows.items():
         nfe = row.get("nfe_per_leaf", float(cfg.sampling.num_steps))
-        print(f"{name:<11} {nfe:8.2f} {trained_edges(row):13d} {med[name]:9.3f}  {row['time_sampling']:8.3f} "
-              f"{row['time_reward']:7.3f} {row['time_training']:8.3f}")
-    for name in trainers:
-        print(f"{name} {med[name] / med['flat']:.2f}x flat")
+        compiled = graphs[key] if "compiled_graphs" in row else "-"
+        print(f"{label(key):<{width}} {nfe:8.2f} {trained_edges(row):13d} {med[key]:9.3f}  {row['time_sampling']:8.3f} "
+              f"{row['time_reward']:7.3f} {row['time_training']:8.3f}  {compiled}, {' '.join(f'{t:.2f}' for t in times[key])}")
+    for key in trainers:
+        print(f"{label(key)} {med[key] / med[('flat', key[1])]:.2f}x flat")
+    modes = compile_modes(args)
+    for mode in modes[1:]:  # what compiling saves each method, measured in the same rounds
+        for name in methods:
+            print(f"{name} [{mode}] {med[(name, mode)] / med[(name, modes[0])]:.2f}x {name} [{modes[0]}]")
     del trainers, first
 
     if args.reward_budget:
@@ -152,8 +183,9 @@ def run_in(args, root: Path) -> int:
               f"{cfg.sampling.eval_num_steps}, 2 seeds per training prompt"
               f"{f' of the first {args.eval_prompts}' if args.eval_prompts else ''}; methods run one after another):")
         base = None
+        mode = compile_modes(args)[-1]  # the last of --compile
         for name, extra in methods.items():
-            t = build(args, name, extra, root, "budget")
+            t = build(args, name, extra + ([f"model.compile={mode}"] if mode else []), root, "budget")
             if base is None:
                 base = eval_reward(t, max_prompts=args.eval_prompts)
                 print(f"untrained: eval reward {base:.4f}")
@@ -263,6 +295,8 @@ def main(argv=None) -> int:
     p.add_argument("--reward-budget", type=float, default=0.0, metavar="SECONDS", help="train each method this long, then score")
     p.add_argument("--eval-prompts", type=int, default=64, help="score the first N training prompts (0: all of them)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", default=None, metavar="MODES", help="model.compile modes measured side by side, e.g. none,blocks "
+                   "(default: the preset's); --reward-budget trains under the last")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 steps, splits 0-3, 1 timed iteration")
     p.add_argument("--gpu-sampling", action="store_true", help="time tree against flat sampling on an SD3.5-Medium-sized "

@@ -20,7 +20,7 @@ from flowrl.devices import DTYPES, pick_device
 from flowrl.errors import UserError
 from flowrl.hub import check_hub_id
 from flowrl.models.attention import set_attention_backend
-from flowrl.models.compile import compile_network, padded_velocity
+from flowrl.models.compile import MIN_ROWS, compile_network, padded_velocity
 from flowrl.models.quantize import quantized_components
 from flowrl.models.text_cache import (SHARD, StoredEmbeddings, cache_path, load_embeddings, load_text_encoders_on_cpu,
                                       mark_complete, save_shard, text_encoder_names)
@@ -181,7 +181,7 @@ class FlowPolicy:
         self.lora_sigma_range: tuple[float, float] | None = None  # None: the adapter acts at every sigma
         self._reference_depth = 0
         self._reference_net = None  # full fine-tuning with a KL: a frozen copy of the network (set_reference_network)
-        self.compiled_rows = 0  # model.compile: every forward runs on exactly this many rows (0: eager, any batch)
+        self.compiled_rows = 0  # model.compile: every forward runs on MIN_ROWS to this many rows (0: eager, any batch)
         if cfg.gradient_checkpointing:
             self.transformer.enable_gradient_checkpointing()
 
@@ -354,7 +354,7 @@ class FlowPolicy:
         """v(x, sigma | cond) in fp32 for latents x [B, *latent_shape]; sigma is one float or one per
         row ([B]). Outside the adapter's sigma range (lora.sigma_range) the base network answers:
         the reference policy there."""
-        if self.compiled_rows and x.shape[0] != self.compiled_rows:  # static shapes: nothing recompiles
+        if self.compiled_rows and not MIN_ROWS <= x.shape[0] <= self.compiled_rows:  # the rows the graphs take: nothing recompiles
             return padded_velocity(self.velocity, x, sigma, cond, self.compiled_rows)
         if self.adapter_acts_at(sigma):
             return self._velocity(x, sigma, cond)
@@ -494,7 +494,8 @@ class FlowPolicy:
     def compile(self, mode: str, rows: int) -> None:
         """model.compile (flowrl/models/compile.py): compile the network in place (and the reference
         copy of full fine-tuning), after the adapter is added; from then on every velocity runs on
-        exactly `rows` rows (sampling.batch_size), a short batch padded, so shapes never change."""
+        MIN_ROWS to `rows` rows (sampling.batch_size; the batch dimension is dynamic), a longer batch
+        split and a single row padded, so no batch size recompiles."""
         if not compile_network(self.transformer, mode):  # none, or no C++ compiler on a CPU (warned)
             return
         if self._reference_net is not None:

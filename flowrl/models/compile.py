@@ -10,16 +10,22 @@ full    the whole transformer compiled in place (`transformer.compile()`).
 Compiling in place keeps the module objects, so the LoRA adapter (peft), the state dict names,
 accelerate's DDP wrapper and checkpoints see the same network as eager.
 
-Shapes are static (`dynamic=False`): every velocity runs on exactly `sampling.batch_size` rows
-(`FlowPolicy.velocity` pads a short batch with copies of its last row and splits a longer one),
-so the graphs a run needs are few and fixed. Dynamo still specialises on what differs between
-the calls of one run, and compiles each combination once: grad mode (rollouts vs training
-forwards), the doubled batch of classifier-free guidance, inputs that do or do not require grad
-(the first block vs the later ones), the last block of SD3 (no context output), and peft's
-adapter-disabled flag (`FlowPolicy.reference()`: the reference pass is its own graph, compiled
-the first time and reused after, not recompiled at every toggle). That is about 8 to 16 graphs
-per block class, above dynamo's default `recompile_limit` of 8, past which it would fall back to
-eager silently; `configure_dynamo` raises the limit to RECOMPILE_LIMIT.
+The batch dimension is dynamic, every other dimension static: each compiled forward runs on
+between MIN_ROWS and `sampling.batch_size` rows (`FlowPolicy.velocity` pads a single row with a
+copy of itself and splits a longer batch), and the graphs mark the rows of their batch-first
+inputs dynamic from the first call (`torch._dynamo.maybe_mark_dynamic`). A tree's levels (1, 2,
+4, ... nodes), a granular rollout's anchors and a short last batch then run on their own rows,
+not padded to a full batch, through the graphs compiled in the first iteration: padding every
+forward to the batch size cost trees their speed (BENCHMARKS.md, bench_tree), and a graph per
+row count (static shapes) would recompile whenever a sliding SDE window reached a level of a new
+size. A single row is padded because dynamo specialises sizes 0 and 1; the doubled batch of
+classifier-free guidance is only more rows. Dynamo still specialises on what differs between the
+calls of one run, and compiles each combination once: grad mode (rollouts vs training forwards),
+inputs that do or do not require grad (the first block vs the later ones), the last block of SD3
+(no context output), and peft's adapter-disabled flag (`FlowPolicy.reference()`: the reference
+pass is its own graph, compiled the first time and reused after, not recompiled at every toggle).
+That is about 8 to 16 graphs per block class, above dynamo's default `recompile_limit` of 8, past which it would fall
+back to eager silently; `configure_dynamo` raises the limit to RECOMPILE_LIMIT.
 
 Recompiles are detected by counting the graphs dynamo builds (`torch._dynamo.utils.counters
 ["stats"]["unique_graphs"]`, `compiled_graphs()`): the trainer reads the count after every
@@ -43,6 +49,7 @@ COMPILE_MODES = ("none", "blocks", "full")  # model.compile
 # set_inductor_config=False: coordinate-descent tuning makes compiles 5-10x slower, even from a warm cache
 SLOW_INDUCTOR_FLAGS = ("coordinate_descent_tuning", "coordinate_descent_check_all_directions")
 RECOMPILE_LIMIT = 64  # graphs per compiled code object (dynamo's default, 8, is too few for one run's variants)
+MIN_ROWS = 2  # the fewest rows a compiled forward runs on: dynamo specialises a dimension of size 1
 
 
 def configure_dynamo(limit: int = RECOMPILE_LIMIT) -> None:
@@ -93,16 +100,38 @@ def compile_network(net: torch.nn.Module, mode: str) -> bool:
     if slow := slow_inductor_flags():
         warnings.warn(f"model.compile: Inductor's {' and '.join(slow)} {'is' if len(slow) == 1 else 'are'} on (torchao's quantisation "
                       "configs set it unless built with set_inductor_config=False), which makes compiling 5-10x slower", stacklevel=2)
-    if mode == "full":
-        net.compile(dynamic=False)
-        return True
-    blocks = block_modules(net)
+    blocks = [net] if mode == "full" else block_modules(net)
     if not blocks:
         raise UserError(f"model.compile blocks compiles each transformer block, but {type(net).__name__} names no block "
                         "classes (_repeated_blocks or _no_split_modules); use model.compile=full")
-    for block in blocks:
-        block.compile(dynamic=False)
+    for module in blocks:
+        compile_rows_dynamic(module)
     return True
+
+
+def compile_rows_dynamic(module: torch.nn.Module) -> None:
+    """`module.compile()` with the rows of its batch-first inputs dynamic and every other size
+    static: one graph serves every batch of MIN_ROWS rows or more."""
+    compiled = torch.compile(module._call_impl, dynamic=False)
+
+    def call(*args, **kwargs):
+        mark_rows_dynamic(args, kwargs)
+        return compiled(*args, **kwargs)
+
+    module._compiled_call_impl = call  # what nn.Module.compile sets: __call__ runs it, state dicts and hooks are unchanged
+
+
+def mark_rows_dynamic(args: tuple, kwargs: dict) -> None:
+    """Mark dimension 0 dynamic on the tensors (top-level arguments) whose first dimension is the
+    batch's, the first tensor argument's (hidden states). `maybe_`: a tensor that is not batch-first
+    but happens to share the size (rotary tables of as many tokens as rows) is specialised, not refused."""
+    tensors = [v for v in (*args, *kwargs.values()) if torch.is_tensor(v) and v.dim() > 0]
+    if not tensors or tensors[0].shape[0] < MIN_ROWS:
+        return
+    rows = tensors[0].shape[0]
+    for t in tensors:
+        if t.shape[0] == rows:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def compiled_graphs() -> int:
@@ -123,15 +152,18 @@ def _pad_rows(value, start: int, stop: int, rows: int, n: int):
     return part
 
 
-def padded_velocity(velocity: Callable, x: torch.Tensor, sigma, cond: dict[str, torch.Tensor], rows: int) -> torch.Tensor:
-    """velocity(x, sigma, cond) through forwards of exactly `rows` rows: x (with a per-row sigma
-    and the conditioning) split into chunks of `rows`, the last one padded with copies of its last
-    row; the padding's outputs are dropped. Rows do not interact in the network, so every real row
-    gets what an unpadded forward gives it (up to the kernels' rounding)."""
+def padded_velocity(velocity: Callable, x: torch.Tensor, sigma, cond: dict[str, torch.Tensor], max_rows: int,
+                    min_rows: int = MIN_ROWS) -> torch.Tensor:
+    """velocity(x, sigma, cond) through forwards of `min_rows` to `max_rows` rows: x (with a
+    per-row sigma and the conditioning) split into chunks of `max_rows`, a chunk shorter than
+    `min_rows` padded with copies of its last row; the padding's outputs are dropped. Rows do not
+    interact in the network, so every real row gets what an unpadded forward gives it (up to the
+    kernels' rounding), and the dropped rows pass no gradient back."""
     n = x.shape[0]
     out = []
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
+    for start in range(0, n, max_rows):
+        stop = min(start + max_rows, n)
+        rows = max(stop - start, min_rows)
         part_cond = {k: _pad_rows(v, start, stop, rows, n) for k, v in cond.items()}
         v = velocity(_pad_rows(x, start, stop, rows, n), _pad_rows(sigma, start, stop, rows, n), part_cond)
         out.append(v[: stop - start])

@@ -79,24 +79,47 @@ def test_a_compile_after_the_first_iteration_prints_one_line():
     assert len(lines) == 1 and "\n" not in lines[0] and "iteration 2" in lines[0] and "TORCH_LOGS=recompiles" in lines[0]
 
 
-def test_padding_to_the_batch_size_changes_no_row(one_block_sd3):
-    # eager, so only the padding is tested: a short batch padded to ROWS rows, a long one split,
-    # a per-row sigma padded alike; every real row gets what the unpadded forward gives it
+def test_padding_and_splitting_change_no_row(one_block_sd3):
+    # eager, so only the padding is tested: a single row padded to MIN_ROWS, a long batch split
+    # into ROWS and a padded rest, a per-row sigma padded alike; every real row gets what the
+    # unpadded forward gives it
     policy = lora_policy(one_block_sd3)
-    x, cond = inputs(policy, 6)
-    sigmas = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    x, cond = inputs(policy, 5)
+    sigmas = torch.tensor([0.9, 0.8, 0.7, 0.6, 0.5])
     with torch.no_grad():
-        plain = [policy.velocity(x[:n], 0.5, {k: v[:n] for k, v in cond.items()}) for n in (3, 6)]
+        plain = [policy.velocity(x[:n], 0.5, {k: v[:n] for k, v in cond.items()}) for n in (1, 3, 5)]
         plain_rows = torch.cat([policy.velocity(x[i : i + 1], float(sigmas[i]), {k: v[i : i + 1] for k, v in cond.items()})
-                                for i in range(6)])
+                                for i in range(5)])
         policy.compiled_rows = ROWS
-        padded = [policy.velocity(x[:n], 0.5, {k: v[:n] for k, v in cond.items()}) for n in (3, 6)]
+        padded = [policy.velocity(x[:n], 0.5, {k: v[:n] for k, v in cond.items()}) for n in (1, 3, 5)]
         per_row = hasattr(policy, "timestep_rows")  # a velocity that takes one sigma per row
         padded_rows = policy.velocity(x, sigmas, cond) if per_row else plain_rows
     for a, b in zip(plain, padded):
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded_rows, plain_rows, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_micro_batches_give_the_loss_and_gradients_of_unpadded_ones(one_block_sd3):
+    # a training micro-batch of 1 row (padded to MIN_ROWS) and one of 5 (split into ROWS + 1, the 1
+    # padded): the dropped padding rows add nothing to the loss and pass no gradient back
+    policy = lora_policy(one_block_sd3)
+    params = policy.trainable_parameters()
+    x, cond = inputs(policy, 5)
+    target = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+
+    def loss_and_grads(n: int):
+        loss = (policy.velocity(x[:n], 0.6, {k: v[:n] for k, v in cond.items()}) - target[:n]).square().mean()
+        return loss.detach(), torch.autograd.grad(loss, params)
+
+    for n in (1, 5):
+        policy.compiled_rows = 0
+        loss, grads = loss_and_grads(n)
+        policy.compiled_rows = ROWS
+        padded_loss, padded_grads = loss_and_grads(n)
+        torch.testing.assert_close(padded_loss, loss, atol=1e-6, rtol=1e-5)
+        for a, b in zip(padded_grads, grads):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["blocks", "full"])
@@ -107,6 +130,7 @@ def test_compiled_velocity_equals_eager(one_block_sd3, mode):
     x, cond = inputs(policy, 3)
     with torch.no_grad():
         eager = policy.velocity(x, 0.7, cond)
+        eager_one = policy.velocity(x[:1], 0.7, {k: v[:1] for k, v in cond.items()})
         with policy.reference():
             eager_ref = policy.velocity(x, 0.7, cond)
     assert (eager - eager_ref).abs().max() > 1e-3  # the adapter matters
@@ -120,9 +144,14 @@ def test_compiled_velocity_equals_eager(one_block_sd3, mode):
         again = policy.velocity(x, 0.3, cond)  # another sigma, adapter back on: no new graph
         with policy.reference():
             policy.velocity(x, 0.3, cond)
+        # other row counts (a tree's levels, a short last batch) run on the same graphs: the rows are dynamic
+        compiled_one = policy.velocity(x[:1], 0.7, {k: v[:1] for k, v in cond.items()})  # padded to MIN_ROWS
+        x4, cond4 = inputs(policy, ROWS)
+        policy.velocity(x4, 0.7, cond4)
     assert warm > before and compiled_graphs() == warm
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(compiled_ref, eager_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_one, eager_one, atol=1e-5, rtol=1e-5)
     assert again.shape == eager.shape
 
 
@@ -139,6 +168,35 @@ def test_training_compiles_only_in_its_first_iteration(tmp_path, one_block_sd3, 
     rows = Trainer(cfg, run_dir=tmp_path / "run").train()
     assert [r["compiled_graphs"] > 0 for r in rows] == [True, False]
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows) and rows[-1]["kl"] > 0
+    assert "recompiled" not in capsys.readouterr().out
+
+
+SHAPE_VARYING_RUNS = {
+    # BranchGRPO-Mix: levels of 1, 2 and 4 nodes sampled; its SDE window slides one step per
+    # iteration, so the trained parents go 1 and 2 (iterations 1-2), then 1, 2 and 4 (iteration 3)
+    "tree": ["rollout.kind=tree", "rollout.tree.split_steps=[0,1]", "rollout.tree.branching=[2]", "rollout.tree.between=window",
+             "sampling.window.strategy=progressive", "sampling.window.size=1", "sampling.window.start=0",
+             "sampling.window.shift_every=1", "data.prompts_per_iteration=1", "data.group_size=4"],
+    # G2RPO: 3 anchors per forward, 6 branches and tails (4 + 2 rows)
+    "granular": ["rollout.kind=granular", "rollout.granular.branch_steps=[0,1]", "rollout.granular.granularities=[1]",
+                 "data.prompts_per_iteration=3", "data.group_size=2"],
+    # flat GRPO with a sliding SDE window over 6 samples in batches of 4 and 2
+    "windowed flat": ["sampling.window.strategy=progressive", "sampling.window.size=1", "sampling.window.shift_every=1",
+                      "data.prompts_per_iteration=2", "data.group_size=3"],
+}
+
+
+@pytest.mark.parametrize("rollout", list(SHAPE_VARYING_RUNS))
+def test_trees_granular_and_windowed_runs_compile_only_in_their_first_iteration(tmp_path, one_block_sd3, capsys, rollout):
+    # row counts that vary between forwards and between iterations run on the first iteration's graphs
+    cfg = load_config("tiny_jpeg", [
+        f"model.path={one_block_sd3}", "model.compile=blocks", "model.guidance_scale=3.0", *LORA, "sampling.num_steps=3",
+        "sampling.batch_size=4", "trainer.iterations=3", "run.sample_every=0", "run.checkpoint_every=0", "run.tracker=none",
+        "run.progress=false", *SHAPE_VARYING_RUNS[rollout],
+    ])
+    rows = Trainer(cfg, run_dir=tmp_path / "run").train()
+    assert [r["compiled_graphs"] > 0 for r in rows] == [True, False, False]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
     assert "recompiled" not in capsys.readouterr().out
 
 
