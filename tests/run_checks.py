@@ -58,22 +58,49 @@ def assert_close_relative(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e
     assert ((ours - ref).abs().max() / scale).item() <= rel, ((ours - ref).abs().max().item(), scale.item())
 
 
-def shuffle_advantages_within_groups(monkeypatch) -> None:
-    """The learning tests' control: every engine that takes group advantages through
-    flowrl.train.rollouts.common (flat, windowed, two-stage, offline) gets them permuted within
-    each group (fixed generator). Nothing else changes, so the update keeps its size and noise
-    but loses its link to the reward: a reward that still rises did so by drift, not learning."""
-    import flowrl.train.rollouts.common as common
+def permute_rewards_within_groups(monkeypatch) -> None:
+    """The learning tests' control for any engine: as samples are scored (flowrl.train.scoring,
+    which flat, windowed, tree, granular and two-stage rollouts all go through), each reward is
+    swapped with that of another sample of the same prompt (runs of one prompt in scoring order; a
+    fixed generator); a group store's rewards are permuted within each group as it opens. The
+    rewards' values and spread stay, so every objective takes updates of the same size and noise,
+    but their link to the images goes: a score that still rises did so by drift, not learning."""
+    import flowrl.offline.store as store
+    import flowrl.train.scoring as scoring
 
-    estimate = common.estimate_advantages
     generator = torch.Generator().manual_seed(1234)
 
-    def shuffled(kind, rewards, group_ids, *args, **kwargs):
-        out = estimate(kind, rewards, group_ids, *args, **kwargs)
-        advantages = out.advantages.clone()
-        for group in group_ids.unique():
-            members = (group_ids == group).nonzero().flatten()
-            advantages[members] = out.advantages[members[torch.randperm(len(members), generator=generator)]]
-        return out._replace(advantages=advantages)
+    def order(prompts: list[str]) -> torch.Tensor:
+        perm, i = torch.arange(len(prompts)), 0
+        while i < len(prompts):
+            j = i
+            while j < len(prompts) and prompts[j] == prompts[i]:
+                j += 1
+            perm[i:j] = i + torch.randperm(j - i, generator=generator)
+            i = j
+        return perm
 
-    monkeypatch.setattr(common, "estimate_advantages", shuffled)
+    start, finish, opened = scoring.Scoring.start, scoring.Scoring.finish, store.GroupStore.open.__func__
+
+    def start_recording(self, prompts):
+        self.control_prompts = list(prompts)
+        return start(self, prompts)
+
+    def finish_permuted(self, n):
+        scores = finish(self, n)
+        assert len(scores.rewards) == len(self.control_prompts), "the control permutes one process's rewards"
+        perm = order(self.control_prompts)
+        for name in ("rewards", "valid", "local_rewards", "local_valid"):
+            setattr(scores, name, getattr(scores, name)[perm])
+        return scores
+
+    def open_permuted(cls, *args, **kwargs):
+        groups = opened(cls, *args, **kwargs)
+        for g in groups.groups:
+            perm = torch.randperm(g.size, generator=generator).tolist()
+            g.rewards, g.valid = [g.rewards[i] for i in perm], [g.valid[i] for i in perm]
+        return groups
+
+    monkeypatch.setattr(scoring.Scoring, "start", start_recording)
+    monkeypatch.setattr(scoring.Scoring, "finish", finish_permuted)
+    monkeypatch.setattr(store.GroupStore, "open", classmethod(open_permuted))

@@ -125,43 +125,6 @@ def test_shipped_model_loads_through_the_sd3_adapter_and_draws_its_world():
     assert partial.mean() > SHIPPED_MIN_PARTIAL
 
 
-@pytest.mark.slow
-def test_short_training_on_the_shipped_model_raises_the_partial_reward_on_its_prompts(tmp_path):
-    # The default recipe end to end on the shipped model (LoRA, ODE rollouts, DGPO, the
-    # strict + partial + quality reward): 12 iterations on two fixed prompts raise the partial
-    # reward of fresh ODE samples of those prompts, on seeds the training never draws
-    # (prompts the shipped model often gets wrong: base partial 0.47 and 0.55 on 16 seeds).
-    from flowrl.config import load_config
-    from flowrl.train.evaluate import ode_images
-    from flowrl.train.loop import Trainer
-    from rewards.shapes import score_batch
-
-    prompts = ["two blue squares", "a blue circle above a red square"]
-    cfg = load_config(None, ["trainer.iterations=12", "trainer.max_minutes=0", "trainer.ema=false", "trainer.lr=1e-3",
-                             "trainer.lr_schedule=constant",
-                             "data.prompts_per_iteration=2", "data.group_size=8", "sampling.batch_size=16",
-                             "run.progress=false", "run.tracker=none", "run.sample_every=0", "run.checkpoint_every=0",
-                             "model.compile=none"])  # eager, as calibrated (tests/models/test_compile.py covers the compiled network)
-    cfg.data.prompts, cfg.data.prompt_file = prompts, None
-    trainer = Trainer(cfg, run_dir=tmp_path / "run")
-    held = [p for p in prompts for _ in range(16)]
-    seeds = list(range(50_000, 50_000 + len(held)))  # training seeds come from sample_seed(), far from these
-
-    def partial() -> float:
-        images = ode_images(trainer.policy, held, seeds, shifted_sigmas(cfg.sampling.num_steps, cfg.sampling.shift), len(held))
-        return score_batch(images, held)[:, 1].mean().item()
-
-    before = partial()
-    history = trainer.train()
-    after = partial()
-    # measured over trainer seeds 0-3 (2026-11-28): +0.066, +0.016, +0.020, +0.023 (the threshold had
-    # been +0.05, which seed 0 alone met); a broken objective leaves it flat or lowers it
-    assert after > before + 0.01, (before, after)
-    # where the rollouts went, by the shapes reward's categories: 8 of each prompt every iteration
-    assert all(r["rollouts/counting"] == 8 and r["rollouts/position"] == 8 and r["prompts_trained"] == 2 for r in history)
-    assert all(0 <= r["zero_variance/counting"] <= 1 for r in history)
-
-
 def test_pretraining_fine_tunes_from_an_exported_pipeline(tmp_path, tiny_shapes_dir):
     from safetensors.torch import load_file
 

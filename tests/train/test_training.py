@@ -19,7 +19,7 @@ from flowrl.config import load_config
 from flowrl.train.loop import Trainer
 from flowrl.sampling.schedules import window_steps
 from flowrl.train.rollouts.common import training_spec
-from run_checks import assert_resume_repeats, run_metrics, shuffle_advantages_within_groups, trainable
+from run_checks import assert_resume_repeats, run_metrics, trainable
 
 FAST = [
     "sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4",
@@ -273,35 +273,6 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path, tiny_sd3_dir, capsys):
     assert main(["train", "--resume", str(run), "trainer.iterations=2"]) == 2
     assert "corrupt" in capsys.readouterr().err
     assert len(run_metrics(run)) == 1  # nothing already written is lost
-
-
-# Training-reward gain (mean of the last 8 iterations minus the first 8) of the default tiny_jpeg
-# preset (Flow-GRPO, 60 iterations) on the tiny random SD3, JPEG compressibility in kB, measured on a
-# 2-core Intel Xeon (family 6 model 167), 2026-11-29, trainer seeds 0-3:
-#   engine                                +0.21  +0.33  +0.61  +0.34
-#   control (advantages shuffled in group) +0.08  -0.07  -0.19  -0.01   (mean -0.05, SE 0.055)
-# The threshold sits 3.5 control standard errors above the control's mean, under every engine seed.
-GRPO_GAIN_THRESHOLD = 0.15
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arm", ["engine", pytest.param("control", marks=pytest.mark.skipif(
-    not os.environ.get("FLOWRL_CONTROLS"), reason="the controls run on request (FLOWRL_CONTROLS=1): they show the threshold can fail"))])
-def test_grpo_raises_jpeg_compressibility_and_its_shuffled_control_does_not(tmp_path, tiny_sd3_dir, monkeypatch, arm):
-    """Flow-GRPO learns on the tiny random SD3: JPEG compressibility (DDPO's toy reward, minus
-    the JPEG's size) is one that SDE noise cannot raise, since noise makes images harder to
-    compress. The control is the same run with its advantages permuted within each group; with
-    FLOWRL_CONTROLS=1 it runs too and must stay under the threshold, which shows that the
-    threshold separates learning from drift."""
-    if arm == "control":
-        shuffle_advantages_within_groups(monkeypatch)
-    cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "run.tracker=none", "run.progress=false", "run.sample_every=0",
-                                    "run.checkpoint_every=0"])
-    history = Trainer(cfg, run_dir=tmp_path / "run").train()
-    rewards = torch.tensor([r["reward_mean"] for r in history])
-    gain = (rewards[-8:].mean() - rewards[:8].mean()).item()
-    learned = gain > GRPO_GAIN_THRESHOLD
-    assert learned == (arm == "engine"), (arm, gain)
 
 
 @pytest.mark.slow
