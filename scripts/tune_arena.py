@@ -74,24 +74,43 @@ HALF, END = 1, 2  # the steps reported to the pruner
 
 class Param(NamedTuple):  # not a dataclass: tests load this file as a module outside sys.modules
     """One tuned setting: a config key, drawn on a log or linear scale between `low` and `high`
-    times the reference preset's value (capped at `cap`), or from `choices`."""
+    times the reference preset's value (capped at `cap`), or from `choices`. A `named` setting
+    draws one of several named groups of values under `key` (a window: its strategy, start and size)."""
 
     key: str
-    scale: str  # log | linear | choice
+    scale: str  # log | linear | choice | named
     low: float = 0.0
     high: float = 0.0
     cap: float | None = None
     choices: tuple = ()
+    named: tuple = ()  # scale named: (name, {subkey: value, ...}) pairs; the choices are the names
 
     def bounds(self, reference: float) -> tuple[float, float]:
         high = reference * self.high if self.cap is None else min(reference * self.high, self.cap)
         return reference * self.low, high
 
     def describe(self, reference) -> str:
+        if self.scale == "named":
+            return f"{self.key} in " + ", ".join(f"{n} {values}" for n, values in self.named)
         if self.scale == "choice":
             return f"{self.key} in {list(self.choices)}"
         low, high = self.bounds(reference)
         return f"{self.key} {low:.3g}-{high:.3g} ({self.scale})"
+
+    def values(self, value) -> dict:
+        """The config keys and values that a drawn value stands for."""
+        if self.scale != "named":
+            return {self.key: value}
+        return {f"{self.key}.{k}": v for k, v in dict(self.named)[value].items()}
+
+    def reference(self, cfg):
+        """The preset's value of this setting: for a named one, the name whose values it holds."""
+        if self.scale != "named":
+            return get(cfg, self.key)
+        names = [n for n, values in self.named if all(get(cfg, k) == v for k, v in self.values(n).items())]
+        if not names:
+            raise SystemExit(f"tune_arena: the preset's {self.key} is none of {[n for n, _ in self.named]}")
+        return names[0]
 
 
 # ---- the search spaces: each cell's 2-3 settings, around its reference preset's values ------------
@@ -100,8 +119,14 @@ CLIP = Param("objective.grpo.clip_range", "log", 0.1, 10)  # the PPO ratio clip
 NOISE = Param("sampling.noise_level", "linear", 0.5, 1.5)  # the SDE's noise: how far the group's chains spread
 CPS_NOISE = Param("sampling.noise_level", "linear", 0.5, 1.5, cap=1.0)  # CPS: std = sigma' sin(noise x pi/2), so 1 is the most
 KL = Param("trainer.kl_beta", "log", 0.1, 10)  # the KL to the base network (only where the preset has one)
+# Which of the 10 steps are SDE and trained (the rest ODE): every step (flat Flow-GRPO's reference), or the
+# first 3 or 5, where the noise is largest (Flow-GRPO-Fast's and Flow-DPPO's choice; in the learning tests
+# flat Flow-GRPO learned on its first half and not on every step: docs/arena.md)
+WINDOW = Param("sampling.window", "named", named=(
+    ("all", {"strategy": "all"}), ("first_3", {"strategy": "fixed", "start": 0, "size": 3}),
+    ("first_5", {"strategy": "fixed", "start": 0, "size": 5})))
 SPACES: dict[str, tuple[Param, ...]] = {
-    "flow_grpo": (LR, CLIP, NOISE),
+    "flow_grpo": (LR, CLIP, WINDOW),  # the window before the noise: the learning tests' lead
     "mixgrpo": (LR, CLIP, NOISE),
     "branchgrpo": (LR, CLIP, NOISE),  # DanceGRPO's SDE between the splits
     "g2rpo": (LR, CLIP, NOISE),
@@ -138,6 +163,12 @@ def override(key: str, value) -> str:
     return f"{key}={value!r}"
 
 
+def param_values(space, params: dict) -> dict:
+    """A trial's drawn values as the config keys and values they stand for."""
+    by_key = {p.key: p for p in space}
+    return {k: v for key, value in params.items() for k, v in by_key[key].values(value).items()}
+
+
 # ---- a cell's study ----------------------------------------------------------------------------------
 class Cell:
     """What a cell's study is made of: its space around the reference values, its training
@@ -152,7 +183,7 @@ class Cell:
                      "run.progress=false"]
         cfg = load_config(preset(cell), self.base, validate_paths=False)  # gdro_offline's store is built below
         reference = load_config(preset(cell), validate_paths=False)  # the preset's own values (a smoke run's overrides aside)
-        self.reference = {p.key: get(reference, p.key) for p in self.space}
+        self.reference = {p.key: p.reference(reference) for p in self.space}
         self.minutes = args.trial_minutes
         self.cut = SMOKE_CUT_MINUTES if args.smoke else self.minutes / 2  # where trainer.max_minutes cuts the first half
         self.tuning_set = {"prompts": "builtin:shapes-heldout", "per_category": judge.per_category, "seed": args.tuning_seed,
@@ -176,8 +207,8 @@ class Cell:
 
         out = {}
         for p in self.space:
-            if p.scale == "choice":
-                out[p.key] = CategoricalDistribution(p.choices)
+            if p.scale in ("choice", "named"):
+                out[p.key] = CategoricalDistribution(p.choices or tuple(n for n, _ in p.named))
             else:
                 out[p.key] = FloatDistribution(*p.bounds(self.reference[p.key]), log=p.scale == "log")
         return out
@@ -293,7 +324,7 @@ def run_trial(c: Cell, study, trial, start: float, setup_s: float) -> dict:
     params = dict(trial.params)
     run_dir = c.dir / f"trial-{trial.number:03d}"
     set_aside(run_dir)
-    overrides = [*c.base, *(override(k, v) for k, v in params.items()), *([f"data.offline={c.store}"] if c.store else [])]
+    overrides = [*c.base, *(override(k, v) for k, v in param_values(c.space, params).items()), *([f"data.offline={c.store}"] if c.store else [])]
     points, state, pruned_by, error, half_s = [], "complete", None, None, None
     log(start, f"{c.cell} trial {trial.number}{' (the reference settings)' if trial.number == 0 else ''}: "
                + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items()))
@@ -386,7 +417,8 @@ def write_tuned(c: Cell, presets: Path) -> Path | None:
     best = max(done, key=lambda r: (r["score"], -r["trial"]))  # a tie goes to the earlier trial (the reference first)
     ref = next((r for r in c.lines if r["trial"] == 0), None)
     raw = OmegaConf.load(preset(c.cell))
-    for key, value in best["params"].items():
+    settings = param_values(c.space, best["params"])
+    for key, value in settings.items():
         OmegaConf.update(raw, key, value, merge=True)
     counts = {s: sum(r["state"] == s for r in c.lines) for s in ("complete", "pruned", "failed")}
     ts = c.tuning_set
@@ -408,7 +440,7 @@ def write_tuned(c: Cell, presets: Path) -> Path | None:
     draft = c.dir / f"{c.cell}{TUNED}.yaml"  # checked before it goes beside the presets
     draft.write_text(text)
     cfg = load_config(draft, validate_paths=False)  # it loads, and holds the tuned values
-    assert all(get(cfg, k) == v for k, v in best["params"].items()), f"{draft} does not hold {best['params']}"
+    assert all(get(cfg, k) == v for k, v in settings.items()), f"{draft} does not hold {settings}"
     presets.mkdir(parents=True, exist_ok=True)
     path = presets / draft.name
     path.write_text(text)

@@ -40,7 +40,13 @@ def test_every_cell_has_a_space_around_its_reference_that_validates_at_both_ends
         assert 2 <= len(space) <= 3 and space[0].key == "trainer.lr"
         cfg = load_config(tune.preset(cell), validate_paths=False)
         lows, highs = [], []
-        for p in space:
+        for p in (p for p in space if p.scale == "named"):  # every named group of values loads, and holds its values
+            assert p.reference(cfg) in dict(p.named), (cell, p.key)
+            for name, _ in p.named:
+                values = p.values(name)
+                named = load_config(tune.preset(cell), [tune.override(k, v) for k, v in values.items()], validate_paths=False)
+                assert {k: tune.get(named, k) for k in values} == values and p.reference(named) == name
+        for p in (p for p in space if p.scale != "named"):
             ref = tune.get(cfg, p.key)
             if p.scale == "choice":
                 low, high = min(p.choices), max(p.choices)
@@ -51,8 +57,16 @@ def test_every_cell_has_a_space_around_its_reference_that_validates_at_both_ends
             lows.append(tune.override(p.key, low))
             highs.append(tune.override(p.key, high))
         for ends in (lows, highs):  # the space's corners are settings the cell accepts
-            assert [tune.get(load_config(tune.preset(cell), ends, validate_paths=False), p.key) for p in space] == [
+            assert [tune.get(load_config(tune.preset(cell), ends, validate_paths=False), p.key) for p in space if p.scale != "named"] == [
                 float(e.partition("=")[2]) for e in ends]
+
+
+def test_a_named_setting_trains_as_the_config_values_it_stands_for():
+    tune = load_script("tune_arena")
+    drawn = {"trainer.lr": 1e-4, "objective.grpo.clip_range": 2e-4, "sampling.window": "first_5"}
+    assert tune.param_values(tune.SPACES["flow_grpo"], drawn) == {
+        "trainer.lr": 1e-4, "objective.grpo.clip_range": 2e-4, "sampling.window.strategy": "fixed",
+        "sampling.window.start": 0, "sampling.window.size": 5}
 
 
 def test_smoke_study_prunes_resumes_and_writes_a_tuned_preset_the_arena_trains(tmp_path, monkeypatch, capsys):
