@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import KEEP_ALL_KINDS
@@ -43,7 +42,7 @@ from flowrl.train.parts import OBJECTIVES, ROLLOUTS
 from flowrl.train.registry import check_compatible, objective_class, rollout_class
 from flowrl.train.rollouts.common import check_trained_sigmas
 from flowrl.train.sharding import DISTRIBUTED
-from flowrl.yaml_config import merge_config, one_sentence, preset_path, read_yaml, refuse_moved_keys, structured_with
+from flowrl.yaml_config import merge_config, preset_path, read_yaml
 from rewards import available_rewards, check_reward_config
 
 TRACKERS = ("tensorboard", "wandb", "none")
@@ -78,19 +77,6 @@ def objective_defaults(kind: str | None) -> dict:
     replace the schema's under the preset and the command line. None: the schema's objective."""
     kind = kind if kind is not None else ObjectiveSection.kind
     return dict(OBJECTIVES.get(kind).defaults) if isinstance(kind, str) and kind in OBJECTIVES else {}
-
-
-def config_from_dict(data: dict, validate_paths: bool = True) -> Config:
-    refuse_moved_keys(OmegaConf.create(data), [], MOVED_KEYS, "the given config")
-    schema = config_class(data.get("plugins", []))
-    try:
-        base = structured_with(schema, objective_defaults((data.get("objective") or {}).get("kind")))
-        merged = OmegaConf.merge(base, OmegaConf.create(data))
-    except OmegaConfBaseException as exc:
-        raise ConfigError(one_sentence(exc, "the given config", schema)) from None
-    cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
-    validate(cfg, validate_paths=validate_paths)
-    return cfg
 
 
 # ---- the schema, with a section per registered part that has options ------------------------------
