@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the image arena's helpers
-from arena import ROOT, arena_lock, config_hash, fmt, git_commit, pm, recorded, run_each  # noqa: E402
+from arena import ROOT, arena_lock, config_hash, describe_identity, fmt, pm, recorded, run_each, run_identity  # noqa: E402
 
 OUT = ROOT / "docs" / "experiments" / "arena.jsonl"
 DOC = ROOT / "docs" / "arena.md"
@@ -142,14 +142,11 @@ def run_cell(pool: str, loss: str, allocator: str, seed: int, args, start: float
 
 
 def run_arena(args) -> int:
-    import torch
-
     from flowrl.text.config import load_text_config
     from flowrl.runtime.budget import machine_name
 
     start = time.perf_counter()
-    commit, dirty, code = git_commit()
-    ident = {"commit": commit, "dirty": dirty, "code": code, "torch": torch.__version__}
+    ident = run_identity()
     runs = Path(args.runs)
     cells = [(p, lo, a) for p in args.pools for lo in args.losses for a in args.allocators]
     with arena_lock(runs):
@@ -159,12 +156,12 @@ def run_arena(args) -> int:
                 cfg = load_text_config(ROOT / POOLS[pool], cell_overrides(pool, loss, allocator, seed, args.budget_minutes, args.smoke))
                 chash = config_hash(cfg)
                 if any(r.get("task") == "text" and r.get("cell") == cell_name(pool, loss, allocator) and r.get("seed") == seed
-                       and r.get("config_hash") == chash and r.get("code") == code for r in lines):
+                       and r.get("config_hash") == chash and r.get("code") == ident["code"] for r in lines):
                     log(start, f"{cell_name(pool, loss, allocator)} seed {seed}: recorded for this code and config; skipped")
                 else:
                     todo.append((pool, loss, allocator, seed))
         log(start, f"{len(todo)} of {len(cells) * len(args.seeds)} runs to do, {args.budget_minutes:g} min each, on "
-                   f"{machine_name()}, commit {commit[:10]}{' (with uncommitted changes)' if dirty else ''}")
+                   f"{machine_name()}, {describe_identity(ident)}")
         runs = [(f"{cell_name(pool, loss, allocator)} seed {seed}",
                  lambda pool=pool, loss=loss, allocator=allocator, seed=seed: run_cell(pool, loss, allocator, seed, args, start, ident))
                 for pool, loss, allocator, seed in todo]

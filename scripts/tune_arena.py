@@ -54,8 +54,8 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the arena's pieces
 import arena  # noqa: E402
 from arena import (BACKSTOP, EVAL_SEEDS, OFFLINE_CELLS, PRESETS, REFERENCE_CELLS, ROOT, SMOKE, SMOKE_CELL, SMOKE_STORE_PROMPTS,  # noqa: E402
-                   STORE_PROMPTS, TUNED, Judge, arena_lock, config_hash, git_commit, last_checkpoint, preset, recorded,
-                   run_each, set_aside)
+                   STORE_PROMPTS, TUNED, Judge, arena_lock, config_hash, describe_identity, last_checkpoint, preset, recorded,
+                   run_each, run_identity, set_aside)
 
 OUT = ROOT / "docs" / "experiments" / "arena-tuning.jsonl"
 RUNS = ROOT / "runs" / "tuning"
@@ -374,6 +374,8 @@ def tune_cell(cell: str, args, judge: Judge, base: float, ident: dict, start: fl
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     recorded_before = len(c.lines)
+    if c.another_fits() is None and (warm := arena.warm_compile_cache(cell, c.base, c.dir)):
+        log(start, f"{cell}: its compiled graphs cached in {warm:.1f} min, outside the budget (one iteration)")
     while (why := c.another_fits()) is None:
         trial = ask(c, study)
         setup_s = build_store(c) if c.store is not None else 0.0
@@ -449,13 +451,10 @@ def write_tuned(c: Cell, presets: Path) -> Path | None:
 
 # ---- the whole run -----------------------------------------------------------------------------------
 def run_tuning(args) -> int:
-    import torch
-
     from flowrl.runtime.budget import machine_name
 
     start = time.perf_counter()
-    commit, dirty, code = git_commit()
-    ident = {"commit": commit, "dirty": dirty, "code": code, "torch": torch.__version__}
+    ident = run_identity()
     runs = Path(args.runs)
     with arena_lock(runs):
         tiny = None
@@ -468,7 +467,7 @@ def run_tuning(args) -> int:
         eager = ["model.compile=none"]  # the same network (BENCHMARKS.md, bench_compile) without a compile warm-up per score
         judge = Judge(runs, args.per_category, args.smoke, [*eager, *([f"model.path={tiny}"] if tiny else [])], eager)
         log(start, f"{len(args.cells)} cell(s), {args.budget_minutes:g} minutes each, trials of {args.trial_minutes:g} minutes of "
-                   f"training, on {machine_name()}, commit {commit[:10]}{' (with uncommitted changes)' if dirty else ''}")
+                   f"training, on {machine_name()}, {describe_identity(ident)}")
         t0 = time.perf_counter()
         base = judge.base([args.tuning_seed])[args.tuning_seed]
         log(start, f"base held-out strict on the tuning set ({len(judge.prompts)} prompts, eval seed {args.tuning_seed}): "

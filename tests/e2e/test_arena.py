@@ -142,6 +142,30 @@ def test_checkpoint_marks_must_be_positive(tiny_sd3_dir):
 
 
 # ---- the script's smoke mode -----------------------------------------------------------------
+def test_a_compiled_cell_warms_the_compile_cache_once_outside_its_budget(tmp_path, monkeypatch):
+    arena = load_script("arena")
+    trained = []
+
+    def train(argv, run_dir):  # what a warm-up trains, without training it
+        trained.append(argv)
+        run_dir.mkdir(parents=True)
+
+    monkeypatch.setattr(arena, "train", train)
+    monkeypatch.setattr(arena, "WARMED", set())
+    overrides = arena.cell_overrides("nft", 0, 12, smoke=False)
+    assert arena.warm_compile_cache("nft", overrides, tmp_path) >= 0 and len(trained) == 1
+    argv = trained[0]
+    assert argv[0] == arena.preset("nft") and argv[1:1 + len(overrides)] == overrides
+    # one iteration with no budget, no backstop and no marks, after the cell's own overrides (the last of a key wins)
+    assert argv[1 + len(overrides):-2] == ["trainer.iterations=1", "trainer.budget_minutes=0", "trainer.max_minutes=0",
+                                           "run.checkpoint_every=0", "run.checkpoint_at_minutes=[]"]
+    assert not (tmp_path / "compile-warmup" / "nft").exists()  # the warm-up's run is not kept
+    assert arena.warm_compile_cache("nft", overrides, tmp_path) == 0.0  # once per cell and process
+    assert arena.warm_compile_cache("dgpo", [*overrides, "model.compile=none"], tmp_path) == 0.0  # nothing compiled
+    assert arena.warm_compile_cache("gdro_offline", arena.cell_overrides("gdro_offline", 0, 12, smoke=False), tmp_path) == 0.0
+    assert len(trained) == 1
+
+
 def test_smoke_run_records_one_line_resumes_and_reports(tmp_path, capsys):
     arena = load_script("arena")
     out, runs = tmp_path / "arena.jsonl", tmp_path / "runs"
