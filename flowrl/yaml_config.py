@@ -103,8 +103,10 @@ def one_sentence(exc: OmegaConfBaseException, source: str, schema: type) -> str:
         return (f"unknown config key '{key}' in {source}{hint}; allowed keys{' under ' + repr(parent) if parent else ''}: "
                 f"{', '.join(keys) or '?'}")
     if isinstance(exc, ValidationError):
-        value = msg.split("'", 2)[1] if msg.count("'") >= 2 else msg
         expected = type_name_of(key, schema)
+        if "is not Optional" in msg:  # null given to a key that needs a value: OmegaConf's message quotes the key
+            return f"config key '{key}' in {source} must be {expected}, got null"
+        value = msg.split("'", 2)[1] if msg.count("'") >= 2 else msg
         return f"config key '{key}' in {source} must be {expected}, got {value!r}"
     return f"invalid config in {source}: {key}: {msg}"
 

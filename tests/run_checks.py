@@ -104,3 +104,22 @@ def permute_rewards_within_groups(monkeypatch) -> None:
     monkeypatch.setattr(scoring.Scoring, "start", start_recording)
     monkeypatch.setattr(scoring.Scoring, "finish", finish_permuted)
     monkeypatch.setattr(store.GroupStore, "open", classmethod(open_permuted))
+
+
+def permute_text_rewards_within_groups(monkeypatch) -> None:
+    """The text path's control: before the advantages are estimated (flowrl.text.collect.
+    TextCollector.advantages), each completion's rewards are swapped with those of another
+    completion of the same prompt (a fixed generator). Group sizes and reward spread stay, so the
+    updates keep their size and noise but lose their link to the completions."""
+    from flowrl.text.collect import TextCollector
+
+    generator, estimate = torch.Generator().manual_seed(1234), TextCollector.advantages
+
+    def advantages_of_permuted_rewards(self, iteration, prompt_ids, rewards, valid):
+        perm = torch.arange(len(prompt_ids))
+        for prompt in prompt_ids.unique():
+            rows = (prompt_ids == prompt).nonzero().flatten()
+            perm[rows] = rows[torch.randperm(len(rows), generator=generator)]
+        return estimate(self, iteration, prompt_ids, rewards[perm], valid[perm])
+
+    monkeypatch.setattr(TextCollector, "advantages", advantages_of_permuted_rewards)
