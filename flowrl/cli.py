@@ -272,7 +272,7 @@ def cmd_train(args) -> int:
         # fixed here, so that the processes of a relaunch and an interrupted run's message name the same directory
         run_dir = run if args.resume else Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
         start = lambda: _train_images(cfg, run_dir, bool(args.resume))  # noqa: E731
-        warm_up = lambda: (import_module("flowrl.train.loop"), import_module("flowrl.models").policy_class(cfg.model.kind))  # noqa: E731
+        warm_up = lambda: _warm_up_images(cfg.model.kind)  # noqa: E731
     _no_file_on_the_way(run_dir, "the run directory (--run-dir, run.output_dir)")
     if launches_cpu_processes(cfg):
         argv = args.argv if args.resume or args.run_dir else [*args.argv, "--run-dir", str(run_dir)]
@@ -283,6 +283,18 @@ def cmd_train(args) -> int:
         if is_first_process() and LAUNCHED_ENV not in os.environ:  # a relaunched run: its launcher says it
             print(interrupted_message(run_dir), file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _warm_up_images(kind: str) -> None:
+    """What the processes of a relaunch train with, imported once before they fork: the trainer, and the family's
+    diffusers pipeline (imported on first use, DiffusersClass: a few seconds of CPU that each process would pay)."""
+    from importlib import import_module
+
+    import_module("flowrl.train.loop")
+    try:
+        import_module("flowrl.models").policy_class(kind).pipeline_class
+    except ImportError:  # a package it needs is missing: the processes say so in one sentence where they load it
+        pass
 
 
 def _train_images(cfg, run_dir: Path, resume: bool) -> int:

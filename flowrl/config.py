@@ -42,7 +42,7 @@ from flowrl.train.parts import OBJECTIVES, ROLLOUTS
 from flowrl.train.registry import check_compatible, objective_class, rollout_class
 from flowrl.train.rollouts.common import check_trained_sigmas
 from flowrl.train.sharding import DISTRIBUTED
-from flowrl.yaml_config import merge_config, preset_path, read_yaml
+from flowrl.yaml_config import merge_config, preset_path, read_yaml, schema_config
 from rewards import available_rewards, check_reward_config
 
 TRACKERS = ("tensorboard", "wandb", "none")
@@ -122,7 +122,7 @@ def _reduce_config(self):
 def config_from_yaml(text: str) -> Config:
     """A config written by `Config.to_yaml`, as it was (already validated, so not checked again)."""
     data = OmegaConf.create(text)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(config_class(data.get("plugins", []))), data))
+    return OmegaConf.to_object(OmegaConf.merge(schema_config(config_class(data.get("plugins", []))), data))
 
 
 def check_model_path(path: str) -> None:

@@ -10,6 +10,7 @@ assumptions written beside the formula.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -312,11 +313,18 @@ def reward_models(cfg) -> dict[str, list[str]]:
     return out
 
 
+@functools.cache
+def reward_params(kind: str) -> int:
+    """REWARD_NETWORKS[kind]'s parameter count, counted once per process: a plan asks for it every time (--fit plans
+    a launch a dozen times) and each count builds the network on the meta device (CLIP ViT-H: 70 ms)."""
+    return REWARD_NETWORKS[kind][1]()
+
+
 def reward_row(rewards: dict[str, list[str]]) -> tuple[str, float, str]:
     """The reward models' weights on the GPU (their activations, under no_grad on a batch of 224 px images, left out)."""
     total, how = 0, []
     for name, (kind, dtype) in rewards.items():
-        what, params = REWARD_NETWORKS[kind][0], REWARD_NETWORKS[kind][1]()
+        what, params = REWARD_NETWORKS[kind][0], reward_params(kind)
         total += params * BYTES[dtype]
         how.append(f"{name}: {what} {params / 1e9:.2f}B x {BYTES[dtype]} B")
     return "reward models", total, "; ".join(how) or "none on the GPU"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from flowrl.runtime.processes import ForkedProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,21 +81,25 @@ def with_out(args: list[str], out: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_the_default_checks_commands_run_their_cpu_smoke_and_record_it(tmp_path, fresh_accelerate):
+def test_the_default_checks_commands_run_their_cpu_smoke_and_record_it(tmp_path, fresh_accelerate, monkeypatch, capfd):
     # each command exactly as gpu_checks.sh --cpu-smoke gives it (the test above): the explore and compile benches in
-    # this process, the FSDP2 one in its own (it starts a process group)
-    from script_loader import load_script
+    # this process (the compile bench's training run in a process of its own, forked), the FSDP2 one in a process forked
+    # from this one (it starts a process group)
+    from script_loader import forked_flowrl, load_script
 
     commands, out = check_commands(tmp_path / "shell"), tmp_path / "results.jsonl"
     pipe = commands["random_pipeline"][0]
     assert load_script("random_pipeline").main(commands["random_pipeline"]) in (0, None)
     assert (Path(pipe) / "model_index.json").is_file() and (Path(pipe) / "transformer").is_dir()
     assert load_script("bench_explore").main(with_out(commands["bench_explore"], out)) == 0
-    load_script("bench_compile").main(with_out(commands["bench_compile"], out))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, "scripts/bench_fsdp_memory.py", *with_out(commands["bench_fsdp_memory"], out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    bench_compile = load_script("bench_compile")
+    monkeypatch.setattr(bench_compile, "subprocess", forked_flowrl(bench_compile.TRAIN))
+    bench_compile.main(with_out(commands["bench_compile"], out))
+    fsdp_memory = load_script("bench_fsdp_memory")
+    capfd.readouterr()
+    code = ForkedProcess(lambda: fsdp_memory.main(with_out(commands["bench_fsdp_memory"], out)), {}).wait()
+    printed = capfd.readouterr()
+    assert code == 0, printed.out[-3000:] + printed.err[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     explore = {r["variant"]: r for r in rows if r["check"] == "explore" and "variant" in r}
     assert list(explore) == ["bf16", "fp8+preview+fbc", "fp8", "fp8+preview"]
@@ -105,16 +110,17 @@ def test_the_default_checks_commands_run_their_cpu_smoke_and_record_it(tmp_path,
     assert [r["mode"] for r in compiled] == ["none"] and compiled[0]["config"] == "sd35_medium_pickscore_1gpu"
     fsdp = next(r for r in rows if r["check"] == "fsdp_memory" and "plan_gib" in r)
     assert fsdp["plan_gib"] > 0 and "peak_gib" not in fsdp  # no memory reading on the CPU
-    assert "fsdp2, full fine-tuning" in done.stdout and "iteration 0:" in done.stdout and "skipped 0" in done.stdout
+    assert "fsdp2, full fine-tuning" in printed.out and "iteration 0:" in printed.out and "skipped 0" in printed.out
 
 
 @pytest.mark.slow
-def test_bench_presets_trains_every_algorithms_preset_from_a_saved_random_pipeline(tmp_path, capsys, fresh_accelerate):
+def test_bench_presets_trains_every_algorithms_preset_from_a_saved_random_pipeline(tmp_path, capsys, fresh_accelerate, monkeypatch):
     # the `presets` GPU check on tiny transformers: each preset's own objective and rollout (GDRO from the
     # store it builds first) trains two iterations from a pipeline directory, and its plan is computed
-    from script_loader import load_script
+    from script_loader import forked_flowrl, load_script
 
     bench = load_script("bench_presets")
+    monkeypatch.setattr(bench, "subprocess", forked_flowrl())  # GDRO's store: `flowrl offline build`, forked
     out = tmp_path / "results.jsonl"
     assert bench.main(["--cpu-smoke", "--out", str(out)]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]

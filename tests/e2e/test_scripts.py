@@ -4,8 +4,8 @@ smoke-tested here or named below with the test elsewhere that runs it, so that a
 without one fails the suite.
 
 The smoke runs are in-process (load_script(name).main([...])) except where the script itself
-starts fresh interpreters (bench_async's and check_metrics_unchanged's `flowrl train`). They write
-only under pytest's tmp_path."""
+starts fresh interpreters (bench_async's `flowrl train`; check_metrics_unchanged's runs in a
+process forked from the test's, script_loader.forked_flowrl). They write only under pytest's tmp_path."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from script_loader import SCRIPTS, load_script
+from script_loader import SCRIPTS, forked_flowrl, load_script
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -274,9 +274,10 @@ def test_run_diagnostics_reads_a_runs_signals_and_its_lora_update(tmp_path, tiny
 
 
 # ---- the scripts that start `flowrl train` as a process of its own ---------------------------------
-@pytest.mark.slow  # ~9 s on the 2-core box: a fresh interpreter imports the image stack before its one iteration
-def test_check_metrics_unchanged_compares_a_fresh_run_with_the_record(capsys):
+@pytest.mark.slow  # a training run of one iteration, in a process of its own
+def test_check_metrics_unchanged_compares_a_fresh_run_with_the_record(capsys, monkeypatch):
     check = load_script("check_metrics_unchanged")
+    monkeypatch.setattr(check, "subprocess", forked_flowrl())  # its `flowrl train`, forked: no interpreter's start-up
     # the comparison names every kind of difference
     assert check.compare("r", [{"a": 1, "b": 2}], [{"a": 1, "c": 3}, {}]) == [
         "r: 1 iterations, recorded 2", "r iteration 0: 'b' is new (2)", "r iteration 0: 'c' missing (recorded 3)"]

@@ -96,42 +96,38 @@ def test_two_producers_in_turn_at_staleness_zero_are_the_synchronous_run(tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_two_trainer_processes_beside_a_producer_at_staleness_zero_are_the_synchronous_two_process_run(tmp_path, tiny_sd3_dir,
-                                                                                                       restore_threads):
+def test_two_trainer_processes_beside_a_producer_are_the_synchronous_run_until_a_killed_producer_stops_both(
+        tmp_path, tiny_sd3_dir, capfd, monkeypatch, restore_threads):
     """The first trainer process takes each batch from the producer and hands it to the other; each
-    trains its contiguous share, as the synchronous processes sample theirs."""
-    args = ["tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=2", "run.checkpoint_every=0", "run.cpu_processes=2"]
-    sync, straight = tmp_path / "sync", tmp_path / "async"
-    assert main(["train", *args, "--run-dir", str(sync)]) == 0
-    assert main(["train", *args, "run.async_rollouts=true", "run.max_staleness=0", "--run-dir", str(straight)]) == 0
-    rows, async_rows = run_metrics(sync), run_metrics(straight)
-    assert [{k: r[k] for k in s} for s, r in zip(rows, async_rows)] == rows and len(async_rows) == 2
-    a, b = trainable(sync, 2), trainable(straight, 2)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_a_killed_producer_stops_every_trainer_process_with_one_sentence(tmp_path, tiny_sd3_dir, capfd, monkeypatch,
-                                                                         restore_threads):
+    trains its contiguous share, as the synchronous processes sample theirs. Killed before batch 2
+    (one run for both claims: its producer, beside two trainer processes, is a fresh interpreter),
+    the producer stops every trainer process with one sentence, after two iterations and the
+    checkpoint at 2 that are the synchronous run's."""
     from flowrl.runtime.producers import RolloutProducer
 
     take = RolloutProducer.take
 
     def take_after_kill(self, iteration):  # in the first trainer process, the one holding the producer
-        if iteration == 1:
+        if iteration == 2:
             os.kill(self.processes[0].pid, signal.SIGKILL)
             self.processes[0].join()
             while not self.queue.empty():
                 self.queue.get()
         return take(self, iteration)
 
+    args = ["tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=3", "run.cpu_processes=2"]
+    sync, straight = tmp_path / "sync", tmp_path / "async"
+    assert main(["train", *args, "--run-dir", str(sync)]) == 0
     monkeypatch.setattr(RolloutProducer, "take", take_after_kill)
-    run = tmp_path / "run"
-    assert main(["train", "tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", "trainer.iterations=2", "run.checkpoint_every=0",
-                 "run.cpu_processes=2", "run.async_rollouts=true", "run.max_staleness=0", "--run-dir", str(run)]) == 2
+    capfd.readouterr()
+    assert main(["train", *args, "run.async_rollouts=true", "run.max_staleness=0", "--run-dir", str(straight)]) == 2
     err = capfd.readouterr().err  # the trainer processes write to the file descriptor
-    assert err.count("the rollout producer process stopped (exit code -9) before batch 1 reached the trainer") == 1
+    assert err.count("the rollout producer process stopped (exit code -9) before batch 2 reached the trainer") == 1
     assert "Traceback" not in err
-    assert len(run_metrics(run)) == 1
+    rows, async_rows = run_metrics(sync), run_metrics(straight)
+    assert [{k: r[k] for k in s} for s, r in zip(rows, async_rows)] == rows[:2] and len(async_rows) == 2
+    a, b = trainable(sync, 2), trainable(straight, 2)  # the checkpoint at 2 (run.checkpoint_every 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_producer_device_is_the_one_gpu_its_process_sees():
