@@ -122,7 +122,10 @@ def _reduce_config(self):
 def config_from_yaml(text: str) -> Config:
     """A config written by `Config.to_yaml`, as it was (already validated, so not checked again)."""
     data = OmegaConf.create(text)
-    return OmegaConf.to_object(OmegaConf.merge(schema_config(config_class(data.get("plugins", []))), data))
+    merged = OmegaConf.merge(schema_config(config_class(data.get("plugins", []))), data)
+    for key in REPLACED_MAPPINGS:  # as written, not merged into the schema's default mapping
+        OmegaConf.update(merged, key, OmegaConf.select(data, key), merge=False)
+    return OmegaConf.to_object(merged)
 
 
 def check_model_path(path: str) -> None:

@@ -174,3 +174,15 @@ def test_config_show_describes_the_keys_asked_for(capsys):
     assert "  quantize_text_encoders: nf4  # the text encoders, likewise: none | nf4 | int8" in capsys.readouterr().out
     assert main(["config", "show", "model.quantise"]) == 2
     assert "'model.quantise' is no key of this config" in capsys.readouterr().err
+
+
+def test_a_config_read_back_from_its_yaml_keeps_its_reward_mappings_as_written():
+    # a producer process or machine gets the config as YAML; the mappings a preset replaces must not merge
+    # into the schema's defaults on the way (the default's weights once came back with jpeg_compressibility)
+    import pickle
+
+    from flowrl.config import load_config
+
+    cfg = load_config(None, ["reward.weights={brightness: 1.0}", "reward.channel_weights={}"])
+    back = pickle.loads(pickle.dumps(cfg))
+    assert dict(back.reward.weights) == {"brightness": 1.0} and back.reward == cfg.reward
