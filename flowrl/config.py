@@ -124,7 +124,9 @@ def config_from_yaml(text: str) -> Config:
     data = OmegaConf.create(text)
     merged = OmegaConf.merge(schema_config(config_class(data.get("plugins", []))), data)
     for key in REPLACED_MAPPINGS:  # as written, not merged into the schema's default mapping
-        OmegaConf.update(merged, key, OmegaConf.select(data, key), merge=False)
+        written = OmegaConf.select(data, key, default=None)
+        if written is not None:  # a YAML from before the key existed keeps the default
+            OmegaConf.update(merged, key, written, merge=False)
     return OmegaConf.to_object(merged)
 
 
