@@ -136,7 +136,10 @@ SPACES: dict[str, tuple[Param, ...]] = {
     "nft": (LR, Param("objective.nft.beta", "log", 0.1, 10), KL),  # beta: the implicit policies' step
     "dgpo": (LR, Param("objective.dgpo.beta", "log", 0.1, 10), KL),  # beta: the implicit reward's scale
     "dgpo_reference": (LR, Param("objective.dgpo.beta", "log", 0.1, 10), KL),
-    "gdro_offline": (LR, Param("objective.gdro.beta", "log", 0.1, 10)),  # no KL in the preset
+    # no KL in the preset. beta reaches 1000x under the paper's 6: on this task the paper's beta on errors summed over
+    # 3,072 dimensions swings the implicit rewards by tens to hundreds between iterations (the learning tests' probe,
+    # docs/arena.md), so the useful scale may lie far below the 0.1x the other cells' ranges reach
+    "gdro_offline": (LR, Param("objective.gdro.beta", "log", 0.001, 1)),
     "dpo": (LR, Param("objective.dpo.beta", "log", 0.1, 10)),  # DPO's beta is its tie to the reference; no KL
     "dpo_online": (LR, Param("objective.dpo.beta", "log", 0.1, 10)),
     "awm": (LR, Param("objective.awm.beta", "log", 0.1, 10)),  # awm's KL to the base network
