@@ -55,6 +55,14 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
               "data.group_size=4", "sampling.window.strategy=all"],
     "sol_rl": ["objective.kind=nft", "rollout.kind=two_stage", "rollout.two_stage.candidates=16",
                "rollout.two_stage.explore_precision=fp8"],
+    # the objectives of issue 64, each with its arena cell's settings on the task's 4 steps
+    "awm": ["objective.kind=awm", "advantage.std=global", "advantage.clip=5.0"],
+    "dpo": ["objective.kind=dpo", "sampling.sampler=flow_grpo", "sampling.noise_level=0.7", "trainer.kl_beta=0"],
+    "flow_dppo": [*GRPO, "sampling.sampler=cps", "objective.grpo.trust_region=divergence_mask", "sampling.batch_size=4",
+                  "sampling.window.strategy=scattered", "sampling.window.size=2", "sampling.window.choices=[0,1,2]"],
+    "flow_grpo_fast": [*GRPO, "sampling.sampler=cps", "sampling.cps_logprob=reference", "sampling.noise_level=0.8",
+                       "sampling.batch_size=4", "sampling.window.strategy=random",
+                       "sampling.window.size=2", "sampling.window.choices=[0,1]"],
     # from a store of the base model's groups, built first; its iterations are cheap (no sampling): 24 of them (6
     # gained +0.008 against its control's +0.001, seed 0)
     "gdro": ["objective.kind=gdro", "rollout.kind=offline", "trainer.iterations=24"],
