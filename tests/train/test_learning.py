@@ -77,8 +77,8 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #   flow_grpo   +0.083 +0.087 +0.092 +0.098 / +0.004 +0.015 +0.045 +0.008  (+0.018, 0.009; 10 iterations, commit f10ba5f)
 #   awm         +0.038 +0.046 +0.033 +0.043 / -0.004 +0.002 +0.001 -0.007  (-0.002, 0.002; commit bb2a233)
 #   dpo         +0.039 +0.064 +0.025 +0.016 / +0.002 -0.021 +0.007 -0.006  (-0.005, 0.006; 12 iterations, commit bb2a233)
-# Each threshold is at least 3 standard errors (3.5 but for DPO's 3.2) above its control's mean, above every control seed and under every
-# engine seed. Not yet shown at this budget, so skipped until they are (the numbers say why):
+# Each threshold is at least 3.5 standard errors above its control's mean (DPO's: 3.2), above every control seed and
+# under every engine seed. Not yet shown at this budget, so skipped until they are (the numbers say why):
 #   mixgrpo     +0.057 +0.055 +0.094 +0.094 / -0.023 +0.047 +0.007 +0.049  (+0.020, 0.017: 3 SE above it is +0.071)
 #               12 iterations: +0.056 +0.073 +0.096 +0.096 / -0.065 +0.043 +0.011 +0.057  (+0.012, 0.028): the control
 #               drifts as far as the engine learns
