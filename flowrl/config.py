@@ -42,7 +42,7 @@ from flowrl.train.parts import OBJECTIVES, ROLLOUTS
 from flowrl.train.registry import check_compatible, objective_class, rollout_class
 from flowrl.train.rollouts.common import check_trained_sigmas
 from flowrl.train.sharding import DISTRIBUTED
-from flowrl.yaml_config import merge_config, preset_path, read_yaml, schema_config
+from flowrl.yaml_config import merge_config, merge_replacing, preset_path, read_yaml, schema_config
 from rewards import available_rewards, check_reward_config
 
 TRACKERS = ("tensorboard", "wandb", "none")
@@ -122,11 +122,8 @@ def _reduce_config(self):
 def config_from_yaml(text: str) -> Config:
     """A config written by `Config.to_yaml`, as it was (already validated, so not checked again)."""
     data = OmegaConf.create(text)
-    merged = OmegaConf.merge(schema_config(config_class(data.get("plugins", []))), data)
-    for key in REPLACED_MAPPINGS:  # as written, not merged into the schema's default mapping
-        written = OmegaConf.select(data, key, default=None)
-        if written is not None:  # a YAML from before the key existed keeps the default
-            OmegaConf.update(merged, key, written, merge=False)
+    # the replaced mappings as written, not merged into the schema's defaults (a YAML from before one existed keeps it)
+    merged = merge_replacing(schema_config(config_class(data.get("plugins", []))), data, REPLACED_MAPPINGS)
     return OmegaConf.to_object(merged)
 
 

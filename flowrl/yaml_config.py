@@ -61,12 +61,7 @@ def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[
     is refused naming its new name; any mistake is one sentence naming the key."""
     refuse_moved_keys(loaded, overrides or [], moved or {}, source)
     try:
-        merged = OmegaConf.merge(schema_config(schema, defaults), loaded)
-        # a mapping given in the file replaces the default instead of adding to it
-        for key in replaced_mappings:
-            given = OmegaConf.select(loaded, key, default=None)
-            if given is not None:
-                OmegaConf.update(merged, key, given, merge=False)
+        merged = merge_replacing(schema_config(schema, defaults), loaded, replaced_mappings)
     except OmegaConfBaseException as exc:
         raise ConfigError(one_sentence(exc, source, schema)) from None
     for item in overrides or []:
@@ -80,6 +75,17 @@ def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[
         except OmegaConfBaseException as exc:
             raise ConfigError(one_sentence(exc, "the command line", schema)) from None
     return OmegaConf.to_object(merged)
+
+
+def merge_replacing(base: DictConfig, loaded: DictConfig, replaced_mappings) -> DictConfig:
+    """`loaded` merged onto `base`, except that a mapping of `replaced_mappings` given in `loaded` replaces the
+    base's instead of adding to it (one left out keeps the base's)."""
+    merged = OmegaConf.merge(base, loaded)
+    for key in replaced_mappings:
+        given = OmegaConf.select(loaded, key, default=None)
+        if given is not None:
+            OmegaConf.update(merged, key, given, merge=False)
+    return merged
 
 
 _SCHEMA_CONFIGS: dict[tuple, DictConfig] = {}
