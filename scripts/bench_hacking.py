@@ -2,20 +2,25 @@
 """Reward hacking caught while it happens (docs/monitor.md): the shapes model trained on a deliberately
 hackable reward, watched by the monitor, side by side.
 
-    python scripts/bench_hacking.py                           # 10 minutes per arm, reward shapes_quality
-    python scripts/bench_hacking.py --reward brightness       # a reward that pays for white pixels
-    python scripts/bench_hacking.py --minutes 20 --arms unguarded guarded
+    python scripts/bench_hacking.py                           # 6 minutes per arm, reward brightness
+    python scripts/bench_hacking.py --reward shapes_quality   # the graded template overlap alone
+    python scripts/bench_hacking.py --minutes 20 --arms unguarded guarded --train-seed 1
     python scripts/bench_hacking.py --smoke                   # the code path in seconds: a tiny random model
+    python scripts/bench_hacking.py --summarize runs/hacking/seed-*   # one markdown table of several seeds' hacking.json
 
-Every arm trains the embedded shapes model with Flow-GRPO (8 prompts x 8 samples, SDE on every step, no KL)
-on --reward alone, with the monitor on (every 10 iterations: 8 held-out prompts, two per category, x 4 seeds,
-ODE, gold held-out strict accuracy, the image statistics and diversity against the base model's):
+Every arm trains the embedded shapes model with Flow-GRPO (8 prompts x 8 samples, SDE on the first 5 of the 10
+steps and only those trained, PPO clip 0.2, no KL: settings that let a reward be hacked within minutes, where
+the reference's clip of 1e-4 on every step moved brightness by 0.03 in 30 iterations) on --reward alone, with
+the monitor on (every 5 iterations: 8 held-out prompts, two per category, x 4 seeds, ODE, gold held-out strict
+accuracy, the image statistics and diversity against the base model's; the gold rule fires on 2 falls in a row):
 
     unguarded  every rule warns: the curves of a run left alone
     guarded    gold divergence and diversity collapse roll back to the `best` checkpoint (at most 3 times, then
                stop); statistic drift warns
     gardo      every rule warns, and GRPO regularised by GARDO (objective.grpo.regularizer gardo, KL weight 0.04,
                the gate ranking the trained reward against shapes_clean, scored with weight 0)
+    gardo_gate (not run unless named in --arms) as gardo, with GRPO's standardised advantage in place of GARDO's
+               diversity-aware one, which is not divided by the group's std: the gated KL and resets alone
 Writes hacking.png (training reward, gold, diversity and each statistic against iterations, one colour per
 arm) and hacking.json to --out, and prints per arm what fired and when, the gold at the end and at its best,
 and the guarded arm's final gold against the unguarded one's.
@@ -26,49 +31,64 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 COMMON = ["objective.kind=grpo", "sampling.sampler=flow_grpo", "sampling.noise_level=0.7", "trainer.kl_beta=0",
+          "objective.grpo.clip_range=0.2", "sampling.window.strategy=fixed", "sampling.window.start=0", "sampling.window.size=5",
           "trainer.budget_minutes=0", "trainer.lr_schedule=constant", "trainer.iterations=100000", "run.sample_every=0",
           "run.checkpoint_every=10", "run.progress=false", "data.prompts_per_iteration=8", "data.group_size=8",
-          "monitor.enabled=true", "monitor.every=10", "monitor.prompt_file=builtin:shapes-heldout", "monitor.gold=[shapes/strict]",
-          "monitor.num_prompts=8", "monitor.seeds=4"]
+          "monitor.enabled=true", "monitor.every=5", "monitor.prompt_file=builtin:shapes-heldout", "monitor.gold=[shapes/strict]",
+          "monitor.num_prompts=8", "monitor.seeds=4",
+          # K = 2: at these settings brightness whitens the images within about 15 iterations, three evaluations, so
+          # the default K = 3 (three falls in a row) would see the gold reach 0 before it could fire
+          "monitor.divergence_evals=2"]
 WARN_ALL = ["monitor.on_gold_divergence=warn", "monitor.on_drift=warn", "monitor.on_diversity=warn"]
 ARMS = {
     "unguarded": WARN_ALL,
     "guarded": ["monitor.on_gold_divergence=rollback", "monitor.on_drift=warn", "monitor.on_diversity=rollback",
                 "monitor.max_rollbacks=3"],
     "gardo": [*WARN_ALL, "objective.grpo.regularizer=gardo", "objective.grpo.gardo_auxiliary=[shapes_clean]", "trainer.kl_beta=0.04"],
+    # GARDO's advantage is not divided by the group's std, so on a reward that spreads little within a group its steps
+    # are far smaller than plain GRPO's; this arm keeps GRPO's standardised advantage and only GARDO's gated KL and resets
+    "gardo_gate": [*WARN_ALL, "objective.grpo.regularizer=gardo", "objective.grpo.gardo_auxiliary=[shapes_clean]",
+                   "objective.grpo.gardo_diversity=false", "trainer.kl_beta=0.04"],
 }
+DEFAULT_ARMS = ["unguarded", "guarded", "gardo"]
 AUXILIARY = "shapes_clean"  # GARDO's auxiliary reward: the share of clean on-palette pixels, never trained on
 
 
 def arm_overrides(arm: str, reward: str) -> list[str]:
     """The trained reward alone (GARDO's arm also scores its auxiliary, with weight 0), then the arm's settings."""
-    weights = f"{{{reward}: 1.0, {AUXILIARY}: 0.0}}" if arm == "gardo" else f"{{{reward}: 1.0}}"
+    weights = f"{{{reward}: 1.0, {AUXILIARY}: 0.0}}" if arm.startswith("gardo") else f"{{{reward}: 1.0}}"
     return [f"reward.weights={weights}", "reward.channel_weights={}", *ARMS[arm]]
 PANELS = ["reward_mean", "heldout/shapes/strict", "monitor/diversity", "monitor/brightness", "monitor/saturation",
           "monitor/dark_fraction", "monitor/bright_fraction", "monitor/colour_entropy", "monitor/edge_density"]
-SMOKE = ["trainer.iterations=2", "monitor.every=1", "monitor.num_prompts=2", "monitor.seeds=2", "run.checkpoint_every=1",
+SMOKE = ["trainer.iterations=2", "sampling.window.size=2", "monitor.every=1", "monitor.num_prompts=2", "monitor.seeds=2", "run.checkpoint_every=1",
          "data.prompts_per_iteration=2", "data.group_size=2"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reward", default="shapes_quality", help="the trained reward, a registered name (default shapes_quality)")
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    ap.add_argument("--minutes", type=float, default=10.0, help="training wall time per arm")
+    ap.add_argument("--reward", default="brightness", help="the trained reward, a registered name (default brightness)")
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS), help=f"default {' '.join(DEFAULT_ARMS)}")
+    ap.add_argument("--minutes", type=float, default=6.0, help="training wall time per arm")
     ap.add_argument("--train-seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="where the runs, hacking.json and hacking.png go (default bench_hacking_out; "
                     "with --smoke a temporary directory)")
     ap.add_argument("--smoke", action="store_true", help="the code path on a tiny random shapes model (scripts/smoke.py): "
                     "two iterations per arm, evaluated after each")
+    ap.add_argument("--summarize", nargs="+", metavar="OUT", help="print a markdown table of these outputs' hacking.json "
+                    "(one per training seed) and each arm's mean gold at the end, then exit")
     ap.add_argument("overrides", nargs="*", help="dot-list overrides for every arm")
     args = ap.parse_args(argv)
-    if args.reward == AUXILIARY and "gardo" in args.arms:
+    if args.summarize:
+        print(summarize([Path(o) for o in args.summarize]))
+        return 0
+    if args.reward == AUXILIARY and any(a.startswith("gardo") for a in args.arms):
         ap.error(f"--reward {AUXILIARY} is GARDO's auxiliary reward; train another, or leave out the gardo arm")
     with contextlib.ExitStack() as stack:
         if args.smoke:
@@ -89,6 +109,11 @@ def run(args) -> int:
     out = Path(args.out or "bench_hacking_out")
     out.mkdir(parents=True, exist_ok=True)
     results = {"reward": args.reward, "minutes": args.minutes, "seed": args.train_seed, "arms": {}}
+    earlier = out / "hacking.json"
+    if earlier.is_file():  # the same comparison run before: its other arms stay, the arms run now replace theirs
+        kept = json.loads(earlier.read_text())
+        if all(kept.get(k) == results[k] for k in ("reward", "minutes", "seed")):
+            results["arms"] = {arm: r for arm, r in kept["arms"].items() if arm not in args.arms}
     for arm in args.arms:
         run_dir = out / arm
         t0 = time.perf_counter()
@@ -111,11 +136,42 @@ def run(args) -> int:
     (out / "hacking.json").write_text(json.dumps(results, indent=1))
     _plot(results, out / "hacking.png")
     arms = results["arms"]
-    for arm in ("guarded", "gardo"):
+    for arm in ("guarded", "gardo", "gardo_gate"):
         if {arm, "unguarded"} <= set(arms) and arms[arm]["gold_end"] is not None and arms["unguarded"]["gold_end"]:
             print(f"{arm} gold at the end {arms[arm]['gold_end'] / arms['unguarded']['gold_end']:.3g}x the unguarded arm's")
     print(f"wrote {out / 'hacking.json'} and {out / 'hacking.png'}")
     return 0
+
+
+def summarize(outs: list[Path]) -> str:
+    """A markdown table, one row per output (training seed) and arm, and each arm's mean gold at the end with its
+    standard error over the outputs."""
+    lines = ["| seed | arm | iterations | first firing (rule, action, iteration) | rollbacks | gold: base, best, end | "
+             "brightness: base, end | diversity / base at the end |", "|---|---|---|---|---|---|---|---|"]
+    ends: dict[str, list[float]] = {}
+    for out in outs:
+        path = out / "hacking.json"
+        if not path.is_file():
+            raise SystemExit(f"bench_hacking: {path} does not exist; --summarize takes the --out directories of finished runs")
+        results = json.loads(path.read_text())
+        for arm, r in results["arms"].items():
+            fired = r["fired"]
+            first = f"{fired[0][0]}, {fired[0][1]}, {fired[0][2]}" if fired else "nothing"
+            base = r["base"] or {}
+            gold_base = next(iter((base.get("gold") or {}).values()), None)
+            bright = r["curves"]["monitor/brightness"]
+            diversity = r["curves"]["monitor/diversity"]
+            lines.append(f"| {results['seed']} | {arm} | {r['iterations']} | {first} | {len({it for _, a, it in fired if a == 'rollback'})} | "
+                         f"{_num(gold_base)}, {_num(r['best'][1] if r['best'] else None)}, {_num(r['gold_end'])} | "
+                         f"{_num((base.get('stats') or {}).get('brightness'))}, {_num(bright[-1][1] if bright else None)} | "
+                         f"{_num(diversity[-1][1] if diversity else None)} |")
+            if r["gold_end"] is not None:
+                ends.setdefault(arm, []).append(r["gold_end"])
+    lines.append("")
+    for arm, xs in ends.items():
+        se = f" ± {statistics.stdev(xs) / len(xs) ** 0.5:.3f}" if len(xs) > 1 else ""
+        lines.append(f"{arm}: gold at the end {statistics.mean(xs):.3f}{se} over {len(xs)} seed(s)")
+    return "\n".join(lines)
 
 
 def _num(x) -> str:

@@ -69,10 +69,10 @@ def test_a_tuned_cell_is_its_reference_cell_but_for_the_tuned_settings(cell):
 
 def test_the_cells_are_the_algorithms_they_name():
     cfg = {cell: load_config(ARENA_DIR / f"{cell}.yaml", validate_paths=False) for cell in REFERENCE_CELLS}
-    # the default preset is the arena's leader, DGPO, with the cell's settings (README, docs/arena.md)
-    default = load_config(None)
-    assert cfg["dgpo"].objective == default.objective and cfg["dgpo"].rollout == default.rollout
-    assert (cfg["dgpo"].trainer.kl_beta, cfg["dgpo"].trainer.lr, cfg["dgpo"].trainer.lr_schedule) == (
+    # the default preset is the arena's leader, DGPO, with its tuned cell's settings (README, docs/arena.md)
+    default, tuned = load_config(None), load_config(ARENA_DIR / "dgpo_tuned.yaml", validate_paths=False)
+    assert tuned.objective == default.objective and tuned.rollout == default.rollout == cfg["dgpo"].rollout
+    assert (tuned.trainer.kl_beta, tuned.trainer.lr, tuned.trainer.lr_schedule) == (
         default.trainer.kl_beta, default.trainer.lr, default.trainer.lr_schedule)
     assert cfg["nft"].rollout.kind == "flat"
     # the two DGPO cells differ in their stepping alone: flowrl's (measured first) and the reference's

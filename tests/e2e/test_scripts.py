@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -304,7 +305,7 @@ def test_bench_hacking_trains_every_arm_under_the_monitor_and_plots_the_curves(t
     assert load_script("bench_hacking").main(["--smoke", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     results = json.loads((out / "hacking.json").read_text())
-    assert set(results["arms"]) == {"unguarded", "guarded", "gardo"} and results["reward"] == "shapes_quality"
+    assert set(results["arms"]) == {"unguarded", "guarded", "gardo"} and results["reward"] == "brightness"
     for arm, r in results["arms"].items():
         assert r["iterations"] == 2 and len(r["curves"]["heldout/shapes/strict"]) == 2  # evaluated after each iteration
         assert len(r["curves"]["monitor/colour_entropy"]) == 2 and r["base"]["stats"]["brightness"] >= 0
@@ -313,3 +314,13 @@ def test_bench_hacking_trains_every_arm_under_the_monitor_and_plots_the_curves(t
     assert (out / "hacking.png").stat().st_size > 0
     gardo_rows = [json.loads(line) for line in (out / "gardo" / "metrics.jsonl").read_text().splitlines()]
     assert all("gardo_kappa" in row for row in gardo_rows)  # the GARDO arm trained with the regulariser
+    assert load_script("bench_hacking").main(["--summarize", str(out)]) == 0
+    table = capsys.readouterr().out
+    for arm in ("unguarded", "guarded", "gardo"):
+        assert re.search(rf"^\| 0 \| {arm} \| 2 \| ", table, re.MULTILINE)
+        assert f"{arm}: gold at the end {results['arms'][arm]['gold_end']:.3f}" in table
+    # one arm run again into the same --out replaces its own entry and keeps the others'
+    shutil.rmtree(out / "guarded")
+    assert load_script("bench_hacking").main(["--smoke", "--out", str(out), "--arms", "guarded"]) == 0
+    again = json.loads((out / "hacking.json").read_text())
+    assert set(again["arms"]) == {"unguarded", "guarded", "gardo"} and again["arms"]["gardo"] == results["arms"]["gardo"]

@@ -31,7 +31,9 @@ HELD_OUT_SEEDS = list(range(70_000, 70_006))  # training seeds come from sample_
 COMMON = ["trainer.iterations=6", "trainer.lr=1e-3", "trainer.lr_schedule=constant", "trainer.ema=false", "trainer.max_minutes=0",
           "data.prompts_per_iteration=2", "data.group_size=8", "sampling.batch_size=16", "sampling.num_steps=4",
           "sampling.eval_num_steps=4", "model.guidance_scale=1", "model.compile=none", "run.cpu_processes=1", "run.progress=false",
-          "run.tracker=none", "run.sample_every=0", "run.checkpoint_every=0"]
+          "run.tracker=none", "run.sample_every=0", "run.checkpoint_every=0",
+          # the default preset's KL and DGPO beta before it took its tuned recipe: the calibrations below ran with these
+          "trainer.kl_beta=0.02", "objective.dgpo.beta=100"]
 LONGER = ["sampling.num_steps=6", "sampling.eval_num_steps=6", "trainer.iterations=8"]
 GRPO = ["objective.kind=grpo", "sampling.sampler=flow_grpo", "sampling.noise_level=0.7", "objective.grpo.clip_range=0.2",
         "trainer.kl_beta=0"]

@@ -130,6 +130,26 @@ def test_check_rules_names_each_rule_with_its_action_and_stays_silent_on_a_clean
     assert check_rules(clean, base, options) == []
 
 
+def test_rules_firing_together_share_one_rollback_and_a_spent_budget_stops(monkeypatch):
+    import flowrl.train.monitor.watch as watch
+    from flowrl.train.monitor.rules import Firing
+
+    restored = []
+    monkeypatch.setattr(watch, "rollback", lambda tr: (restored.append(tr.iteration), setattr(tr.monitor, "rollbacks",
+                                                                                           tr.monitor.rollbacks + 1)))
+    mon = SimpleNamespace(best_pending=False, rollbacks=0, fired=[], options=MonitorConfig(max_rollbacks=1))
+    tr = SimpleNamespace(monitor=mon, iteration=15, accelerator=SimpleNamespace(is_main_process=False), stop_reason=None)
+    both = [Firing("gold_divergence", "rollback", "gold fell"), Firing("stat_drift", "warn", "drifted"),
+            Firing("diversity_collapse", "rollback", "collapsed")]
+    watch.act_all(tr, both)
+    assert restored == [15] and mon.rollbacks == 1 and tr.stop_reason is None  # one restore, one of the budget
+    assert mon.fired == [("gold_divergence", "rollback", 15), ("stat_drift", "warn", 15), ("diversity_collapse", "rollback", 15)]
+    tr.iteration = 25
+    watch.act_all(tr, both)  # the budget of one is spent: the next evaluation's rollbacks stop the run
+    assert restored == [15] and tr.stop_reason == "monitor: diversity_collapse"
+    assert [a for _, a, it in mon.fired if it == 25] == ["stop", "warn", "stop"]
+
+
 def test_the_monitor_section_is_validated():
     with pytest.raises(ConfigError, match="monitor.on_drift must be one of warn, stop, rollback"):
         load_config("tiny_jpeg", ["monitor.on_drift=explode"])

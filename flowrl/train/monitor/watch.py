@@ -163,28 +163,39 @@ def monitor_evaluate(tr, row: dict) -> dict:
         if mon.best is None or first > mon.best[1]:
             mon.best, mon.best_pending = (tr.iteration, first), True
     firings = check_rules(mon.evaluations, mon.base["stats"], mon.options)
-    for f in firings:
-        act(tr, f)
+    act_all(tr, firings)
     out["monitor/fired"] = len(firings)
     out["time_monitor"] = time.perf_counter() - t0
     return out
 
 
-def act(tr, firing: Firing) -> None:
+def act_all(tr, firings: list[Firing]) -> None:
+    """Each firing's action, in order; the rules that ask for a rollback at one evaluation share one (a second
+    restore of the same checkpoint would change nothing but spend another of monitor.max_rollbacks)."""
+    rolled_back = False
+    for f in firings:
+        rolled_back = act(tr, f, rolled_back) or rolled_back
+
+
+def act(tr, firing: Firing, rolled_back: bool = False) -> bool:
     """warn: a line; stop: the loop ends after this iteration's checkpoint; rollback: the `best` checkpoint's
-    weights, optimizer, EMA and objective state, or a stop once monitor.max_rollbacks are spent."""
+    weights, optimizer, EMA and objective state, or a stop once monitor.max_rollbacks are spent. `rolled_back`:
+    this evaluation has rolled back already, so a rollback is recorded and not done again. Whether it rolled back."""
     mon, action = tr.monitor, firing.action
     if action == "rollback" and mon.best_pending:
         action = "warn"  # this very evaluation is the best: nothing better to return to
-    elif action == "rollback" and mon.rollbacks >= mon.options.max_rollbacks:
+    elif action == "rollback" and not rolled_back and mon.rollbacks >= mon.options.max_rollbacks:
         action = "stop"
     mon.fired.append((firing.rule, action, tr.iteration))
     if tr.accelerator.is_main_process:
-        tqdm.write(f"flowrl monitor, iteration {tr.iteration}: {firing.message} -> {action}")
+        tqdm.write(f"flowrl monitor, iteration {tr.iteration}: {firing.message} -> {action}"
+                   + (" (the one already done)" if action == "rollback" and rolled_back else ""))
     if action == "stop":
         tr.stop_reason = f"monitor: {firing.rule}"
-    elif action == "rollback":
+    elif action == "rollback" and not rolled_back:
         rollback(tr)
+        return True
+    return False
 
 
 def rollback(tr) -> None:
