@@ -10,7 +10,7 @@ hackable reward, watched by the monitor, side by side.
 
 Every arm trains the embedded shapes model with Flow-GRPO (8 prompts x 8 samples, SDE on the first 5 of the 10
 steps and only those trained, PPO clip 0.2, no KL: settings that let a reward be hacked within minutes, where
-the reference's clip of 1e-4 on every step moved brightness by 0.03 in 30 iterations) on --reward alone, with
+the reference's clip of 1e-4 on every step moved brightness by 0.04 in 30 iterations) on --reward alone, with
 the monitor on (every 5 iterations: 8 held-out prompts, two per category, x 4 seeds, ODE, gold held-out strict
 accuracy, the image statistics and diversity against the base model's; the gold rule fires on 2 falls in a row):
 
@@ -23,7 +23,7 @@ accuracy, the image statistics and diversity against the base model's; the gold 
                diversity-aware one, which is not divided by the group's std: the gated KL and resets alone
 Writes hacking.png (training reward, gold, diversity and each statistic against iterations, one colour per
 arm) and hacking.json to --out, and prints per arm what fired and when, the gold at the end and at its best,
-and the guarded arm's final gold against the unguarded one's.
+and the other arms' final gold as multiples of the unguarded one's.
 """
 
 from __future__ import annotations
