@@ -183,7 +183,6 @@ def train(config=None, *overrides: str, reward=None, run_dir: str | Path | None 
     `flowrl.api.config` takes it, `reward` included), written to `run_dir` (default
     run.output_dir/run.name). Returns its Run."""
     from flowrl.cli import _no_file_on_the_way, _train_images
-    from flowrl.runtime.processes import launches_cpu_processes
     from flowrl.runtime.run_dir import default_run_dir
 
     with _one_sentence():
@@ -193,14 +192,21 @@ def train(config=None, *overrides: str, reward=None, run_dir: str | Path | None 
             raise ConfigError(f"run.async_rollouts samples in a producer process, which the reward function "
                               f"'{next(iter(functions))}' cannot reach; put it in a module named by the config's plugins "
                               "(docs/usage.md), or set run.async_rollouts: false")
-        if launches_cpu_processes(cfg):
-            print(f"flowrl.api: training in this process (run.cpu_processes {cfg.run.cpu_processes} is for `flowrl train`, "
-                  "whose processes a Python function cannot reach)", file=sys.stderr)
-            cfg.run.cpu_processes = 1
+        _in_this_process(cfg)
         path = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
         _no_file_on_the_way(path, "run_dir")
         _train_images(cfg, path, resume=False)
         return Run(path, reward=functions or None)
+
+
+def _in_this_process(cfg) -> None:
+    """A run of flowrl.api trains in the calling process, where its reward functions live."""
+    from flowrl.runtime.processes import launches_cpu_processes
+
+    if launches_cpu_processes(cfg):
+        print(f"flowrl.api: training in this process (run.cpu_processes {cfg.run.cpu_processes} is for `flowrl train`, "
+              "whose processes a Python function cannot reach)", file=sys.stderr)
+        cfg.run.cpu_processes = 1
 
 
 # ---- a run, and what the CLI does with one -------------------------------------------------------------
@@ -239,6 +245,22 @@ class Run:
         self._register()
         with _unknown_reward_hint(self.path):
             return config(self.path / CONFIG_FILE)
+
+    def resume(self, *overrides: str, **sections) -> "Run":
+        """`flowrl train --resume PATH OVERRIDES`, in this process: the run continues from its latest
+        checkpoint with its own config and `overrides` (`trainer={"iterations": 200}` trains on past
+        the planned end). Returns this Run."""
+        from flowrl.cli import _train_images
+        from flowrl.config import load_config
+        from flowrl.runtime.run_dir import CONFIG_FILE
+
+        self._register()
+        with _one_sentence(), _unknown_reward_hint(self.path):
+            _refuse_text(run=self.path)
+            cfg = load_config(self.path / CONFIG_FILE, [*overrides, *_section_overrides(sections)])
+            _in_this_process(cfg)
+            _train_images(cfg, self.path, resume=True)
+        return self
 
     def sample(self, prompts: list[str], **options):
         """`sample(prompts, run=self, ...)`."""

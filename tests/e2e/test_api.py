@@ -18,7 +18,7 @@ from flowrl import api
 from flowrl.cli import main
 from flowrl.errors import ConfigError, UserError
 from rewards import MultiReward
-from run_checks import run_metrics
+from run_checks import run_metrics, trainable
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 TINY = ["model.path=builtin:tiny-sd3", "sampling.num_steps=2", "sampling.eval_num_steps=2", "sampling.batch_size=4",
@@ -105,6 +105,19 @@ def test_a_function_rewards_scores_are_the_runs_reward_and_it_trains_in_one_proc
     assert [r["reward_mean"] for r in run_metrics(run.path)] == [14.0, 14.0]
     assert "training in this process (run.cpu_processes 2" in capsys.readouterr().err
     assert "cpu_processes: 1" in (run.path / "config.yaml").read_text()
+
+
+def test_a_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    length = lambda images, prompts: [float(len(p)) for p in prompts]  # noqa: E731
+    settings = dict(reward=length, data={"prompts": PROMPTS}, trainer={"lr_schedule": "constant"})
+    whole = api.train("tiny_jpeg", *TINY, "trainer.iterations=4", **settings, run_dir=tmp_path / "whole")
+    part = api.train("tiny_jpeg", *TINY, "trainer.iterations=2", "run.checkpoint_every=1", **settings, run_dir=tmp_path / "part")
+    assert part.resume(trainer={"iterations": 4}) is part
+    assert len(part.metrics) == 4 and run_metrics(part.path)[:2] == run_metrics(whole.path)[:2]
+    for key, w in trainable(whole.path, 4).items():
+        assert torch.equal(trainable(part.path, 4)[key], w), key
+    with pytest.raises(UserError, match=r"trainer\.iterations"):
+        part.resume(trainer={"iterations": -1})
 
 
 @pytest.mark.parametrize("reward, sentence", [
