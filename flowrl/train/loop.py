@@ -62,10 +62,17 @@ def flat_config(cfg: Config) -> dict:
 class Trainer(RunManager):
     def __init__(self, cfg: Config, run_dir: str | Path | None = None, resume: bool = False, rewards: dict | None = None):
         self.start_clock(cfg.trainer)  # a wall-clock budget counts from here
-        self.cfg, t, self.rewards = cfg, cfg.trainer, rewards
+        self.cfg, self.rewards = cfg, rewards
         self.grid_every = cfg.run.sample_every
         self.accelerator, self.run, self.mixed_precision, self.layout = launch_image_run(cfg, run_dir or default_run_dir(cfg))
-        acc = self.accelerator
+        try:
+            self._build(cfg, resume, rewards)
+        except BaseException:  # a refused resume or a bad model: the process group made for it goes too
+            self.layout.close()
+            raise
+
+    def _build(self, cfg: Config, resume: bool, rewards: dict | None) -> None:
+        t, acc = cfg.trainer, self.accelerator
         rollout_cls, objective_cls = rollout_class(cfg.rollout.kind), objective_class(cfg.objective.kind)
         check_async_processes(cfg, acc.num_processes)  # a multi-GPU launch: its count is known only now
         self.prompts = load_prompts(cfg.data) if rollout_cls.needs_prompts else list(cfg.data.prompts)
@@ -183,6 +190,7 @@ class Trainer(RunManager):
         self.rollout.close()
         self.reward_runner.close()
         self.accelerator.end_training()
+        self.layout.close()
 
     # ---- outputs ------------------------------------------------------------------------
     def eval_spec(self) -> SamplerSpec:

@@ -74,6 +74,9 @@ class Replicated:
         policy.net, optimizer = self.accelerator.prepare(policy.transformer, optimizer)
         return optimizer
 
+    def close(self) -> None:
+        """Nothing was started here that outlives the run."""
+
     @contextlib.contextmanager
     def gathered(self):
         yield
@@ -98,11 +101,21 @@ class Sharded(Replicated):
         import torch.distributed as dist
 
         super().__init__(accelerator, mixed_precision)
-        if not dist.is_initialized():  # one process: FSDP2 still needs a process group (of one)
+        self.own_group = not dist.is_initialized()
+        if self.own_group:  # one process: FSDP2 still needs a process group (of one)
             backend = "gloo" if accelerator.device.type == "cpu" else "nccl"
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         self.param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
         self.units: list[torch.nn.Module] = []  # the trained network's shard units, root last
+
+    def close(self) -> None:
+        """End the group of one made above, so that a later run in this Python process (flowrl.api) starts clean;
+        a launcher's group is the launcher's."""
+        import torch.distributed as dist
+
+        if self.own_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.own_group = False
 
     def _fully_shard(self, net: torch.nn.Module) -> list[torch.nn.Module]:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

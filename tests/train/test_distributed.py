@@ -191,6 +191,7 @@ def test_a_whole_checkpoint_is_not_resumed_as_shards(tmp_path, tiny_sd3_dir, cap
     assert main(["train", "--resume", str(tmp_path / "r"), "trainer.iterations=2", "run.distributed=fsdp2"]) == 2
     err = capsys.readouterr().err
     assert "was written whole (run.distributed ddp); resume it with run.distributed=ddp" in err and "Traceback" not in err
+    assert not torch.distributed.is_initialized()  # the refused run's group of one ended with it (flowrl.api runs on after)
 
 
 # ---- the memory planner -------------------------------------------------------------------
