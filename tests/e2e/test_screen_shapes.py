@@ -44,18 +44,18 @@ def _py(code: str) -> list[str]:
 
 def test_pool_reports_done_failed_stopped_and_not_started(screen, tmp_path):
     jobs = {"ok": _py("print('hello')"), "fails": _py("import sys; sys.exit(3)"), "slow": _py("import time; time.sleep(60)")}
-    status = screen.run_all(jobs, tmp_path, parallel=3, minutes=4 / 60, threads=1, poll_s=0.1)
+    status = screen.run_all(jobs, tmp_path, parallel=3, minutes=2 / 60, threads=1, poll_s=0.1)
     assert status == {"ok": "done", "fails": "failed (exit 3)", "slow": "stopped"}
     assert (tmp_path / "ok.log").read_text().strip() == "hello"
     # one at a time: the slow run holds the only slot until the minutes are up
-    status = screen.run_all({"slow": jobs["slow"], "ok": jobs["ok"]}, tmp_path, parallel=1, minutes=2 / 60, threads=1, poll_s=0.1)
+    status = screen.run_all({"slow": jobs["slow"], "ok": jobs["ok"]}, tmp_path, parallel=1, minutes=1 / 60, threads=1, poll_s=0.1)
     assert status == {"slow": "stopped", "ok": "not started"}
 
 
 def test_pool_never_runs_more_than_parallel_at_once(screen, tmp_path):
     # each run appends its start and end to one file; at most two may overlap
     trace = tmp_path / "trace"
-    code = f"import time, sys; open({str(trace)!r}, 'a').write('+'); time.sleep(1); open({str(trace)!r}, 'a').write('-')"
+    code = f"import time, sys; open({str(trace)!r}, 'a').write('+'); time.sleep(0.5); open({str(trace)!r}, 'a').write('-')"
     status = screen.run_all({f"j{i}": _py(code) for i in range(5)}, tmp_path, parallel=2, minutes=1, threads=1, poll_s=0.05)
     assert set(status.values()) == {"done"}
     depth, deepest = 0, 0
