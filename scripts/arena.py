@@ -536,21 +536,28 @@ def plot(by_cell: dict[str, list[dict]], budget: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    fig, ax = plt.subplots(figsize=(10, 5.2))
+    # one colour and marker per algorithm, its tuned cell in the same ones but dashed and hollow: tab20's ten strong
+    # colours first, then its ten light ones with another marker, so no two algorithms look alike
+    tab20 = plt.get_cmap("tab20").colors
+    palette = tab20[0::2] + tab20[1::2]
+    algorithms = list(REFERENCE_CELLS) + sorted({reference_cell(c) for c in by_cell} - set(REFERENCE_CELLS))
     for cell, rs in by_cell.items():
         if not rs:
             continue
         strict = lambda r, point: (r[f"{point}_eval1"] + r[f"{point}_eval2"]) / 2  # noqa: E731
         xs = [0.0, statistics.mean(r["half_minutes"] for r in rs), statistics.mean(r["wall_minutes"] for r in rs)]
         stats = [mean_se([strict(r, p) for r in rs]) for p in ("base", "half", "end")]
-        ax.errorbar(xs, [m for m, _ in stats], yerr=[0 if math.isnan(se) else se for _, se in stats], marker="o", capsize=3,
-                    label=f"{cell} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
+        tuned, k = cell.endswith(TUNED), algorithms.index(reference_cell(cell)) % len(palette)
+        ax.errorbar(xs, [m for m, _ in stats], yerr=[0 if math.isnan(se) else se for _, se in stats], capsize=3,
+                    color=palette[k], ls="--" if tuned else "-", marker="o" if k < 10 else "^",
+                    mfc="white" if tuned else palette[k], label=f"{cell} ({len(rs)} seed{'s' if len(rs) > 1 else ''})")
     ax.axvline(budget, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("wall-clock minutes (store build included; the end point includes the launch)")
     ax.set_ylabel("held-out strict (mean of the two eval sets)")
-    ax.set_title(f"The arena: every algorithm for {budget:g} minutes on the shapes task")
+    ax.set_title(f"The arena: every algorithm for {budget:g} minutes on the shapes task (dashed, hollow: tuned)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
