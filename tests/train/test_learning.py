@@ -97,10 +97,10 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #               12 iterations: +0.102 +0.092 +0.092 +0.067 / +0.015 -0.020 +0.018 -0.129, seeds 4-7 +0.068 +0.061
 #               +0.044 +0.034  (+0.011, 0.021 over 8 seeds: 3 SE above it is +0.075, over the weakest engine seed)
 #   2026-11-30 (same box, the flowrl code of commit c2f216d), 8 iterations, seeds 0-3, engine / control:
-#   mixgrpo, window shift every 4  +0.096 +0.090 +0.053 +0.102 / +0.018 +0.060 +0.002 -0.025  (+0.014, 0.018: line +0.067)
-#               and 10 iterations  +0.094 +0.094 +0.051 +0.100 / +0.014 +0.081 +0.013 -0.019  (+0.022, 0.021: line +0.085)
-#   branchgrpo, between=ode        +0.086 +0.093 +0.100 +0.066 / +0.056 +0.050 -0.014 -0.037  (+0.014, 0.023: line +0.084)
-#               prune_depths=[3]   +0.073 +0.081 +0.095 +0.044 / +0.055 +0.046 -0.018 -0.035  (+0.012, 0.023: line +0.080)
+#   mixgrpo, window shift every 4  +0.096 +0.090 +0.053 +0.102 / +0.018 +0.060 +0.002 -0.025  (+0.014, 0.018: mean + 3 SE +0.067)
+#               and 10 iterations  +0.094 +0.094 +0.051 +0.100 / +0.014 +0.081 +0.013 -0.019  (+0.022, 0.021: mean + 3 SE +0.085)
+#   branchgrpo, between=ode        +0.086 +0.093 +0.100 +0.066 / +0.056 +0.050 -0.014 -0.037  (+0.014, 0.023: mean + 3 SE +0.084)
+#               prune_depths=[3]   +0.073 +0.081 +0.095 +0.044 / +0.055 +0.046 -0.018 -0.035  (+0.012, 0.023: mean + 3 SE +0.080)
 #               so the controls' seeds 0 and 1 drift +0.05 to +0.08 however the tree or window trains: not separated
 #   gdro        -0.003 +0.002 -0.003 +0.010 / +0.008 -0.001 -0.002 +0.005  (24 iterations: no gain yet). What is seen:
 #               a group's brightness spans 0.05-0.08 (std 0.02-0.03) around 0.90, so at the paper's tau (0.05) the
@@ -109,7 +109,7 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #               at the start) with fresh sigmas and noise. At tau 0.001 from a store of 8 groups per prompt, seed 0
 #               gained +0.010 (beta 0.3) and +0.012 (beta 6): a start, far from the other engines. With the errors
 #               averaged (objective.gdro.error_reduction=mean, beta 6; 2026-11-30): +0.063 +0.076 +0.071 +0.055 /
-#               -0.025 +0.013 +0.055 +0.025 (+0.017, 0.016: line +0.066): it learns, not yet 3 SE clear of its control
+#               -0.025 +0.013 +0.055 +0.025 (+0.017, 0.016: mean + 3 SE +0.066): it learns, not yet 3 SE clear of its control
 THRESHOLDS = {"dgpo": 0.03, "nft": 0.025, "g2rpo": 0.04, "sol_rl": 0.02, "flow_grpo": 0.06, "awm": 0.02,
               "dpo": 0.015, "flow_grpo_fast": 0.06, "flow_dppo": 0.015}
 
