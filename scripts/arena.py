@@ -153,6 +153,16 @@ def preset(cell: str, presets: Path = PRESETS) -> str:
     return str(presets / f"{cell}.yaml")
 
 
+def kept_reference(cell: str, presets: Path = PRESETS) -> bool:
+    """Whether X_tuned's study kept X's settings: its preset resolves to X's config, so X's runs are its runs."""
+    from flowrl.config import load_config
+
+    reference = reference_cell(cell)
+    if reference == cell:
+        return False
+    return load_config(preset(cell, presets), validate_paths=False) == load_config(preset(reference, presets), validate_paths=False)
+
+
 def train(argv: list[str], run_dir: Path) -> None:
     """`flowrl train ARGV` in this process (it launches its CPU processes itself); a failure stops the run."""
     from flowrl.cli import main as cli_main
@@ -496,11 +506,15 @@ def summarise(lines: list[dict], budget: float, smoke: bool) -> dict[str, list[d
     return {cell: [r for (c, _), r in sorted(latest.items()) if c == cell] for cell in CELLS}
 
 
-def table(by_cell: dict[str, list[dict]], budget: float, image: str | None) -> str:
+def table(by_cell: dict[str, list[dict]], budget: float, image: str | None, presets: Path = PRESETS) -> str:
     rows = [r for rs in by_cell.values() for r in rs]
     out = [f"| cell | seeds done | iterations | NFE per iteration (sampling + training) | gain at half ({budget / 2:g} min) | "
            f"gain at end ({budget:g} min) | minutes (store build) |", "|---|---|---|---|---|---|---|"]
     for cell, rs in by_cell.items():
+        if not rs and cell.endswith(TUNED) and kept_reference(cell, presets):
+            same = f"as {reference_cell(cell)}"  # the same config: running it again would repeat the reference's runs
+            out.append(f"| {cell} | {same} (its study kept the reference settings) | {same} | {same} | {same} | {same} | {same} |")
+            continue
         if not rs:
             out.append(f"| {cell} | 0 | pending | pending | pending | pending | pending |")
             continue

@@ -67,6 +67,20 @@ def test_a_tuned_cell_is_its_reference_cell_but_for_the_tuned_settings(cell):
     assert tuned == cfg
 
 
+def test_a_tuned_cell_whose_study_kept_the_reference_settings_reports_the_reference_row(tmp_path):
+    arena = load_script("arena")
+    text = (ARENA_DIR / "mixgrpo.yaml").read_text()
+    (tmp_path / "mixgrpo.yaml").write_text(text)
+    (tmp_path / "mixgrpo_tuned.yaml").write_text("# the study's header\n" + text)
+    (tmp_path / "flow_grpo.yaml").write_text((ARENA_DIR / "flow_grpo.yaml").read_text())
+    (tmp_path / "flow_grpo_tuned.yaml").write_text((ARENA_DIR / "flow_grpo.yaml").read_text().replace("lr: 3.0e-4", "lr: 1.0e-4"))
+    assert arena.kept_reference("mixgrpo_tuned", tmp_path) and not arena.kept_reference("flow_grpo_tuned", tmp_path)
+    assert not arena.kept_reference("mixgrpo", tmp_path)
+    rows = arena.table({c: [] for c in ("mixgrpo", "mixgrpo_tuned", "flow_grpo_tuned")}, 12, None, tmp_path).splitlines()
+    assert rows[3].startswith("| mixgrpo_tuned | as mixgrpo (its study kept the reference settings) |")
+    assert rows[4] == "| flow_grpo_tuned | 0 | pending | pending | pending | pending | pending |"
+
+
 def test_the_cells_are_the_algorithms_they_name():
     cfg = {cell: load_config(ARENA_DIR / f"{cell}.yaml", validate_paths=False) for cell in REFERENCE_CELLS}
     # the default preset is the arena's leader, DGPO, with its tuned cell's settings (README, docs/arena.md)
