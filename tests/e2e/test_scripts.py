@@ -41,6 +41,7 @@ SMOKE_TESTS = {
     "probe_relations": "test_probe_relations_prints_both_measures",
     "readme_figures": "test_readme_figures_draws_both_figures_of_a_run",
     "run_diagnostics": "test_run_diagnostics_reads_a_runs_signals_and_its_lora_update",
+    "reward_transfer": "test_reward_transfer_scores_base_live_and_ema_under_each_condition",
     "screen_shapes": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
     # the shapes scripts' shared --smoke model and overrides (a helper without a main)
     "smoke": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
@@ -272,6 +273,43 @@ def test_run_diagnostics_reads_a_runs_signals_and_its_lora_update(tmp_path, tiny
     assert row["clipped"] is not None and row["tied groups"] is not None
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         diagnostics.main([str(tmp_path)])
+
+
+def test_reward_transfer_scores_base_live_and_ema_under_each_condition(tmp_path, capsys, monkeypatch):
+    from flowrl.cli import _load_run_policy, main
+    from flowrl.train.evaluate import ode_images
+    from flowrl.train.prompts import builtin_prompts
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    smoke = load_script("smoke")
+    run = tmp_path / "run"
+    assert main(["train", *smoke.shapes_overrides(smoke.tiny_shapes_model(tmp_path / "model")), "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    # a random model's rewards tie, so its adapter stays at zero: give the live and EMA adapters weights of their own
+    for k, name in enumerate(("lora", "ema_lora")):
+        path = run / "checkpoints" / "iter_000001" / name / "pytorch_lora_weights.safetensors"
+        weights, gen = load_file(str(path)), torch.Generator().manual_seed(k)
+        save_file({n: (0.3 * torch.randn(w.shape, generator=gen) if "lora_B" in n else w) for n, w in weights.items()}, str(path))
+    transfer = load_script("reward_transfer")
+    assert transfer.main([str(run), "--per-category", "1", "--seed", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "| run | weights | held-out ODE (strict / reward) | held-out rollout (strict / reward) | training ODE" in out
+    assert all(f"| run | {m} |" in out for m in ("base", "live", "EMA"))
+    # which images each condition scores: the rewards of a random model's images tie, so score their moments instead
+    monkeypatch.setattr(transfer, "score", lambda cfg, reward, images, prompts: (float(images.mean()), float(images.square().mean())))
+    rows = {r["model"]: r for r in transfer.measure(run, 1, 7)}
+    assert list(rows) == ["base", "live", "EMA"]
+    # the ODE condition of the EMA weights draws the arena's images (flowrl.train.evaluate's, same prompts and seeds)
+    cfg, policy, _ = _load_run_policy(run, ["model.compile=none"])
+    prompts, s = builtin_prompts("builtin:shapes-heldout", "--per-category", per_category=1), cfg.sampling
+    images = ode_images(policy, prompts, [7 + j for j in range(len(prompts))], policy.sigmas(s.eval_num_steps, s.schedule, s.shift),
+                        s.batch_size)
+    assert rows["EMA"]["held-out ODE"] == pytest.approx((float(images.mean()), float(images.square().mean())))
+    # the three weights, the two samplers and the two prompt sets are different images
+    assert len({r["held-out ODE"] for r in rows.values()}) == 3
+    assert rows["live"]["held-out rollout"] != rows["live"]["held-out ODE"] != rows["live"]["training ODE"]
 
 
 # ---- the scripts that start `flowrl train` as a process of its own ---------------------------------
