@@ -311,8 +311,9 @@ def _train_images(cfg, run_dir: Path, resume: bool) -> int:
     return 0
 
 
-def _load_run_policy(run: Path, overrides=(), iteration: int | str | None = None):
-    """The policy of a run's checkpoint: the latest, `best` (the monitor's best by gold reward) or an iteration's."""
+def _load_run_policy(run: Path, overrides=(), iteration: int | str | None = None, weights: str = "ema"):
+    """The policy of a run's checkpoint: the latest, `best` (the monitor's best by gold reward) or an iteration's;
+    its EMA weights where the run kept an EMA (`weights="live"`: the trained weights themselves)."""
     from flowrl.config import load_config
     from flowrl.models import load_policy
     from flowrl.runtime.checkpoint import find_checkpoint
@@ -325,16 +326,17 @@ def _load_run_policy(run: Path, overrides=(), iteration: int | str | None = None
     policy = load_policy(cfg.model)
     if cfg.lora.enabled:
         policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
-        policy.load_lora(ckpt / ("ema_lora" if (ckpt / "ema_lora").is_dir() else "lora"))
+        policy.load_lora(ckpt / ("ema_lora" if weights == "ema" and (ckpt / "ema_lora").is_dir() else "lora"))
     else:
-        export = next((ckpt / name for name in ("ema_transformer", "transformer") if (ckpt / name).is_dir()), None)
+        names = ("ema_transformer", "transformer") if weights == "ema" else ("transformer",)
+        export = next((ckpt / name for name in names if (ckpt / name).is_dir()), None)
         if export is not None:  # the diffusers-format export (the only whole copy of a sharded checkpoint's weights)
             policy.load_transformer(export)
         else:  # a checkpoint from before the exports
             from safetensors.torch import load_file
 
-            weights = load_file(str(ckpt / "trainable.safetensors"))
-            policy.transformer.load_state_dict(weights, strict=False)
+            saved = load_file(str(ckpt / "trainable.safetensors"))
+            policy.transformer.load_state_dict(saved, strict=False)
     return cfg, policy, ckpt
 
 

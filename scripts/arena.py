@@ -14,7 +14,7 @@ after another (never two at once): `flowrl train` with the preset, `trainer.budg
 to the budget (gdro_offline first builds its group store with `flowrl offline build`, timed, and
 trains for what is left), and `run.checkpoint_at_minutes` at half the budget, so the run writes
 a checkpoint when its clock first passes the half. After the run (not counted in the budget) the half-budget and final
-checkpoints (EMA weights) are scored on the two eval sets bench_shapes uses (400 held-out prompts
+checkpoints (the trained weights, not their EMA) are scored on the two eval sets bench_shapes uses (400 held-out prompts
 each, 20-step ODE, eval seeds from 10000 and 20000); the base model is scored once per eval set
 and cached in the --runs directory. Each finished (cell, seed) appends one JSON line to --out;
 a rerun skips what is recorded there for the same code (the git tree of the flowrl package, so
@@ -311,7 +311,9 @@ class Judge:
     def checkpoint(self, run: Path, iteration: int, seeds) -> dict[int, float]:
         from flowrl.cli import _load_run_policy
 
-        _, policy, _ = _load_run_policy(run, self.load_overrides, iteration=iteration)
+        # the live weights: what every arena result has scored (until the CPU export fix, a run's `ema_lora` export
+        # held them too), so the rows stay comparable
+        _, policy, _ = _load_run_policy(run, self.load_overrides, iteration=iteration, weights="live")
         return {s: self.strict(policy, s) for s in seeds}
 
 

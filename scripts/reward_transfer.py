@@ -63,6 +63,8 @@ def prompt_sets(cfg, per_category: int) -> dict[str, list[str]]:
 def measure(run: Path, per_category: int, seed: int) -> list[dict]:
     import torch
 
+    from safetensors.torch import load_file
+
     from flowrl.cli import _load_run_policy
     from flowrl.sampling.rollout import SamplerSpec
     from flowrl.train.rollouts.common import training_spec
@@ -77,14 +79,17 @@ def measure(run: Path, per_category: int, seed: int) -> list[dict]:
              "rollout": training_spec(cfg, iteration, policy)}
     reward = MultiReward.from_config(cfg.reward)
     sets = prompt_sets(cfg, per_category)
-    weights = {"live": ckpt / "lora", "EMA": ckpt / "ema_lora"}
+    # the checkpoint's own tensors, not its exports: before 2026-11-30 a CPU run's `ema_lora` export held the live weights
+    weights = {"live": ckpt / "trainable.safetensors", "EMA": ckpt / "ema.safetensors"}
     rows = []
     with torch.no_grad():
         for model in ("base", "live", "EMA"):
-            if model != "base" and not weights[model].is_dir():
+            if model != "base" and not weights[model].is_file():
                 continue
             if model != "base":
-                policy.load_lora(weights[model])
+                unexpected = policy.transformer.load_state_dict(load_file(str(weights[model])), strict=False).unexpected_keys
+                if unexpected:
+                    raise SystemExit(f"reward_transfer: {weights[model]} holds weights the run's model lacks: {unexpected[:3]}")
             row = {"run": run.name, "checkpoint": ckpt.name, "model": model}
             for set_name, prompts in sets.items():
                 for sampler, spec in specs.items():

@@ -16,7 +16,7 @@ arena preset (configs/arena/<cell>.yaml) with the trial's settings for --trial-m
 `trainer.budget_minutes`, in two halves: `trainer.max_minutes` cuts the run at half its budget,
 the half's checkpoint is scored and reported to the pruner, and an unpruned trial resumes
 (`flowrl train --resume`, the budget's clock and plan restored) to its end, which is scored too.
-The score is held-out strict accuracy (the arena's Judge: EMA weights, the default preset's 20-step
+The score is held-out strict accuracy (the arena's Judge: the trained weights, the default preset's 20-step
 ODE, loaded eager: no compile warm-up per score) on the tuning set: builtin:shapes-heldout, 25
 prompts per category, eval seed 50000 (the arena reports eval seeds 10000 and 20000).
 

@@ -88,7 +88,9 @@ class Replicated:
         return first_non_finite(groups)
 
     def full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: t.detach().cpu() for n, t in tensors.items()}
+        """Copies on the CPU: `.cpu()` of a CPU tensor is the tensor itself, and a caller may change the
+        weights before it writes these (the EMA export swaps its weights in, then back)."""
+        return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
 
 
 class Sharded(Replicated):
@@ -179,7 +181,7 @@ class Sharded(Replicated):
         for n, t in tensors.items():
             whole = t.full_tensor() if is_sharded(t) else t
             if main:
-                out[n] = whole.detach().cpu()
+                out[n] = whole.detach().to("cpu", copy=True)  # a copy, as Replicated.full's
         return out
 
     def optimizer_state(self, net: torch.nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], dict]:

@@ -288,8 +288,8 @@ def test_reward_transfer_scores_base_live_and_ema_under_each_condition(tmp_path,
     assert main(["train", *smoke.shapes_overrides(smoke.tiny_shapes_model(tmp_path / "model")), "--run-dir", str(run)]) == 0
     capsys.readouterr()
     # a random model's rewards tie, so its adapter stays at zero: give the live and EMA adapters weights of their own
-    for k, name in enumerate(("lora", "ema_lora")):
-        path = run / "checkpoints" / "iter_000001" / name / "pytorch_lora_weights.safetensors"
+    for k, name in enumerate(("trainable", "ema")):
+        path = run / "checkpoints" / "iter_000001" / f"{name}.safetensors"
         weights, gen = load_file(str(path)), torch.Generator().manual_seed(k)
         save_file({n: (0.3 * torch.randn(w.shape, generator=gen) if "lora_B" in n else w) for n, w in weights.items()}, str(path))
     transfer = load_script("reward_transfer")
@@ -302,7 +302,8 @@ def test_reward_transfer_scores_base_live_and_ema_under_each_condition(tmp_path,
     rows = {r["model"]: r for r in transfer.measure(run, 1, 7)}
     assert list(rows) == ["base", "live", "EMA"]
     # the ODE condition of the EMA weights draws the arena's images (flowrl.train.evaluate's, same prompts and seeds)
-    cfg, policy, _ = _load_run_policy(run, ["model.compile=none"])
+    cfg, policy, ckpt = _load_run_policy(run, ["model.compile=none"])
+    policy.transformer.load_state_dict(load_file(str(ckpt / "ema.safetensors")), strict=False)
     prompts, s = builtin_prompts("builtin:shapes-heldout", "--per-category", per_category=1), cfg.sampling
     images = ode_images(policy, prompts, [7 + j for j in range(len(prompts))], policy.sigmas(s.eval_num_steps, s.schedule, s.shift),
                         s.batch_size)

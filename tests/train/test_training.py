@@ -213,7 +213,7 @@ def test_lr_schedule_decays_the_rate_over_the_run(tmp_path, tiny_sd3_dir):
 def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
     run = tmp_path / "run"
     args = FAST + [f"model.path={tiny_sd3_dir}", "trainer.iterations=2", "run.sample_every=1", "run.checkpoint_every=1",
-                   "run.tracker=tensorboard"]
+                   "run.tracker=tensorboard", "trainer.ema_decay=0.5"]  # an EMA two steps from the base still moves `flowrl eval`'s score
     assert main(["train", "tiny_jpeg", *args, "--run-dir", str(run)]) == 0
     assert (run / "config.yaml").is_file() and load_config(run / "config.yaml").trainer.iterations == 2
     assert len(run_metrics(run)) == 2
@@ -226,6 +226,19 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
                  "lora/pytorch_lora_weights.safetensors", "ema_lora/pytorch_lora_weights.safetensors"):
         assert (ckpt / name).is_file(), name
     assert not list((run / "checkpoints").glob(".tmp-*"))
+    # the exports are the live weights and the EMA's, each as the checkpoint keeps them (on a CPU the
+    # EMA export once aliased the live weights, so both held the live ones)
+    exported = lambda k: "transformer." + k.replace(".default.", ".")  # noqa: E731  (peft's adapter name dropped)
+    for export, kept in (("lora", "trainable"), ("ema_lora", "ema")):
+        weights, saved = (load_file(str(p)) for p in (ckpt / export / "pytorch_lora_weights.safetensors", ckpt / f"{kept}.safetensors"))
+        assert set(weights) == {exported(k) for k in saved} and all(torch.equal(weights[exported(k)], v) for k, v in saved.items())
+    live, ema = (load_file(str(ckpt / f"{kept}.safetensors")) for kept in ("trainable", "ema"))
+    assert any(not torch.equal(live[k], ema[k]) for k in live)
+    from flowrl.cli import _load_run_policy
+
+    for which, kept in (("ema", ema), ("live", live)):  # what `flowrl eval` loads, and what the arena asks for
+        params = dict(_load_run_policy(run, weights=which)[1].transformer.named_parameters())
+        assert all(torch.equal(params[k], v) for k, v in kept.items())
 
     out = tmp_path / "grid.png"
     assert main(["sample", "--run", str(run), "--prompt", "a red circle", "-n", "2", "--out", str(out)]) == 0
