@@ -319,6 +319,8 @@ def _load_run_policy(run: Path, overrides=(), iteration: int | str | None = None
     from flowrl.runtime.checkpoint import find_checkpoint
     from flowrl.runtime.run_dir import CONFIG_FILE, RunDir
 
+    if weights not in ("ema", "live"):
+        raise ValueError(f"weights must be 'ema' or 'live', not {weights!r}")
     if not (run / CONFIG_FILE).is_file():
         raise UserError(f"--run '{run}' is not a run directory (no {CONFIG_FILE})")
     cfg = load_config(run / CONFIG_FILE, list(overrides))

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where does a run's training reward go? Its rise is measured on training prompts, with the run's
 own rollout sampler (an SDE for the policy-gradient cells) and the live weights; the arena scores
-held-out prompts with a 20-step ODE and the EMA weights. This scores the base model, the last
+held-out prompts with a 20-step ODE (and the live weights too); `flowrl eval` the EMA weights. This scores the base model, the last
 checkpoint's live weights and its EMA weights under each of those conditions on the same prompts and
 seeds, so the gap splits into its parts: the prompts (training against held-out), the sampler (the
 rollout's against the evaluation's ODE) and the weights (live against EMA).
@@ -13,7 +13,7 @@ Columns: strict accuracy (the shapes reward's GenEval-style overall, equal weigh
 the weighted reward sum (what the run logs as reward_mean), per condition. The rollout sampler is the
 run's flat one (sampling.sampler, noise_level, num_steps and its SDE window at the last iteration); tree
 and granular cells branch from chains on the same steps. With --per-category 100 and --seed 10000
-the held-out ODE column of the EMA weights is the arena's end_eval1 for that run.
+the held-out ODE column of the live weights is the arena's end_eval1 for that run.
 """
 
 from __future__ import annotations

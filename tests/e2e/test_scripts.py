@@ -301,7 +301,7 @@ def test_reward_transfer_scores_base_live_and_ema_under_each_condition(tmp_path,
     monkeypatch.setattr(transfer, "score", lambda cfg, reward, images, prompts: (float(images.mean()), float(images.square().mean())))
     rows = {r["model"]: r for r in transfer.measure(run, 1, 7)}
     assert list(rows) == ["base", "live", "EMA"]
-    # the ODE condition of the EMA weights draws the arena's images (flowrl.train.evaluate's, same prompts and seeds)
+    # the ODE condition draws `flowrl eval`'s images (flowrl.train.evaluate's ode_images, same prompts and seeds)
     cfg, policy, ckpt = _load_run_policy(run, ["model.compile=none"])
     policy.transformer.load_state_dict(load_file(str(ckpt / "ema.safetensors")), strict=False)
     prompts, s = builtin_prompts("builtin:shapes-heldout", "--per-category", per_category=1), cfg.sampling
