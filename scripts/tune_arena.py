@@ -141,7 +141,9 @@ SPACES: dict[str, tuple[Param, ...]] = {
     # docs/arena.md), so the useful scale may lie far below the 0.1x the other cells' ranges reach
     "gdro_offline": (LR, Param("objective.gdro.beta", "log", 0.001, 1)),
     "dpo": (LR, Param("objective.dpo.beta", "log", 0.1, 10)),  # DPO's beta is its tie to the reference; no KL
-    "dpo_online": (LR, Param("objective.dpo.beta", "log", 0.1, 10)),
+    # the policy samples its own pairs: at the reference lr (3e-4) seed 1 collapsed (docs/arena.md), and
+    # Flow-Factory ships 1e-5, under the 0.1x the other cells reach, so its lr range starts at 0.03x
+    "dpo_online": (Param("trainer.lr", "log", 0.03, 3), Param("objective.dpo.beta", "log", 0.1, 10)),
     "awm": (LR, Param("objective.awm.beta", "log", 0.1, 10)),  # awm's KL to the base network
 }
 
