@@ -180,7 +180,7 @@ def test_a_compiled_cell_warms_the_compile_cache_once_outside_its_budget(tmp_pat
     assert len(trained) == 1
 
 
-def test_smoke_run_records_one_line_resumes_and_reports(tmp_path, capsys):
+def test_smoke_run_records_one_line_resumes_and_reports(tmp_path, capsys, monkeypatch):
     arena = load_script("arena")
     out, runs = tmp_path / "arena.jsonl", tmp_path / "runs"
     argv = ["--smoke", "--cells", "nft", "--seeds", "0", "--runs", str(runs), "--out", str(out)]
@@ -218,6 +218,37 @@ def test_smoke_run_records_one_line_resumes_and_reports(tmp_path, capsys):
     assert text.startswith("# The arena\n\nprose\n") and text.endswith("more prose\n") and "\nold\n" not in text
     assert "| nft | 1 (0) |" in text and "| dgpo | 0 | pending |" in text and "](images/arena.png)" in text
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # arena_curve.py: the end checkpoint scored again as a curve point reproduces the record's end (seeded evaluation)
+    arena_curve = load_script("arena_curve")
+    monkeypatch.setattr(arena_curve, "curve_points", lambda record, minutes, budget, points: [(budget, record["end_iteration"])])
+    curves, curve_image = tmp_path / "curves.jsonl", tmp_path / "curves.png"
+    curve = ["--smoke", "--cells", "nft", "--seeds", "0", "--budget-minutes", "0.1", "--runs", str(runs), "--out", str(out),
+             "--curve-out", str(curves), "--image", str(curve_image)]
+    capsys.readouterr()
+    assert arena_curve.main(curve) == 0
+    (c,) = [json.loads(line) for line in curves.read_text().splitlines()]
+    assert (c["cell"], c["seed"], c["iteration"]) == ("nft", 0, r["end_iteration"]) and c["gain"] == pytest.approx(r["gain_end"])
+    assert curve_image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "| nft seed 0 |" in capsys.readouterr().out
+    assert arena_curve.main(curve) == 0 and len(curves.read_text().splitlines()) == 1  # resumable: scored points are kept
+    with pytest.raises(SystemExit, match="records no run of dgpo"):
+        arena_curve.main([*curve[:2], "dgpo", *curve[3:]])
+
+
+def test_curve_points_pick_the_checkpoint_nearest_each_mark_and_skip_the_recorded_ones(tmp_path):
+    arena = load_script("arena_curve")
+    run = tmp_path / "run"
+    for n in (2, 4, 6):
+        (run / "checkpoints" / f"iter_{n:06d}").mkdir(parents=True)
+    # iterations of 30 s, then 90 s from iteration 4 on: checkpoints after 1, 2 and 5 minutes of training
+    run.joinpath("metrics.jsonl").write_text("".join(json.dumps({"iteration": i, "time_iteration": 30.0 if i < 4 else 90.0}) + "\n"
+                                                     for i in range(6)) + json.dumps({"iteration": 5, "eval": 1}) + "\n")
+    minutes = arena.checkpoint_minutes(run)
+    assert minutes == pytest.approx({2: 1.0, 4: 2.0, 6: 5.0})
+    record = {"build_minutes": 0.5, "half_iteration": 4, "end_iteration": 6}
+    # marks 1.5, 3, 4.5 minutes; with the 0.5-minute build the checkpoints stand at 1.5, 2.5 and 5.5
+    assert arena.curve_points(record, minutes, 6.0, 4) == [(1.5, 2)]  # 2.5 is the half's, 5.5 the end's
+    assert arena.curve_points({**record, "half_iteration": 6}, minutes, 6.0, 4) == [(1.5, 2), (3.0, 4)]
 
 
 # ---- the text arena (scripts/arena_text.py) ---------------------------------------------------

@@ -56,6 +56,8 @@ COVERED_ELSEWHERE = {
     # the arenas' --smoke: one cell end to end, its JSON line, resume and report
     "arena": ("e2e/test_arena.py", "test_smoke_run_records_one_line_resumes_and_reports"),
     "arena_text": ("e2e/test_arena.py", "test_text_arena_smoke_run_records_resumes_and_reports"),
+    # more points of a recorded run: the arena smoke run's end scored again
+    "arena_curve": ("e2e/test_arena.py", "test_smoke_run_records_one_line_resumes_and_reports"),
     # the arena's tuning: a smoke study on a tiny model, its lines, pruning, resume, tuned preset and report
     "tune_arena": ("e2e/test_tune_arena.py", "test_smoke_study_prunes_resumes_and_writes_a_tuned_preset_the_arena_trains"),
     # gpu_checks.sh --cpu-smoke runs bench_explore --cpu-smoke, bench_compile (eager, 2 iterations on a
