@@ -73,9 +73,10 @@ def run_curves(args) -> int:
     with arena_lock(Path(args.runs)):
         judge = Judge(Path(args.runs), args.per_category, args.smoke)
         for r in todo:
-            if r["eval"]["per_category"] != judge.per_category or r["eval"]["seeds"] != seeds:
-                raise SystemExit(f"arena_curve: {r['cell']} seed {r['seed']} was scored with {r['eval']['per_category']} "
-                                 f"prompts per category on eval seeds {r['eval']['seeds']}; pass the same "
+            scored = r.get("eval", {})
+            if scored.get("per_category") != judge.per_category or scored.get("seeds") != seeds:
+                raise SystemExit(f"arena_curve: {r['cell']} seed {r['seed']} was scored with {scored.get('per_category')} "
+                                 f"prompts per category on eval seeds {scored.get('seeds')}; pass the same "
                                  "--per-category and --eval-seeds, so its points share the record's base")
             run_dir = Path(r["run_dir"])
             minutes = checkpoint_minutes(run_dir)
