@@ -102,6 +102,10 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #   branchgrpo, between=ode        +0.086 +0.093 +0.100 +0.066 / +0.056 +0.050 -0.014 -0.037  (+0.014, 0.023: mean + 3 SE +0.084)
 #               prune_depths=[3]   +0.073 +0.081 +0.095 +0.044 / +0.055 +0.046 -0.018 -0.035  (+0.012, 0.023: mean + 3 SE +0.080)
 #               so the controls' seeds 0 and 1 drift +0.05 to +0.08 however the tree or window trains: not separated
+#   2026-11-30 (commit a33c374), 16 iterations at lr 5e-4 (the drift grows with the square root of the steps, the
+#   signal with the steps): branchgrpo +0.100 +0.103 +0.089 +0.102 / +0.025 +0.020 -0.019 -0.030 (-0.001, 0.014: mean
+#               + 3.5 SE +0.047): separated (30 s of one core; enabled once the suite has room, threshold 0.05)
+#               mixgrpo (window shift every 4) +0.095 +0.049 +0.018 +0.094 / -0.095 +0.041 -0.011 -0.016: not separated
 #   gdro        -0.003 +0.002 -0.003 +0.010 / +0.008 -0.001 -0.002 +0.005  (24 iterations: no gain yet). What is seen:
 #               a group's brightness spans 0.05-0.08 (std 0.02-0.03) around 0.90, so at the paper's tau (0.05) the
 #               brightest sample's soft target is 2.6-5x the darkest's; the paper's beta on summed errors (6 x 3,072)
