@@ -180,6 +180,7 @@ def test_a_compiled_cell_warms_the_compile_cache_once_outside_its_budget(tmp_pat
     assert len(trained) == 1
 
 
+@pytest.mark.slow
 def test_smoke_run_records_one_line_resumes_and_reports(tmp_path, capsys, monkeypatch):
     arena = load_script("arena")
     out, runs = tmp_path / "arena.jsonl", tmp_path / "runs"

@@ -144,6 +144,7 @@ def test_bench_text_preset_trains_the_qwen_preset_from_a_saved_random_model(tmp_
     assert row["params"] > 151936 * 32 and row["seconds_per_iteration"] > 0 and "peak_gib" not in row
 
 
+@pytest.mark.slow
 def test_bench_memory_features_runs_every_configuration_against_its_plan(tmp_path, fresh_accelerate):
     # the `memory_features` GPU check on a tiny SD3: each configuration trains one iteration and is planned; cached
     # prompts change nothing the iteration computes (the same loss), the NF4 base does; the plans rank as they should

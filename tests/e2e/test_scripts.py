@@ -331,6 +331,7 @@ def test_check_metrics_unchanged_compares_a_fresh_run_with_the_record(capsys, mo
     assert code == (0 if found.group(1) == "identical" else 1)
 
 
+@pytest.mark.slow
 def test_bench_async_trains_a_part_in_a_fresh_process_and_judges_it(tmp_path, capsys):
     out = tmp_path / "async.jsonl"
     assert load_script("bench_async").main(["--smoke", "--out", str(out), "--runs", str(tmp_path / "runs")]) == 0
@@ -341,6 +342,7 @@ def test_bench_async_trains_a_part_in_a_fresh_process_and_judges_it(tmp_path, ca
     assert re.search(r"^async1 +1 +[+-][\d.]+ +\d+ +2 ", capsys.readouterr().out, re.MULTILINE)
 
 
+@pytest.mark.slow
 def test_bench_hacking_trains_every_arm_under_the_monitor_and_plots_the_curves(tmp_path, capsys):
     out = tmp_path / "out"
     assert load_script("bench_hacking").main(["--smoke", "--out", str(out)]) == 0

@@ -70,6 +70,7 @@ def test_a_named_setting_trains_as_the_config_values_it_stands_for():
         "sampling.window.start": 0, "sampling.window.size": 5}
 
 
+@pytest.mark.slow
 def test_smoke_study_prunes_resumes_and_writes_a_tuned_preset_the_arena_trains(tmp_path, monkeypatch, capsys):
     tune = load_script("tune_arena")
     out, runs, presets = tmp_path / "tuning.jsonl", tmp_path / "runs", tmp_path / "presets"

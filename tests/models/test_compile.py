@@ -122,6 +122,7 @@ def test_padded_micro_batches_give_the_loss_and_gradients_of_unpadded_ones(one_b
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["blocks", "full"])
 def test_compiled_velocity_equals_eager(one_block_sd3, mode):
     # the policy's velocity and the adapter-disabled reference, a short batch (3 of ROWS rows):
@@ -155,6 +156,7 @@ def test_compiled_velocity_equals_eager(one_block_sd3, mode):
     assert again.shape == eager.shape
 
 
+@pytest.mark.slow
 def test_training_compiles_only_in_its_first_iteration(tmp_path, one_block_sd3, capsys):
     # nft with a KL: rollouts (no grad, eval), v_old (no grad, train mode), the trained velocity (grad)
     # and the reference (adapter disabled), all with guidance; 6 samples in batches of 4, so the last is padded

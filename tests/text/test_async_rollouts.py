@@ -24,6 +24,7 @@ FAST = ["configs/text_add.yaml", "data.prompts_per_iteration=4", "data.group_siz
         "trainer.threads=1"]
 
 
+@pytest.mark.slow
 def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, restore_threads):
     sync, straight, stopped = tmp_path / "sync", tmp_path / "async", tmp_path / "stopped"
     args = [*FAST, "trainer.iterations=4", "run.checkpoint_every=2"]
@@ -42,6 +43,7 @@ def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, res
     assert_same_weights(final_weights(stopped), weights)
 
 
+@pytest.mark.slow
 def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run(tmp_path, capsys, monkeypatch, restore_threads):
     from flowrl.runtime.producers import RolloutProducer
     from flowrl.text.objective import TokenPolicyGradient

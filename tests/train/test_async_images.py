@@ -29,6 +29,7 @@ FAST = ["sampling.num_steps=4", "sampling.eval_num_steps=4", "data.prompts_per_i
         "run.checkpoint_every=2", "trainer.threads=1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", [["trainer.kl_beta=0.01"], ["objective.kind=nft", "sampling.sampler=ode"]],
                          ids=["grpo", "nft"])
 def test_staleness_zero_is_the_synchronous_run_and_resumes_exactly(tmp_path, tiny_sd3_dir, objective, restore_threads):
@@ -96,6 +97,7 @@ def test_two_producers_in_turn_at_staleness_zero_are_the_synchronous_run(tmp_pat
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_two_trainer_processes_beside_a_producer_are_the_synchronous_run_until_a_killed_producer_stops_both(
         tmp_path, tiny_sd3_dir, capfd, monkeypatch, restore_threads):
     """The first trainer process takes each batch from the producer and hands it to the other; each
@@ -171,6 +173,7 @@ def test_a_stale_tree_batch_trains_its_kept_edges_with_the_off_policy_loss(tmp_p
     assert len(counted) == len(stale) and all(0 < kept < total for total, kept in counted)  # width pruning left edges out
 
 
+@pytest.mark.slow
 def test_the_producer_runs_ahead_within_the_bound_and_a_killed_one_stops_the_run(tmp_path, tiny_sd3_dir, capsys, monkeypatch,
                                                                                   restore_threads):
     from flowrl.runtime.producers import RolloutProducer

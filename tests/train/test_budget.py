@@ -199,6 +199,7 @@ def test_re_planning_ends_the_run_within_5_percent_of_its_budget(tmp_path, tiny_
     assert all(b < a for a, b in zip(lrs, lrs[1:])) and lrs[-1] == pytest.approx(1e-3 * lr_factor("linear", 999, 1000))
 
 
+@pytest.mark.slow
 def test_resume_repeats_the_recorded_plans_and_the_uninterrupted_run(tmp_path, tiny_sd3_dir, clock):
     straight, stopped, slow = tmp_path / "straight", tmp_path / "stopped", tmp_path / "slow"
     speed = lambda i: 2.5 if i < 4 else 1.25  # noqa: E731  the machine speeds up after the probe

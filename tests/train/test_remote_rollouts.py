@@ -40,6 +40,7 @@ def producer(port: int, *extra: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_a_producer_on_another_machine_at_staleness_zero_is_the_synchronous_run(tmp_path, restore_threads):
     """The text trainer's; the image trainer's is the two-producer test below (one producer is its N = 1)."""
     args = TEXT
@@ -60,6 +61,7 @@ def test_a_producer_on_another_machine_at_staleness_zero_is_the_synchronous_run(
     assert_same_weights(final_weights(remote), final_weights(sync))  # the weights reached the producer after every update
 
 
+@pytest.mark.slow
 def test_two_producers_on_other_machines_take_turns_and_a_third_is_turned_away(tmp_path, tiny_sd3_dir, capfd, restore_threads):
     from flowrl.runtime.processes import ForkedProcess
 

@@ -407,6 +407,7 @@ def test_rewards_score_each_batch_as_it_finishes_and_invalid_ones_drop(tmp_path,
     assert row["time_reward"] > 0 and row["time_reward_wait"] >= 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked processes are Linux's")
 def test_cpu_processes_get_their_rank_and_threads_and_the_first_failure_is_returned(tmp_path, capfd):
     """run_cpu_processes: forked children see torchrun's environment and compute on one thread
