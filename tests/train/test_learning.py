@@ -86,9 +86,13 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #   dpo         +0.039 +0.064 +0.025 +0.016 / +0.002 -0.021 +0.007 -0.006  (-0.005, 0.006; 12 iterations, commit bb2a233)
 #   flow_grpo_fast  +0.092 +0.070 +0.101 +0.089 / +0.030 -0.021 +0.029 -0.019  (+0.005, 0.014; 16 iterations, commit
 #               25808b7); at 12: +0.088 -0.000 +0.080 +0.099 / +0.043 -0.003 +0.005 -0.013, at 6: +0.046 -0.007 +0.016 +0.094
+#               2026-11-30 (commit 3c7bc34), to pay for more tests: at 10, +0.081 +0.006 +0.068 +0.099 / +0.022 +0.007
+#               +0.012 -0.015 (seed 1's window); 8 at lr 2e-3, +0.052 +0.059 +0.075 +0.098 / -0.096 +0.065 +0.063 -0.079
 #   flow_dppo   +0.021 +0.030 +0.039 +0.023 / -0.002 -0.002 -0.006 -0.003  (-0.003, 0.001; 16 iterations, threshold 1e-5,
 #               commit 25808b7); at 12: +0.018 +0.008 +0.027 +0.014 / -0.011 +0.007 -0.007 -0.004; seed 0 at the
 #               default's 1e-6: +0.002 / -0.002 at 6 iterations, +0.015 / -0.006 at 12
+#               2026-11-30 (commit 3c7bc34), 8 iterations: at threshold 1e-4, +0.009 +0.025 +0.033 -0.000 / -0.004
+#               +0.004 -0.015 +0.002; at lr 2e-3, +0.015 +0.006 +0.001 -0.002 / -0.007 +0.012 -0.018 -0.002: not separated
 #   branchgrpo  +0.100 +0.103 +0.089 +0.102 / +0.025 +0.020 -0.019 -0.030  (-0.001, 0.014; 16 iterations at lr 5e-4,
 #               2026-11-30, commit a33c374). The drift of a control grows with the square root of the steps, the
 #               signal with the steps; at lr 1e-3 it did not separate:
