@@ -34,14 +34,23 @@ def preset_path(name_or_path: str | None) -> Path:
 
 
 def read_yaml(src: Path) -> DictConfig:
-    try:
-        loaded = OmegaConf.load(src)
-    except Exception as exc:  # YAML syntax errors
-        raise ConfigError(f"config file '{src}' is not valid YAML: {str(exc).splitlines()[0]}") from None
-    if not isinstance(loaded, DictConfig):
-        raise ConfigError(f"config file '{src}' must hold a mapping of sections (model:, trainer:, ...) at its top level, "
-                          f"not a {type(loaded).__name__.removesuffix('Config').lower() or 'value'}")
-    return loaded
+    """The file's mapping, parsed once per text (a preset is read by every config load, and the YAML
+    parser is pure Python; a file rewritten in place is parsed again). Shared between the calls, so
+    callers only read it (OmegaConf's read-only flag would pass on to every config merged from it)."""
+    text = Path(src).read_bytes()
+    if text not in _PARSED:
+        try:
+            loaded = OmegaConf.load(src)
+        except Exception as exc:  # YAML syntax errors
+            raise ConfigError(f"config file '{src}' is not valid YAML: {str(exc).splitlines()[0]}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"config file '{src}' must hold a mapping of sections (model:, trainer:, ...) at its top level, "
+                              f"not a {type(loaded).__name__.removesuffix('Config').lower() or 'value'}")
+        _PARSED[text] = loaded
+    return _PARSED[text]
+
+
+_PARSED: dict[bytes, DictConfig] = {}
 
 
 def refuse_moved_keys(loaded: DictConfig, overrides: list[str], moved: dict[str, str], source: str) -> None:

@@ -45,6 +45,10 @@ class RunManager:
     progress_columns = ("reward_mean", "kl")  # the metrics the progress bar shows, where a row has them
     grid_every = 0  # iterations between sample grids, which the budget plans for (the image trainer's run.sample_every)
     stop_reason: str | None = None  # set by a trainer's check (the monitor's stop): the loop ends with a checkpoint
+    # a checkpoint redraws reward_curve.png at most this often, and always at the run's end: a draw costs about 0.1 s
+    # (matplotlib's layout and PNG), which short runs with a checkpoint every iteration paid at each one
+    curve_every_s = 60.0
+    curve_drawn_at = -math.inf
 
     def start_clock(self, trainer_cfg) -> None:
         """The budget's clock starts here (a resume: from the checkpoint's count). The plan is fixed
@@ -116,7 +120,7 @@ class RunManager:
             done = self.iteration >= self.planned_iterations() or out_of_time or self.stop_reason is not None
             self.before_checkpoint(done)
             if done or marked or (r.checkpoint_every and self.iteration % r.checkpoint_every == 0):
-                self.checkpoint()
+                self.checkpoint(done)
         bar.close()
         self.finish()
         return self.history
@@ -207,12 +211,14 @@ class RunManager:
     def before_checkpoint(self, done: bool) -> None:
         pass
 
-    def checkpoint(self) -> None:
-        """The trainer's checkpoint (`save`), then the run's reward curve redrawn (rank 0, which holds the metrics)."""
+    def checkpoint(self, done: bool = True) -> None:
+        """The trainer's checkpoint (`save`), then the run's reward curve redrawn (rank 0, which holds the metrics)
+        at the run's last checkpoint and at others `curve_every_s` or more after its last draw."""
         t0 = self.now()
         self.save()
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process and (done or t0 - self.curve_drawn_at >= self.curve_every_s):
             self.run.plot_reward_curve(self.run.read_metrics())
+            self.curve_drawn_at = t0
         self.measured.add_checkpoint(self.now() - t0)
 
     def finish(self) -> None:

@@ -112,6 +112,18 @@ def test_unknown_key_in_yaml_file(tmp_path):
         load_config(f)
 
 
+def test_a_yaml_file_rewritten_in_place_is_read_again_and_a_load_leaves_the_next_untouched(tmp_path):
+    # read_yaml parses a file once per text and shares the mapping: a rewrite of the same size within the filesystem's
+    # clock tick must still be seen, and an override must not reach the next load of the same file
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  prompts: [a cat]\ntrainer:\n  lr: 0.001\nreward:\n  weights: {jpeg_incompressibility: 1.0}\n")
+    assert load_config(f, ["trainer.lr=0.5", "reward.weights={brightness: 1.0}"]).trainer.lr == 0.5
+    again = load_config(f)
+    assert again.trainer.lr == 0.001 and again.reward.weights == {"jpeg_incompressibility": 1.0}
+    f.write_text(f.read_text().replace("0.001", "0.002"))
+    assert load_config(f).trainer.lr == 0.002
+
+
 def test_a_mistyped_key_or_preset_gets_the_closest_name():
     with pytest.raises(ConfigError, match=r"^unknown config key 'trainer.lrr' in the command line \(did you mean 'trainer.lr'\?\); "):
         load_config("tiny_jpeg", ["trainer.lrr=1"])

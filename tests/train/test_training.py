@@ -210,6 +210,19 @@ def test_lr_schedule_decays_the_rate_over_the_run(tmp_path, tiny_sd3_dir):
     assert [r["lr"] for r in run_metrics(run)] == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4])
 
 
+def test_the_reward_curve_is_redrawn_at_the_first_and_last_checkpoint_of_a_short_run(tmp_path, tiny_sd3_dir, monkeypatch):
+    # a checkpoint every iteration: a draw (0.1 s) at each would be most of a short run's checkpoint time, so the curve
+    # is redrawn at most once a minute (RunManager.curve_every_s) and always at the end
+    from flowrl.runtime.run_dir import RunDir
+
+    drawn, plot = [], RunDir.plot_reward_curve
+    monkeypatch.setattr(RunDir, "plot_reward_curve", lambda self, rows, out=None: drawn.append(len(rows)) or plot(self, rows, out))
+    run = tmp_path / "run"
+    assert main(["train", "tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=1",
+                 "trainer.iterations=3", "--run-dir", str(run)]) == 0
+    assert drawn == [1, 3] and (run / "reward_curve.png").stat().st_size > 0
+
+
 def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
     run = tmp_path / "run"
     args = FAST + [f"model.path={tiny_sd3_dir}", "trainer.iterations=2", "run.sample_every=1", "run.checkpoint_every=1",
