@@ -37,8 +37,8 @@ def read_yaml(src: Path) -> DictConfig:
     """The file's mapping, parsed once per text (a preset is read by every config load, and the YAML
     parser is pure Python; a file rewritten in place is parsed again). Shared between the calls, so
     callers only read it (OmegaConf's read-only flag would pass on to every config merged from it)."""
-    text = Path(src).read_bytes()
-    if text not in _PARSED:
+    raw = Path(src).read_bytes()
+    if raw not in _PARSED:
         try:
             loaded = OmegaConf.load(src)
         except Exception as exc:  # YAML syntax errors
@@ -46,8 +46,10 @@ def read_yaml(src: Path) -> DictConfig:
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"config file '{src}' must hold a mapping of sections (model:, trainer:, ...) at its top level, "
                               f"not a {type(loaded).__name__.removesuffix('Config').lower() or 'value'}")
-        _PARSED[text] = loaded
-    return _PARSED[text]
+        if len(_PARSED) >= 64:  # a long process that writes many configs (a study's trials) starts it over
+            _PARSED.clear()
+        _PARSED[raw] = loaded
+    return _PARSED[raw]
 
 
 _PARSED: dict[bytes, DictConfig] = {}
