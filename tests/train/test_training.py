@@ -211,8 +211,8 @@ def test_lr_schedule_decays_the_rate_over_the_run(tmp_path, tiny_sd3_dir):
 
 
 def test_the_reward_curve_is_redrawn_at_the_first_and_last_checkpoint_of_a_short_run(tmp_path, tiny_sd3_dir, monkeypatch):
-    # a checkpoint every iteration: a draw (0.1 s) at each would be most of a short run's checkpoint time, so the curve
-    # is redrawn at most once a minute (RunManager.curve_every_s) and always at the end
+    # a checkpoint every iteration: the curve (about 0.1 s a draw) is redrawn at most once a minute
+    # (RunManager.curve_every_s) and always at the end
     from flowrl.runtime.run_dir import RunDir
 
     drawn, plot = [], RunDir.plot_reward_curve
