@@ -6,6 +6,7 @@ the text config (flowrl/text/config.py); every mistake is one sentence naming th
 from __future__ import annotations
 
 import difflib
+import io
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ def read_yaml(src: Path) -> DictConfig:
     raw = Path(src).read_bytes()
     if raw not in _PARSED:
         try:
-            loaded = OmegaConf.load(src)
+            loaded = OmegaConf.load(io.BytesIO(raw))  # the bytes already read, not the file a second time
         except Exception as exc:  # YAML syntax errors
             raise ConfigError(f"config file '{src}' is not valid YAML: {str(exc).splitlines()[0]}") from None
         if not isinstance(loaded, DictConfig):

@@ -211,7 +211,7 @@ class RunManager:
     def before_checkpoint(self, done: bool) -> None:
         pass
 
-    def checkpoint(self, done: bool = True) -> None:
+    def checkpoint(self, done: bool) -> None:
         """The trainer's checkpoint (`save`), then the run's reward curve redrawn (rank 0, which holds the metrics)
         at the run's last checkpoint and at others `curve_every_s` or more after its last draw."""
         t0 = self.now()
