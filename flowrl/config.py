@@ -28,6 +28,7 @@ from flowrl.models.attention import check_backend_name
 from flowrl.models.compile import COMPILE_MODES
 from flowrl.models.quantize import MEMORY_EXTRA, QUANTIZE_MODES, bitsandbytes_installed
 from flowrl.models.text_cache import TEXT_ENCODER_MODES
+from flowrl.sampling.noise import INITIAL_NOISES
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 from flowrl.registry import load_plugins
@@ -271,6 +272,10 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     _validate_model(cfg, validate_paths)
     _validate_sampling(cfg.sampling)
     rollout = rollout_class(cfg.rollout.kind)  # one sentence for an unknown kind, before anything checks its options
+    if cfg.sampling.initial_noise == "per_group" and cfg.rollout.kind != "flat":
+        raise ConfigError(f"sampling.initial_noise per_group draws a flat group's chains from one noise; rollout.kind "
+                          f"'{cfg.rollout.kind}' keys its own noise (trees and G2RPO share a root already): set "
+                          "sampling.initial_noise: per_sample")
     check_compatible(cfg)  # each part's own checks, and the objective's data from the rollout
     _validate_sigma_range(cfg)
     _validate_data(cfg, rollout, validate_paths)
@@ -347,9 +352,13 @@ def _validate_sampling(s) -> None:
     check_choice("sampling.logprob_reduction", s.logprob_reduction, LOGPROB_REDUCTIONS)
     check_choice("sampling.schedule", s.schedule, SCHEDULES)
     check_choice("sampling.cps_logprob", s.cps_logprob, CPS_LOGPROBS)
+    check_choice("sampling.initial_noise", s.initial_noise, INITIAL_NOISES)
     w = s.window
     check_choice("sampling.window.strategy", w.strategy, WINDOW_STRATEGIES)
     check_choice("sampling.window.at_end", w.at_end, WINDOW_ENDS)
+    if not 0 < w.trained_fraction <= 1 or int(s.num_steps * w.trained_fraction) < 1:
+        raise ConfigError(f"sampling.window.trained_fraction must be in (0, 1] and leave at least one of the {s.num_steps} steps "
+                          f"trained (int(num_steps x fraction) >= 1); got {w.trained_fraction}")
     if w.strategy == "all":
         return
     if not 1 <= w.size <= s.num_steps:

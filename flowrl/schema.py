@@ -82,6 +82,10 @@ class WindowConfig:
     at_end: str = "roll_back"
     # random: the first step drawn from these (Flow-Factory's sde_steps); scattered: the steps drawn from these
     choices: list[int] = field(default_factory=list)
+    # all: only the first int(num_steps x trained_fraction) steps are trained, the rest sampled with noise but never
+    # trained (Flow-GRPO's timestep_fraction 0.99: 9 of 10 steps, the last never); 1.0: every step (flowrl's earlier
+    # rule). Trees and G2RPO's branches choose their own trained steps
+    trained_fraction: float = 0.99
 
 
 @dataclass
@@ -102,6 +106,10 @@ class SamplingConfig:
     # do not carry over)
     cps_logprob: str = "exact"
     batch_size: int = 8  # samples per forward, while sampling and while training
+    # the initial noise of a group's chains (flat rollouts): per_sample (Flow-GRPO's SD3 configs: each chain its own) |
+    # per_group (Flow-GRPO's same_latent, DanceGRPO's init_same_noise: one noise for a prompt's group, so its rewards
+    # differ only by the SDE steps' noise, the part the policy gradient can credit)
+    initial_noise: str = "per_sample"
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 INITIAL = -1  # the `step` key of the initial latent noise
+INITIAL_NOISES = ("per_sample", "per_group")  # sampling.initial_noise: whose seed keys a chain's initial noise
 # the `step` key of flow-matching objectives' forward-process noise (DiffusionNFT): below every
 # sampling key (steps >= 0, INITIAL), so it never repeats a chain's noise; epoch e and training
 # sigma k of K use FORWARD_NOISING - e x K - k

@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.sampling.noise import INITIAL, seeded_noise
-from flowrl.sampling.steps import STEP_FUNCTIONS, StepOutput, ode_step, transition_std
+from flowrl.sampling.steps import STEP_FUNCTIONS, StepOutput, ode_step, reference_kl_scale, transition_std
 
 
 @dataclass
@@ -22,6 +22,8 @@ class SamplerSpec:
     noise_level: float = 0.7
     reduction: str = "mean"
     cps_logprob: str = "exact"  # cps only: see flowrl.sampling.steps.CPS_LOGPROBS
+    # steps from this index on are sampled as sde_steps says but never trained (Flow-GRPO's timestep_fraction); None: all
+    trained_before: int | None = None
 
     @classmethod
     def ode(cls, sigmas: torch.Tensor) -> "SamplerSpec":
@@ -42,8 +44,14 @@ class SamplerSpec:
     def std(self, t: int) -> float:
         return transition_std(self.kind, float(self.sigmas[t]), float(self.sigmas[t + 1]), self.noise_level, self.sigma_max)
 
+    def reference_kl_scale(self, t: int) -> float:
+        """The references' KL of step t over the exact one (flowrl.sampling.steps.reference_kl_scale)."""
+        return reference_kl_scale(self.kind, float(self.sigmas[t]), float(self.sigmas[t + 1]))
+
     def trained_steps(self) -> list[int]:
-        return [t for t in range(self.num_steps) if self.is_stochastic(t)]
+        """The steps whose transitions carry gradient: the stochastic ones before `trained_before`."""
+        end = self.num_steps if self.trained_before is None else min(self.trained_before, self.num_steps)
+        return [t for t in range(end) if self.is_stochastic(t)]
 
     def step(self, t: int, x, v, noise=None, x_next=None) -> StepOutput:
         s, s_next = float(self.sigmas[t]), float(self.sigmas[t + 1])
@@ -107,11 +115,13 @@ def rollout(
     progress: bool = False,
     desc: str = "sampling",
     on_batch=None,
+    initial_seeds: Sequence[int] | None = None,
 ) -> Trajectory:
     """Sample len(prompts) chains in batches of `batch_size`, recording every latent and the
     behaviour log-prob of every stochastic step. Noise comes from (seed, step) generators.
     `on_batch(batch_slice, final_latents)` is called as each batch finishes (the trainer starts
-    scoring it there, while the next batch samples)."""
+    scoring it there, while the next batch samples). `initial_seeds`: the seeds of the chains'
+    initial noise where they are not their own (sampling.initial_noise per_group)."""
     n, shape = len(prompts), policy.latent_shape()
     latents = torch.empty((n, spec.num_steps + 1, *shape), dtype=torch.float32)
     log_probs = torch.zeros((n, spec.num_steps), dtype=torch.float32)
@@ -120,7 +130,7 @@ def rollout(
         idx = slice(start, min(start + batch_size, n))
         chunk_seeds = list(seeds[idx])
         cond = policy.encode(list(prompts[idx]))
-        x = seeded_noise(chunk_seeds, INITIAL, shape, policy.device)
+        x = seeded_noise(list((initial_seeds if initial_seeds is not None else seeds)[idx]), INITIAL, shape, policy.device)
         latents[idx, 0] = x.cpu()
         for t in range(spec.num_steps):
             v = policy.velocity(x, float(spec.sigmas[t]), cond)
@@ -138,7 +148,7 @@ def rollout(
         latents=latents,
         log_probs=log_probs,
         sigmas=spec.sigmas.clone(),
-        trained=torch.tensor([spec.is_stochastic(t) for t in range(spec.num_steps)]),
+        trained=torch.isin(torch.arange(spec.num_steps), torch.tensor(spec.trained_steps(), dtype=torch.long)),
         prompts=list(prompts),
         prompt_ids=ids,
         group_ids=torch.as_tensor(list(group_ids), dtype=torch.long) if group_ids is not None else ids.clone(),

@@ -136,6 +136,15 @@ STEP_FUNCTIONS: dict[str, Callable[..., StepOutput]] = {
 }
 
 
+def reference_kl_scale(kind: str, sigma: float, sigma_next: float) -> float:
+    """The factor between the KL the references' code computes and the exact Gaussian KL of one
+    transition, ||mean - ref_mean||^2 / (2 std^2). Flow-GRPO's training loop divides by the square of
+    the `std_dev_t` its step returns: for the Flow-SDE that is the noise scale s without sqrt(-dt), so
+    its KL is |dt| times the exact one (about 1 / T of it); for CPS it is the transition's std itself
+    (factor 1). DanceGRPO's and BranchGRPO's code have no KL: the exact form (factor 1)."""
+    return sigma - sigma_next if kind == "flow_grpo" else 1.0
+
+
 def transition_std(kind: str, sigma: float, sigma_next: float, noise_level: float, sigma_max: float | None) -> float:
     """The std of one transition without running it: used to decide which steps can be trained."""
     dt = sigma_next - sigma

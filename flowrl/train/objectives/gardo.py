@@ -92,8 +92,9 @@ class GardoRegularizer:
         with self.reference.swapped_in(self.ctx.params):
             return mb.evaluate()
 
-    def kl(self, mb: TransitionBatch, out, ref, keep) -> torch.Tensor:
-        rows = mb.kl(out, ref, keep)
+    def kl(self, mb: TransitionBatch, rows: torch.Tensor, keep) -> torch.Tensor:
+        """The KL over the gated rows of `rows` (the per-transition KL of the kept transitions, in
+        objective.grpo.kl_form: GARDO's code uses Flow-GRPO's form)."""
         gate = advantages_at(self.gate.float(), mb.index).to(rows.device)[keep].bool()
         kl = gated_kl(rows, gate)
         self.step_kls.append(kl.item())

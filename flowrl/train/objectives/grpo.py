@@ -38,6 +38,7 @@ from flowrl.train.parts import Objective, register_objective
 
 STAT_NAMES = ("loss", "policy_loss", "kl", "ratio_mean", "clipfrac")
 TRUST_REGIONS = ("clip", "divergence_mask")
+KL_FORMS = ("reference", "exact")
 REGULARIZERS = ("kl", "gardo")
 
 
@@ -69,6 +70,11 @@ class GRPOOptions:
     # 2512.24138, docs/monitor.md: the KL only on the samples gated by the trained reward's disagreement with
     # gardo_auxiliary, to a copy of the adapter reset periodically, with the diversity-aware advantage)
     regularizer: str = "kl"
+    # the KL's normalisation: reference (Flow-GRPO's and GARDO's code: mean (mu - mu_ref)^2 / (2 s^2) with the Flow-SDE's
+    # noise scale s = a sqrt(sigma / (1 - sigma)) without sqrt(-dt), i.e. |dt| x the exact KL; CPS and DanceGRPO's SDE:
+    # the exact KL) | exact (flowrl's earlier form: the Gaussian KL of the transition, ||mu - mu_ref||^2 / (2 s^2 |dt|),
+    # about T times the reference's at T steps, so its trainer.kl_beta does not carry over)
+    kl_form: str = "reference"
     gardo_auxiliary: list[str] = field(default_factory=list)  # channels scored with weight 0 that the gate ranks against
     # which disagreement the gate flags: paper (the samples the trained reward ranks better than the auxiliaries: the
     # paper's stated intent) | reference_code (those it ranks worse: tinnerhrhe/GARDO's code as written)
@@ -95,6 +101,7 @@ class GRPO(Objective):
     def validate(cls, cfg) -> None:
         g = cfg.objective.grpo
         check_choice("objective.grpo.regularizer", g.regularizer, REGULARIZERS)
+        check_choice("objective.grpo.kl_form", g.kl_form, KL_FORMS)
         if g.regularizer == "gardo":
             validate_gardo(cfg)
         check_positive("objective.grpo.clip_range", g.clip_range)
@@ -209,6 +216,12 @@ class GRPO(Objective):
         `recompute`): one forward per micro-batch before the first optimizer step."""
         return [[mb.evaluate().log_prob.detach().float().cpu() for mb in group] for group in groups]
 
+    def kl_rows(self, mb: TransitionBatch, out, ref, keep) -> torch.Tensor:
+        """Per kept transition, the KL to the reference in objective.grpo.kl_form: the exact Gaussian KL,
+        times the step's reference scale (|dt| on the Flow-SDE) in the references' form."""
+        rows = mb.kl(out, ref, keep)
+        return rows * mb.kl_scale if self.ctx.cfg.objective.grpo.kl_form == "reference" else rows
+
     def micro_batch_loss(self, mb: TransitionBatch, proximal: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, PolicyLoss | None, torch.Tensor]:
         """(loss, policy-loss terms, KL) of one micro-batch over its kept transitions. With
@@ -243,12 +256,12 @@ class GRPO(Objective):
         loss = pl.loss / mb.dt if g.step_reweight else pl.loss  # GRPO-Guard's reweighting: the step's loss over its dt
         kl = torch.zeros((), device=device)
         if gardo_ref is not None:  # GARDO: the KL on the gated transitions only
-            kl = self.gardo.kl(mb, out, gardo_ref, keep)
+            kl = self.gardo.kl(mb, self.kl_rows(mb, out, gardo_ref, keep), keep)
             loss = loss + t.kl_beta * kl
         elif t.kl_beta > 0:
             with torch.no_grad(), ctx.policy.reference():
                 ref = mb.evaluate()
-            kl = mb.kl(out, ref, keep).mean()
+            kl = self.kl_rows(mb, out, ref, keep).mean()
             loss = loss + t.kl_beta * kl
         return loss, pl, kl
 

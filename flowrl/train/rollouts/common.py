@@ -45,12 +45,15 @@ def stage_share(stage: Stage, num_processes: int, process_index: int) -> Stage:
 
 def training_spec(cfg, iteration: int, policy, plan=None) -> SamplerSpec:
     """The training sampler of `iteration`: the policy's sigmas under sampling.schedule and this
-    iteration's SDE window (a progressive window moves on the run's schedule plan, ctx.plan)."""
+    iteration's SDE window (a progressive window moves on the run's schedule plan, ctx.plan); with
+    the window 'all', the trained steps end at sampling.window.trained_fraction."""
     s, w = cfg.sampling, cfg.sampling.window
     mask = window_mask(w.strategy, s.num_steps, w.size, w.start, iteration, cfg.trainer.seed, w.shift_every,
                        None if plan is None else plan.step(iteration), w.stride, w.at_end, w.choices)
+    # strategy all: Flow-GRPO trains the first int(T x timestep_fraction) steps, in order from step 0
+    trained_before = int(s.num_steps * w.trained_fraction) if w.strategy == "all" else None
     return SamplerSpec(policy.sigmas(s.num_steps, s.schedule, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction,
-                       s.cps_logprob)
+                       s.cps_logprob, trained_before)
 
 
 def check_trained_sigmas(cfg, sigmas: torch.Tensor) -> None:
@@ -146,7 +149,8 @@ def stage_experience(ctx, iteration: int, stages: list[Stage], spec: SamplerSpec
             transitions.append([
                 TransitionBatch(partial(recompute_transition, policy, traj, spec, c, step), traj.log_probs[c, step], local_adv,
                                 step_kl(spec.reduction), behaviour_mean=partial(behaviour_mean, policy, traj, spec, c, step),
-                                dt=float(spec.sigmas[step] - spec.sigmas[step + 1]), index=index[c])
+                                dt=float(spec.sigmas[step] - spec.sigmas[step + 1]), index=index[c],
+                                kl_scale=spec.reference_kl_scale(step), step=step)
                 for step in trained_steps
             ])
             samples.append(SampleBatch(traj.final[c], traj.prompts[c], traj.seeds[c], index[c]))

@@ -47,9 +47,10 @@ class FlatRollout(Rollout):
         return f"with sampling.sampler '{cfg.sampling.sampler}' (no log-probabilities; choose flow_grpo, dance_grpo or cps)"
 
     def sample_stage(self, prompt_ids: list[int], seeds: list[int], spec: SamplerSpec, desc: str, iteration: int,
-                     policy=None) -> Stage:
+                     policy=None, initial_seeds: list[int] | None = None) -> Stage:
         """Sample one stage, split across processes, and gather its rewards (with `policy`,
-        default the trained one; two-stage exploration passes its low-precision copy)."""
+        default the trained one; two-stage exploration passes its low-precision copy; `initial_seeds`:
+        whose initial noise each chain starts from, where not its own)."""
         ctx = self.ctx
         acc, n = ctx.accelerator, len(prompt_ids)
         shard = ProcessShard(n, acc.num_processes, acc.process_index)
@@ -58,7 +59,7 @@ class FlatRollout(Rollout):
         on_batch = self.scoring.start(local_prompts)
         traj = rollout(policy if policy is not None else ctx.policy, local_prompts, local_seeds, spec, ctx.cfg.sampling.batch_size,
                        prompt_ids=local_ids, group_ids=local_ids, policy_version=iteration, progress=ctx.progress, desc=desc,
-                       on_batch=on_batch)
+                       on_batch=on_batch, initial_seeds=None if initial_seeds is None else shard.take(initial_seeds))
         scores = self.scoring.finish(n)
         return Stage(traj, scores.rewards, torch.tensor(prompt_ids[:n]), shard.positions, scores.reward_time, scores.reward_wait,
                      scores.valid)
@@ -68,11 +69,15 @@ class FlatRollout(Rollout):
         sees the outcomes, repeat (flowrl/core/allocation.py, `allocate_in_stages`)."""
         ctx = self.ctx
         stages: list[Stage] = []
+        group_seed: dict[int, int] = {}  # sampling.initial_noise per_group: a prompt's first sample's seed, its group's noise
 
         def sample_stage(ids: torch.Tensor, offset: int) -> torch.Tensor:
             seeds = [sample_seed(ctx.cfg.trainer.seed, iteration, offset + j) for j in range(len(ids))]
+            initial = None
+            if ctx.cfg.sampling.initial_noise == "per_group":
+                initial = [group_seed.setdefault(p, s) for p, s in zip(ids.tolist(), seeds)]
             desc = f"iter {iteration} sampling" + (f" (stage {len(stages) + 1})" if stages else "")
-            stages.append(self.sample_stage(ids.tolist(), seeds, spec, desc, iteration))
+            stages.append(self.sample_stage(ids.tolist(), seeds, spec, desc, iteration, initial_seeds=initial))
             return successes(torch.cat([st.rewards for st in stages]) @ ctx.reward_fn.channel_weights, ctx.cfg.allocator.success_threshold)
 
         allocate_in_stages(ctx.allocator, iteration, sample_stage)

@@ -183,7 +183,8 @@ class GranularRollout(Rollout):
             for b in parent_batches(len(batch.prompts), bs):
                 step.append(TransitionBatch(partial(branch_edges, policy, batch, spec, m, b),
                                             batch.log_probs[b, m].reshape(-1), local_adv[b, m].reshape(-1), kl,
-                                            real[b].repeat_interleave(G)))
+                                            real[b].repeat_interleave(G), kl_scale=spec.reference_kl_scale(int(batch.branch_steps[m])),
+                                            step=int(batch.branch_steps[m])))
             per_step.append(step)
         if self.ctx.cfg.rollout.granular.step_per_branch:
             return per_step
