@@ -55,9 +55,9 @@ def gardo_run(tiny_sd3_dir, tmp_path_factory):
                      "gate": gardo.gate.clone(), "experience": experience, "groups": groups, "stats": stats, "kls": []})
         return groups, stats
 
-    def recording_kl(mb, out, ref, keep):
-        value = kl(mb, out, ref, keep)
-        seen[-1]["kls"].append((mb, mb.kl(out, ref, keep).detach(), value.detach()))
+    def recording_kl(mb, rows, keep):  # rows: the kept transitions' KL in objective.grpo.kl_form
+        value = kl(mb, rows, keep)
+        seen[-1]["kls"].append((mb, rows.detach(), value.detach()))
         return value
 
     gardo.prepare, gardo.kl = recording_prepare, recording_kl
