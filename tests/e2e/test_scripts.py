@@ -41,6 +41,7 @@ SMOKE_TESTS = {
     "probe_relations": "test_probe_relations_prints_both_measures",
     "readme_figures": "test_readme_figures_draws_both_figures_of_a_run",
     "run_diagnostics": "test_run_diagnostics_reads_a_runs_signals_and_its_lora_update",
+    "gradient_signal": "test_gradient_signal_measures_each_steps_gradient_and_its_permuted_control",
     "reward_transfer": "test_reward_transfer_scores_base_live_and_ema_under_each_condition",
     "screen_shapes": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
     # the shapes scripts' shared --smoke model and overrides (a helper without a main)
@@ -275,6 +276,47 @@ def test_run_diagnostics_reads_a_runs_signals_and_its_lora_update(tmp_path, tiny
     assert row["clipped"] is not None and row["tied groups"] is not None
     with pytest.raises(SystemExit, match="no metrics.jsonl"):
         diagnostics.main([str(tmp_path)])
+
+
+def test_gradient_signal_measures_each_steps_gradient_and_its_permuted_control(tmp_path, tiny_sd3_dir, capsys):
+    import torch
+
+    signal = load_script("gradient_signal")
+    # the statistics: parallel vectors agree fully, orthogonal ones not at all
+    e = torch.eye(4)
+    same = signal.cosine_stats([e[0], 2 * e[0], 3 * e[0]])
+    assert same["cosine"] == pytest.approx(1.0) and same["coherence"] == pytest.approx(1.0)
+    apart = signal.cosine_stats([e[0], e[1], e[2], e[3]])
+    assert apart["cosine"] == pytest.approx(0.0) and apart["coherence"] == pytest.approx(0.5)  # 1 / sqrt(4)
+    # the control shuffles each group's advantages among its own samples only
+    adv, groups = torch.tensor([1.0, 2.0, 3.0, -1.0, -2.0, -3.0]), torch.tensor([0, 0, 0, 1, 1, 1])
+    shuffled = signal.permuted_within_groups(adv, groups, torch.Generator().manual_seed(0))
+    assert sorted(shuffled[:3].tolist()) == [1.0, 2.0, 3.0] and sorted(shuffled[3:].tolist()) == [-3.0, -2.0, -1.0]
+    # a tiny run: each step's gradient is that of -sum A log p over the step's transitions (ratio 1 at these weights)
+    overrides = [f"model.path={tiny_sd3_dir}", "sampling.num_steps=3", "data.prompts_per_iteration=2", "data.group_size=4",
+                 "sampling.batch_size=4", "lora.rank=2", "lora.alpha=4", "run.progress=false", "trainer.kl_beta=0",
+                 "objective.grpo.clip_range=0.2"]
+    out = tmp_path / "signal.json"
+    assert signal.main(["tiny_jpeg", *overrides, "--iterations", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| step 0 |" in printed and "| total |" in printed and "| all but last |" in printed
+    result = json.loads(out.read_text())
+    assert result["steps"] == [0, 1]  # 3 steps, the last sampled but not trained (trained_fraction 0.99)
+    shares = [r["norm_share"] for r in result["rows"] if r["part"].startswith("step ")]
+    assert sum(shares) == pytest.approx(1.0)
+    from flowrl.config import load_config
+    from flowrl.train.loop import Trainer
+
+    trainer = Trainer(load_config("tiny_jpeg", ["run.tracker=none", *overrides]), run_dir=tmp_path / "run")
+    experience, _ = trainer.next_experience()
+    params = list(trainer.params.values())
+    ours = signal.step_gradients(trainer.objective, params, experience.transitions)
+    for step in (0, 1):
+        loss = sum(-(mb.advantages * mb.evaluate().log_prob).sum() for g in experience.transitions for mb in g if mb.step == step)
+        expected = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
+        torch.testing.assert_close(ours[step], expected, rtol=1e-4, atol=1e-7)
+    with pytest.raises(SystemExit, match="clean samples"):
+        signal.measure("tiny_jpeg", [*overrides, "objective.kind=nft", "sampling.sampler=ode"], 2, 0, str(tmp_path / "nft"), False)
 
 
 def test_reward_transfer_scores_base_live_and_ema_under_each_condition(tmp_path, capsys, monkeypatch):
