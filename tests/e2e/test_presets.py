@@ -204,12 +204,14 @@ def test_fast_preset_keeps_flow_grpo_fasts_settings():
 
 
 def test_dppo_preset_keeps_flow_factorys_dppo_settings():
-    """Flow-Factory's geneval2_single DPPO config: no CFG, CPS at 0.7, 3 distinct SDE steps of 0-5, the
-    divergence mask at 1e-6 in place of the clip, groups of 16, 2 optimizer steps per iteration."""
+    """Flow-Factory's geneval2_single DPPO config: no CFG, CPS at 0.7 with its log-prob -mean((x' - mean)^2)
+    (its scheduler's CPS branch), 3 distinct SDE steps of 0-5, the divergence mask at 1e-6 in place of the
+    clip, groups of 16, 2 optimizer steps per iteration."""
     cfg = load_config(_preset("sd35_medium_dppo_1gpu"), validate_paths=False)
     s, w, g = cfg.sampling, cfg.sampling.window, cfg.objective.grpo
     assert (cfg.objective.kind, cfg.rollout.kind, cfg.model.guidance_scale, s.sampler, s.noise_level, s.num_steps) == (
         "grpo", "flat", 1.0, "cps", 0.7, 10)
+    assert s.cps_logprob == "reference"
     assert (w.strategy, w.size, w.choices, g.trust_region, g.divergence_threshold) == ("scattered", 3, list(range(6)), "divergence_mask", 1e-6)
     assert (cfg.data.group_size, cfg.trainer.lr, cfg.trainer.weight_decay, cfg.advantage.std, cfg.advantage.clip) == (16, 3e-4, 1e-4,
                                                                                                                      "global", 5.0)

@@ -126,8 +126,35 @@ def test_one_iteration_takes_one_optimizer_step_over_every_micro_batch_and_sigma
     assert rows[0]["kl"] == 0.0 and rows[0]["kl_ema"] == 0.0  # the adapter starts at zero and the EMA at the policy
     assert rows[1]["kl"] > 0 and rows[0]["ratio_mean"] == 1.0  # on-policy
     assert any(not torch.equal(first[k], v) for k, v in trainer.params.items())
-    ema = trainer.objective.ema.shadow  # d = min(0.3, 0.001 x 1) after the second iteration: almost the weights
+    ema = trainer.objective.ema.shadow  # d = min(0.3, 0.001 x 2) after the second iteration: almost the weights
     assert any(not torch.equal(first[k], v) for k, v in ema.items())
+
+
+def test_the_ema_decay_reads_the_optimizer_steps_after_the_epochs_step(tmp_path, tiny_sd3_dir):
+    """train_sd3_awm.py: global_step starts at 0 and grows by 1 after each optimizer step; at the end of
+    the epoch the KL's EMA decays with d = min(kl_ema_decay, 0.001 x global_step). With one step per epoch
+    the first three epochs read 1, 2, 3: at rate 0.1 and cap 0.25, d = 0.1, 0.2, 0.25 (counting from 0
+    gave 0, 0.1, 0.2)."""
+    from flowrl.train.loop import Trainer
+
+    cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "objective.kind=awm", "sampling.sampler=ode", "sampling.num_steps=4",
+                                    "sampling.eval_num_steps=4", "objective.awm.timesteps=1", "data.prompts_per_iteration=2",
+                                    "data.group_size=2", "sampling.batch_size=4", "trainer.iterations=3", "lora.rank=2", "lora.alpha=4",
+                                    "run.tracker=none", "run.progress=false", "run.sample_every=0", "run.checkpoint_every=0",
+                                    "objective.awm.ema_decay_rate=0.1", "objective.awm.ema_decay_max=0.25"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
+    ema, decays = trainer.objective.ema, []
+    update = ema.update
+
+    def recording_update(params, decay=None):
+        decays.append(decay)
+        update(params, decay)
+
+    ema.update = recording_update
+    rows = trainer.train()
+    assert [r["optimizer_steps"] for r in rows] == [1, 1, 1]
+    assert decays == pytest.approx([min(0.25, 0.1 * step) for step in (1, 2, 3)])
+    assert decays == pytest.approx([0.1, 0.2, 0.25])
 
 
 def test_bad_awm_settings_are_one_sentence(tiny_sd3_dir):

@@ -4,6 +4,7 @@ imported from flowrl), and whole iterations of it through the trainer."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -123,6 +124,84 @@ def test_the_refreshed_reference_is_the_policy_after_its_steps_and_resumes_exact
     assert any(not torch.equal(weights2[k], weights4[k]) for k in weights4)
     assert_resume_repeats(["tiny_jpeg", *common], straight, tmp_path / "stopped")
     assert run_metrics(straight)[3]["loss"] != run_metrics(straight)[2]["loss"]
+
+
+class ConstantVelocity:
+    """A stand-in policy whose velocity is one trainable tensor w at every x and sigma (the reference's: 0).
+    Each pair's errors then depend on its samples and its noise (keyed by its seed) alone, not on which
+    sigmas a batch layout happens to draw, so layouts can be compared loss for loss."""
+
+    def __init__(self, w: torch.Tensor):
+        self.w = torch.nn.Parameter(w.clone())
+        self.transformer, self.net, self.at_reference = torch.nn.Module(), None, False
+
+    def encode(self, prompts):
+        return None
+
+    @contextlib.contextmanager
+    def guidance(self, scale):
+        yield
+
+    @contextlib.contextmanager
+    def reference(self):
+        self.at_reference = True
+        try:
+            yield
+        finally:
+            self.at_reference = False
+
+    def velocity(self, x, sigma, cond):
+        return torch.zeros_like(x) if self.at_reference else self.w.expand_as(x)
+
+
+def _dpo_update(accelerator, batches: list[PairBatch], w0: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """One DPO update over `batches` on this (fake) process: its logged stats and the gradient it brought
+    to the one optimizer step."""
+    from flowrl.train.objectives.implicit import padded_rounds
+
+    cfg = load_config("tiny_jpeg", ["objective.kind=dpo", "objective.dpo.timesteps=2"])
+    policy, grads = ConstantVelocity(w0), []
+
+    def optimizer_step():
+        grads.append(policy.w.grad.clone())
+        policy.w.grad = None
+        return 0.0
+
+    obj = DPO.__new__(DPO)
+    obj.ctx = SimpleNamespace(cfg=cfg, policy=policy, params={"w": policy.w}, accelerator=accelerator, progress=False,
+                              optimizer_step=optimizer_step, optimizer=SimpleNamespace(param_groups=[{"lr": 1.0}]))
+    obj.opts, obj.snapshot, obj.steps = cfg.objective.dpo, None, 0
+    filler = batches[0]._replace(weight=0.0) if batches else None
+    obj.pair_batches = lambda experience: padded_rounds(batches, accelerator, filler)
+    stats = obj.update(SimpleNamespace(iteration=0))
+    assert len(grads) == 1
+    return stats, grads[0]
+
+
+def test_padding_rounds_count_in_no_divisor_so_two_processes_take_the_one_process_step(monkeypatch):
+    from flowrl.train.objectives import dpo as dpo_module
+    from fake_processes import run_processes
+
+    monkeypatch.setattr(dpo_module, "training_grid", lambda *_: torch.linspace(1.0, 1e-3, 1000, dtype=torch.float64))
+    g = torch.Generator().manual_seed(4)
+    x0 = torch.randn(5, 2, 4, 2, 2, generator=g)  # 5 pairs: [winner, loser] each
+    w0 = 0.3 * torch.randn(4, 2, 2, generator=g)
+
+    def pairs(js: list[int]) -> PairBatch:
+        rows = torch.cat([x0[js, 0], x0[js, 1]])
+        return PairBatch(rows, ["a red circle"] * len(rows), torch.tensor([100 + j for j in js]), 1.0)
+
+    # one process: pair batches of 2, 2 and 1 pairs, one step over 5 pairs x 2 repetitions
+    one_stats, one_grad = run_processes(1, lambda acc: _dpo_update(acc, [pairs([0, 1]), pairs([2, 3]), pairs([4])], w0))[0]
+    # two processes: the second repeats its batch at weight 0 to run as many forwards as the first
+    layout = [[pairs([0, 1]), pairs([4])], [pairs([2, 3])]]
+    two = run_processes(2, lambda acc: _dpo_update(acc, layout[acc.process_index], w0))
+    ddp_grad = (two[0][1] + two[1][1]) / 2  # DDP averages the processes' gradients
+    assert torch.allclose(ddp_grad, one_grad, rtol=1e-5, atol=1e-7)
+    for stats, _ in two:  # logged over every process's real pairs, as on one process
+        assert stats["loss"] == pytest.approx(one_stats["loss"], rel=1e-6)
+        assert (stats["trained_pairs"], stats["trained_transitions"]) == (one_stats["trained_pairs"], one_stats["trained_transitions"])
+    assert (one_stats["trained_pairs"], one_stats["trained_transitions"]) == (5, 3 * 2)  # 3 real pair batches x 2 repetitions
 
 
 def test_bad_dpo_settings_are_one_sentence(tiny_sd3_dir):

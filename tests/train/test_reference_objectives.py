@@ -7,7 +7,9 @@ reference's settings and flowrl's named variants."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -191,6 +193,66 @@ def test_nft_trains_each_sample_on_its_own_permutation_of_the_sampling_grid(tiny
     assert len({tuple(row.tolist()) for row in table}) > 1  # each sample its own order
 
 
+def _reference_return_decay(step, flat, uprate, uphold):
+    """NVlabs/DiffusionNFT scripts/train_nft_sd3.py `return_decay`: 0 before `flat`, then a linear rise, capped."""
+    if step < flat:
+        return 0.0
+    return min((step - flat) * uprate, uphold)
+
+
+def test_nft_old_policy_decay_reads_the_optimizer_steps_after_the_epochs_steps(tmp_path, tiny_sd3_dir):
+    """The reference's global_step starts at 0 and grows by 1 after each optimizer step; after an epoch's
+    steps the old adapter decays with return_decay(global_step): at one step per epoch the first three
+    epochs read 1, 2, 3 (with uprate 0.2, uphold 0.5: 0.2, 0.4, 0.5; counting from 0 gave 0, 0.2, 0.4)."""
+    from flowrl.train.loop import Trainer
+
+    cfg = load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "objective.kind=nft", "sampling.sampler=ode", "sampling.num_steps=4",
+                                    "sampling.eval_num_steps=4", "objective.nft.timesteps=1", "data.prompts_per_iteration=2",
+                                    "data.group_size=2", "sampling.batch_size=4", "trainer.iterations=3", "trainer.kl_beta=0",
+                                    "lora.rank=2", "lora.alpha=4", "run.tracker=none", "run.progress=false", "run.sample_every=0",
+                                    "run.checkpoint_every=0", "objective.nft.old_decay=0.5", "objective.nft.old_decay_rate=0.2"])
+    trainer = Trainer(cfg, run_dir=tmp_path / "run")
+    old, decays = trainer.objective.old, []
+    update = old.update
+
+    def recording_update(params, decay=None):
+        decays.append(decay)
+        update(params, decay)
+
+    old.update = recording_update
+    rows = trainer.train()
+    assert [r["optimizer_steps"] for r in rows] == [1, 1, 1]
+    assert decays == pytest.approx([0.2, 0.4, 0.5])
+    assert decays == pytest.approx([_reference_return_decay(step, 0, 0.2, 0.5) for step in (1, 2, 3)])
+
+
+@pytest.mark.parametrize("overrides, steps, iterations, expected", [
+    # decay type 1 (flat 0, uprate 1e-3, uphold 0.5): after the first three iterations' one step each, steps 1, 2, 3
+    ([], 1, [0, 1, 2], [0.001, 0.002, 0.003]),
+    ([], 2, [0, 1, 2], [0.002, 0.004, 0.006]),  # two optimizer steps an iteration: the count after them, 2, 4, 6
+    ([], 1, [498, 499, 600], [0.499, 0.5, 0.5]),  # steps 499, 500, 601: capped at uphold 0.5
+    # decay type 2 (the OCR config: flat 75, uprate 7.5e-3, uphold 0.999): steps 74, 75, 76, 77, 209
+    (["objective.nft.old_decay=0.999", "objective.nft.old_decay_rate=0.0075", "objective.nft.old_decay_flat=75"], 1,
+     [73, 74, 75, 76, 208], [0.0, 0.0, 0.0075, 0.015, 0.999]),
+    # flowrl's earlier clock (the arena's nft and sol_rl cells): the iterations before this one, 0, 1, 2
+    (["objective.nft.old_decay_clock=iterations"], 2, [0, 1, 2], [0.0, 0.001, 0.002]),
+])
+def test_nft_old_policy_decay_types_are_the_references_schedules(tiny_sd3_dir, policy, overrides, steps, iterations, expected):
+    obj = _objective(NFT, tiny_sd3_dir, policy, ["objective.kind=nft", *overrides])
+    obj.ctx.plan = SimpleNamespace(progress=float)  # no budget: the nominal iteration is the iteration
+    assert [obj.old_decay_after(i, steps) for i in iterations] == pytest.approx(expected)
+
+
+def test_nft_old_policy_decay_settings_are_one_sentence(tiny_sd3_dir):
+    from flowrl.errors import ConfigError
+
+    base = [f"model.path={tiny_sd3_dir}", "objective.kind=nft"]
+    with pytest.raises(ConfigError, match="^objective.nft.old_decay_clock must be one of optimizer_steps, iterations"):
+        load_config("tiny_jpeg", [*base, "objective.nft.old_decay_clock=epochs"])
+    with pytest.raises(ConfigError, match="^objective.nft.old_decay_flat must be a finite number >= 0"):
+        load_config("tiny_jpeg", [*base, "objective.nft.old_decay_flat=-1"])
+
+
 def test_a_velocity_of_per_row_sigmas_equals_one_call_per_sigma(policy):
     x = torch.randn(3, *policy.latent_shape(), generator=torch.Generator().manual_seed(7))
     cond = policy.encode(["a red circle"] * 3)
@@ -272,24 +334,48 @@ def _dppo_reference_loss(mean, mean_old, log_prob, log_prob_old, std, adv, tau):
     return torch.where(keep, -adv * ratio, torch.zeros_like(ratio)).mean(), kl, keep
 
 
+class _SdeStep(NamedTuple):
+    """What the GRPO loss reads of a step's evaluation: the transition's mean, std and log-prob."""
+
+    mean: torch.Tensor
+    std: torch.Tensor
+    log_prob: torch.Tensor
+    next_x: torch.Tensor
+
+
+def _flow_sde_step(x, v, sigma, sigma_next, eta, noise=None, x_next=None):
+    """Flow-GRPO's SDE step as its sde_step_with_logprob writes it (Flow-DPPO trains on it in UniRL):
+    s = eta sqrt(sigma / (1 - sigma)), mean = x (1 + s^2 dt / (2 sigma)) + v (1 + s^2 (1 - sigma) / (2 sigma)) dt,
+    x' = mean + s sqrt(-dt) z, the log-prob the Gaussian log-density of x' under std s sqrt(-dt), averaged
+    over elements."""
+    dt = sigma_next - sigma
+    s = eta * math.sqrt(sigma / (1 - sigma))
+    mean = x * (1 + s**2 * dt / (2 * sigma)) + v * (1 + s**2 * (1 - sigma) / (2 * sigma)) * dt
+    std = torch.tensor(s * math.sqrt(-dt))
+    x_next = mean + std * noise if x_next is None else x_next
+    log_prob = (-((x_next - mean) ** 2) / (2 * std**2) - torch.log(std) - 0.5 * math.log(2 * math.pi)).mean(dim=(1, 2, 3))
+    return _SdeStep(mean, std, log_prob, x_next)
+
+
 def _dppo_micro_batch(policy, perturb: float):
-    """One Flow-GRPO SDE step of the tiny model: the behaviour step's velocity is the policy's plus
-    `perturb` x noise (an older policy), and evaluate() recomputes the step under the current weights."""
-    from flowrl.sampling.steps import flow_grpo_step
+    """One Flow-GRPO SDE step of the tiny model, written out above (not flowrl's step function): the
+    behaviour step's velocity is the policy's plus `perturb` x noise (an older policy), and evaluate()
+    recomputes the step under the current weights."""
     from flowrl.train.experience import TransitionBatch
 
     x0, eps, _, prompts = _batch(policy, seed=5)
-    sigma, sigma_next = 0.8, 0.7
+    sigma, sigma_next, eta = 0.8, 0.7, 0.7
     x_t = (1 - sigma) * x0 + sigma * eps
     cond = policy.encode(prompts)
     with torch.no_grad():
-        v_old = policy.velocity(x_t, sigma, cond) + perturb * torch.randn(x_t.shape, generator=torch.Generator().manual_seed(6))
-        behaviour = flow_grpo_step(x_t, v_old, sigma, sigma_next, noise=torch.randn(x_t.shape, generator=torch.Generator().manual_seed(7)),
-                                   sigma_max=0.9)
+        v_old = policy.velocity(x_t, sigma, cond).float() + perturb * torch.randn(x_t.shape, generator=torch.Generator().manual_seed(6))
+        noise = torch.randn(x_t.shape, generator=torch.Generator().manual_seed(7))
+        behaviour = _flow_sde_step(x_t, v_old, sigma, sigma_next, eta, noise=noise)
+    assert float(behaviour.std) == pytest.approx(1.4 * math.sqrt(0.1))  # s = 0.7 sqrt(0.8 / 0.2) = 1.4; x sqrt(-dt): 0.4427
     adv = torch.tensor([1.2, -0.3, -0.9, 0.5, 0.7, -1.2])
 
     def evaluate():
-        return flow_grpo_step(x_t, policy.velocity(x_t, sigma, cond), sigma, sigma_next, x_next=behaviour.next_x, sigma_max=0.9)
+        return _flow_sde_step(x_t, policy.velocity(x_t, sigma, cond).float(), sigma, sigma_next, eta, x_next=behaviour.next_x)
 
     mb = TransitionBatch(evaluate, behaviour.log_prob, adv, lambda *a: torch.zeros(()), None, behaviour_mean=lambda: behaviour.mean,
                          dt=sigma - sigma_next)

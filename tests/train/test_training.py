@@ -60,12 +60,14 @@ def test_nft_trains_on_ode_samples_and_resumes_exactly(tmp_path, tiny_sd3_dir):
 
 def test_nft_old_policy_lags_the_trained_weights_and_resumes_exactly(tmp_path, tiny_sd3_dir):
     # nft_old_policy sampling: the weights that sample (and give v_old) are soft-updated after each
-    # iteration, old <- d old + (1 - d) new with d = min(0.6, 0.3 x iteration): equal to the trained
-    # weights after iteration 0 (d = 0), lagging them after; they travel in the checkpoint
+    # iteration, old <- d old + (1 - d) new with d = 0 while the optimizer steps n taken so far are below
+    # 2, else min(0.6, 0.15 (n - 2)); two steps an iteration, so n = 2, 4, 6 and d = 0, 0.3, 0.6 after
+    # iterations 0, 1, 2: equal to the trained weights after iteration 0, lagging them after; they travel
+    # in the checkpoint
     common = FAST + [f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=1", "objective.kind=nft",
                      "trainer.kl_beta=0", "sampling.sampler=ode", "objective.nft.timesteps=1", "objective.nft.old_policy=sampling",
-                     "objective.nft.old_decay=0.6", "objective.nft.old_decay_rate=0.3", "objective.nft.adaptive_weight=true",
-                     "trainer.inner_epochs=2", "trainer.lr=1e-2"]
+                     "objective.nft.old_decay=0.6", "objective.nft.old_decay_rate=0.15", "objective.nft.old_decay_flat=2",
+                     "objective.nft.adaptive_weight=true", "trainer.inner_epochs=2", "trainer.lr=1e-2"]
     straight = tmp_path / "straight"
     assert main(["train", "tiny_jpeg", *common, "trainer.iterations=4", "--run-dir", str(straight)]) == 0
     # the reference's stepping: each pass accumulates its 2 batches x 1 sigma into one step

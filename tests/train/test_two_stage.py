@@ -478,7 +478,7 @@ def test_nft_trains_on_the_selected_bf16_candidates_without_regenerating(tmp_pat
 
 
 def test_nft_old_weights_are_what_the_exploration_copy_is_merged_from(tmp_path, tiny_sd3_dir):
-    # decay 0.9 from the second iteration on: the old weights lag the trained ones
+    # decay min(0.9, 1.0 x the optimizer steps so far): 0.9 from the first iteration on, the old weights lag the trained ones
     cfg = load_config("tiny_jpeg", two_stage(tiny_sd3_dir, *NFT, "trainer.iterations=3", "objective.nft.old_policy=sampling",
                                              "objective.nft.old_decay=0.9", "objective.nft.old_decay_rate=1.0", "trainer.lr=0.1"))
     trainer = Trainer(cfg, run_dir=tmp_path / "run")

@@ -64,8 +64,9 @@ class AWMOptions:
     # nested (the reference's code): the EMA term is added only when beta > 0 | independent (Flow-Factory): each
     # term whenever its own weight is > 0
     kl_terms: str = "nested"
-    # the EMA of the KL, updated once per iteration: ema <- d ema + (1 - d) theta, d = min(ema_decay_max,
-    # ema_decay_rate x iterations), the reference's "linear" schedule over its one step per epoch
+    # the EMA of the KL, updated once per iteration after its steps: ema <- d ema + (1 - d) theta, d = min(ema_decay_max,
+    # ema_decay_rate x n), n the optimizer steps taken so far, this iteration's included (on the budget's nominal
+    # clock): the reference's "linear" schedule on its global_step, read after the epoch's step
     ema_decay_max: float = 0.3
     ema_decay_rate: float = 0.001
     # the trained velocity's guidance: 1, the conditional velocity alone (the reference); null: model.guidance_scale
@@ -225,11 +226,18 @@ class AWM(Objective):
         bar.close()
         policy.transformer.eval()
         if self.ema is not None:  # once per iteration, the reference's once per epoch of one step
-            self.ema.update(ctx.params, decay=min(o.ema_decay_max, o.ema_decay_rate * ctx.plan.progress(experience.iteration)))
+            self.ema.update(ctx.params, decay=self.ema_decay_after(experience.iteration, len(grad_norms)))
         stats = {k: v / max(terms, 1) for k, v in sums.items()}
         stats.update(grad_norm=sum(grad_norms) / max(len(grad_norms), 1), optimizer_steps=len(grad_norms),
                      trained_transitions=terms, lr=ctx.optimizer.param_groups[0]["lr"])
         return stats
+
+    def ema_decay_after(self, iteration: int, steps: int) -> float:
+        """The KL EMA's decay after `iteration`, which took `steps` optimizer steps: min(ema_decay_max,
+        ema_decay_rate x n) with n = (i + 1) x steps, i the iteration on the budget's nominal clock: the
+        reference's global_step, which counts an epoch's step before the EMA reads it."""
+        o = self.opts
+        return min(o.ema_decay_max, o.ema_decay_rate * (self.ctx.plan.progress(iteration) + 1) * steps)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return {"awm_ema": self.ema.shadow} if self.ema is not None else {}

@@ -10,7 +10,10 @@ x = (1 - sigma) x0 + sigma eps and scored by its flow-matching error e (float32 
 elements) under the policy and the reference. With z = -(beta / 2) ((e_w - e_ref_w) - (e_l - e_ref_l)),
 the loss is -log sigmoid(z), averaged over the pairs: matching the winner more closely than the
 reference does, and the loser less, lowers it. All repetitions of all pair batches accumulate
-into one optimizer step per iteration (per inner epoch), as the reference's gradient accumulation.
+into one optimizer step per iteration (per inner epoch), as the reference's gradient accumulation;
+a step's loss is the mean over its real pairs and repetitions on every process, so several processes
+take the step one process would: the weight-0 rounds a process repeats to keep DDP in step count in
+no divisor (`pair_loss_scales`).
 
 Who samples: with `sampler: reference` (Flow-GRPO's) the rollouts are drawn with the reference
 weights, which `reference_refresh` replaces by the policy's every so many optimizer steps (the
@@ -45,6 +48,7 @@ SAMPLERS = ("reference", "policy")
 TIES = ("reference", "skip")
 TIMESTEP_DRAWS = ("logit_normal", "uniform")
 TRAINING_TIMESTEPS = 1000  # the scheduler's training grid the reference indexes (num_train_timesteps)
+LOGGED = ("loss", "dpo_accuracy", "dpo_z", "dpo_sigma", "dpo_error_winner", "dpo_error_loser")  # means over the pairs
 ORDER_STREAM = Stream.NFT_ORDER  # the clean-sample objectives' stream of batch orders and sigmas (one runs at a time)
 
 
@@ -109,6 +113,21 @@ def group_pairs(rewards: torch.Tensor, groups: torch.Tensor, ties: str) -> list[
             continue
         pairs.append((int(members[torch.argmax(r)]), int(members[torch.argmin(r)])))  # argmax/argmin: the first of equals
     return pairs
+
+
+def pair_loss_scales(plan: list[list[tuple[int, int]]], real_pairs: list[int], accelerator) -> dict[tuple[int, int], float]:
+    """Per (pair batch, repetition) of the epoch's optimizer steps: the factor on the sum of its pairs'
+    losses that makes each step's gradient the mean over the real pairs and repetitions of that step on
+    every process, as one process holding them all would take it. `real_pairs[b]`: batch b's pairs, 0 for
+    a padding round (weight 0, repeated only so every process runs the same forwards), which counts in no
+    divisor. The factor is processes / (the step's real pairs summed over processes): DDP averages the
+    processes' gradients. Every process has the same plan (padded_rounds), so all reduce alike."""
+    if not plan:
+        return {}
+    local = torch.tensor([float(sum(real_pairs[b] for b, _ in step)) for step in plan], dtype=torch.float64)
+    total = accelerator.reduce(local.to(accelerator.device), "sum").cpu().tolist()
+    n = accelerator.num_processes
+    return {(b, k): n / total[s] if real_pairs[b] and total[s] > 0 else 0.0 for s, step in enumerate(plan) for b, k in step}
 
 
 def training_grid(policy, schedule: str, shift: float) -> torch.Tensor:
@@ -220,8 +239,11 @@ class DPO(Objective):
         gen = torch.Generator().manual_seed(sample_seed(t.seed, experience.iteration, ORDER_STREAM))
         grid = training_grid(policy, s.schedule, s.shift)
         batches, k_steps = self.pair_batches(experience), self.timesteps()
-        shares = step_shares(step_plan(len(batches), k_steps, o.stepping, 0, t.gradient_accumulation_steps))
-        sums, terms, grad_norms, pairs = {}, 0, [], 0
+        plan = step_plan(len(batches), k_steps, o.stepping, 0, t.gradient_accumulation_steps)
+        shares = step_shares(plan)
+        # each step's loss: the mean over its real pairs and repetitions on all processes (padding counts in no divisor)
+        scales = pair_loss_scales(plan, [len(b.seeds) if b.weight else 0 for b in batches], acc)
+        sums, terms, pair_terms, grad_norms, pairs = dict.fromkeys(LOGGED, 0.0), 0, 0, [], 0
         policy.transformer.train()
         bar = tqdm(total=t.inner_epochs * len(batches) * k_steps, desc=f"iter {experience.iteration} training", leave=False,
                    disable=not ctx.progress, unit="step")
@@ -233,25 +255,27 @@ class DPO(Objective):
                     for k in range(k_steps):
                         sigma = training_sigmas(grid, p, o.timestep_draw, gen)
                         eps = seeded_noise(batch.seeds.tolist(), FORWARD_NOISING - epoch * k_steps - k, batch.x0.shape[1:], acc.device)
-                        share, steps_now = shares[(b, k)]
+                        steps_now = shares[(b, k)][1]
                         with contextlib.nullcontext() if steps_now else acc.no_sync(policy.net):
                             err, err_ref = self.pair_errors(batch, sigma, eps, cond)
                             per_pair, z = dpo_loss(err[:p], err_ref[:p], err[p:], err_ref[p:], o.beta)
-                            loss = per_pair.mean()
-                            acc.backward(batch.weight * loss / share)
-                        logged = {"loss": loss.item(), "dpo_accuracy": (z > 0).float().mean().item(), "dpo_z": z.mean().item(),
-                                  "dpo_sigma": sigma.mean().item(), "dpo_error_winner": err[:p].mean().item(),
-                                  "dpo_error_loser": err[p:].mean().item()}
-                        for key, value in logged.items():
-                            sums[key] = sums.get(key, 0.0) + value
-                        terms += 1
+                            acc.backward(per_pair.sum() * scales[(b, k)])
+                        if batch.weight:  # the logged means are over the real pairs too
+                            per_pair_values = (per_pair, (z > 0).float(), z, sigma, err[:p], err[p:])
+                            for key, value in zip(LOGGED, per_pair_values):
+                                sums[key] += value.detach().double().sum().item()
+                            terms, pair_terms = terms + 1, pair_terms + p
                         bar.update(1)
                         if steps_now:
                             grad_norms.append(ctx.optimizer_step())
                             self.after_optimizer_step()
         bar.close()
         policy.transformer.eval()
-        stats = {key: value / max(terms, 1) for key, value in sums.items()}
+        # over every process's real pairs: the logged loss is the global batch's on any number of processes
+        totals = acc.reduce(torch.tensor([*sums.values(), pair_terms, terms, pairs], dtype=torch.float64, device=acc.device),
+                            "sum").tolist()
+        pair_terms, terms, pairs = (int(v) for v in totals[-3:])
+        stats = {key: value / max(pair_terms, 1) for key, value in zip(LOGGED, totals)}
         stats.update(kl=0.0, grad_norm=sum(grad_norms) / max(len(grad_norms), 1), optimizer_steps=len(grad_norms),
                      trained_transitions=terms, trained_pairs=pairs, lr=ctx.optimizer.param_groups[0]["lr"])
         return stats

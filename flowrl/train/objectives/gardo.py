@@ -9,8 +9,8 @@ Each iteration, before the optimizer steps:
   reference used DINOv3 (objective.grpo.gardo_diversity false keeps advantage.kind's);
 * the gate ranks every sample of the batch under the trained reward and each auxiliary channel and
   flags the top kappa share of the disagreement u >= 0 (gardo_gate_sign), kappa adapting (KappaController);
-* the reference is reset to a copy of the adapter when an optimizer step's mean KL passed
-  gardo_kl_threshold, or every gardo_reset_every iterations.
+* the reference is reset to a copy of the adapter when an optimizer step's mean KL (averaged over the
+  processes, as the reference's reduce) passed gardo_kl_threshold, or every gardo_reset_every iterations.
 In the loss, trainer.kl_beta x the KL to that reference, averaged over the gated transitions only."""
 
 from __future__ import annotations
@@ -101,8 +101,14 @@ class GardoRegularizer:
         return kl
 
     def after_step(self) -> None:
-        """GARDO's reset trigger: this optimizer step's mean KL over its micro-batches."""
-        if self.step_kls and sum(self.step_kls) / len(self.step_kls) > self.g.gardo_kl_threshold:
+        """GARDO's reset trigger: this optimizer step's mean KL over its micro-batches, averaged over the
+        processes before it meets the threshold (the reference logs accelerator.reduce(info, "mean") and
+        compares that), so every process resets alike. A process that computed no KL this step (none of
+        its transitions kept) stays out of the average."""
+        acc = self.ctx.accelerator
+        local = [sum(self.step_kls) / len(self.step_kls), 1.0] if self.step_kls else [0.0, 0.0]
+        total, processes = acc.reduce(torch.tensor(local, dtype=torch.float64, device=acc.device), "sum").tolist()
+        if processes > 0 and total / processes > self.g.gardo_kl_threshold:
             self.kl_exceeded = True
         self.step_kls = []
 

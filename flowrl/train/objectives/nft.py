@@ -38,6 +38,7 @@ from flowrl.train.objectives.stepping import check_stepping, step_plan, step_sha
 from flowrl.train.parts import Objective, register_objective
 
 OLD_POLICIES = ("current", "sampling")
+DECAY_CLOCKS = ("optimizer_steps", "iterations")
 R_SCALES = ("adv_clip", "clip", "group_max")
 SIGMA_DRAWS = ("grid", "stratified")
 
@@ -47,6 +48,12 @@ def trained_timesteps(opts, num_steps: int) -> int:
     if opts.timesteps:
         return opts.timesteps
     return max(1, int(0.99 * num_steps)) if opts.sigma_draw == "grid" else 2
+
+
+def old_policy_decay(n: float, uphold: float, uprate: float, flat: int = 0) -> float:
+    """DiffusionNFT's old-policy decay after n counted steps (its `return_decay`): 0 while n < flat,
+    then min(uprate (n - flat), uphold)."""
+    return 0.0 if n < flat else min(uprate * (n - flat), uphold)
 
 
 @dataclass
@@ -66,11 +73,18 @@ class NFTOptions:
     # sigma_draw stratified: time shift of its sigmas (1: uniform strata over lora.sigma_range)
     sigma_shift: float = 1.0
     # v_old is "sampling" (the weights that sampled the iteration, fixed through its steps, then soft-updated:
-    # old <- d old + (1 - d) new with d = min(old_decay, old_decay_rate x iteration): the reference's "old"
-    # adapter and decay type 1) or "current" (flowrl variant: the weights before each optimizer step)
+    # old <- d old + (1 - d) new with d = 0 while n < old_decay_flat, else min(old_decay, old_decay_rate x (n -
+    # old_decay_flat)): the reference's "old" adapter and its return_decay) or "current" (flowrl variant: the weights
+    # before each optimizer step). The defaults are its decay type 1; its type 2 (the OCR config: flat, then a
+    # steep rise) is old_decay 0.999, old_decay_rate 0.0075, old_decay_flat 75; its type 0 is old_decay 0
     old_policy: str = "sampling"
     old_decay: float = 0.5
     old_decay_rate: float = 0.001
+    old_decay_flat: int = 0  # n below this: d = 0 (the old policy is the trained weights)
+    # what n counts: optimizer_steps (the reference's global_step: the steps taken so far, this iteration's
+    # included, on the budget's nominal clock) | iterations (flowrl's earlier count, which the arena's nft and
+    # sol_rl cells were measured with: the iterations before this one, 0 at the first)
+    old_decay_clock: str = "optimizer_steps"
     adaptive_weight: bool = True  # the reference's per-sample normalisation of the x0-prediction error
     # false keeps the positive half of the loss only (reward-weighted flow matching on the better-than-group
     # samples, no push away from the worse ones)
@@ -122,6 +136,8 @@ class NFT(Objective):
         if not 0.0 <= o.old_decay < 1.0 or o.old_decay_rate < 0:
             raise ConfigError(f"objective.nft.old_decay must be in [0, 1) and objective.nft.old_decay_rate >= 0; "
                               f"got {o.old_decay} and {o.old_decay_rate}")
+        check_positive("objective.nft.old_decay_flat", o.old_decay_flat, strict=False)
+        check_choice("objective.nft.old_decay_clock", o.old_decay_clock, DECAY_CLOCKS)
         if cfg.trainer.inner_epochs != 1 and o.old_policy == "current":
             raise ConfigError(f"trainer.inner_epochs must be 1 with objective.kind nft and objective.nft.old_policy current "
                               f"(v_old is then the weights before each step, not the policy that sampled); got {cfg.trainer.inner_epochs}")
@@ -230,11 +246,19 @@ class NFT(Objective):
         bar.close()
         policy.transformer.eval()
         if self.old is not None:
-            self.old.update(ctx.params, decay=min(o.old_decay, o.old_decay_rate * ctx.plan.progress(experience.iteration)))
+            self.old.update(ctx.params, decay=self.old_decay_after(experience.iteration, len(grad_norms)))
         return {"loss": sum(losses) / max(len(losses), 1), "kl": sum(kls) / max(len(kls), 1),
                 "grad_norm": sum(grad_norms) / max(len(grad_norms), 1), "optimizer_steps": len(grad_norms),
                 "trained_transitions": len(losses), "lr": ctx.optimizer.param_groups[0]["lr"],
                 "nft_sigma_mean": sum(sigmas) / max(len(sigmas), 1)}
+
+    def old_decay_after(self, iteration: int, steps: int) -> float:
+        """The old policy's decay d after `iteration`, which took `steps` optimizer steps: with the
+        optimizer_steps clock n = (i + 1) x steps, i the iteration on the budget's nominal clock (the
+        reference's global_step, counted after the epoch's steps), with the iterations clock n = i."""
+        o, i = self.opts, self.ctx.plan.progress(iteration)
+        n = (i + 1) * steps if o.old_decay_clock == "optimizer_steps" else i
+        return old_policy_decay(n, o.old_decay, o.old_decay_rate, o.old_decay_flat)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         return {"nft_old": self.old.shadow} if self.old is not None else {}
