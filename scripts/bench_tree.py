@@ -7,8 +7,8 @@ Four trainers (each its own Trainer, same model, reward, prompts, seed and batch
               dance_grpo SDE (noise 0.3) on every step, every step trained;
   tree        BranchGRPO: one tree per prompt, splits at steps 0, 3, 6, 9 with branching 2
               (16 leaves), SDE everywhere, every edge trained (rollout.tree.between=sde);
-  tree+depth  the same tree with depth pruning (--prune-depths, default: depth 4, the segment
-              after the last split): same rollouts, fewer trained edges;
+  tree+depth  the same tree with depth pruning (--prune-depths, in split depths: default depth 4,
+              the segment after the last split): same rollouts, fewer trained edges;
   mix         BranchGRPO-Mix: SDE only inside a progressive window of --mix-window steps and at
               the splits, ODE elsewhere; only SDE edges trained.
 
@@ -60,9 +60,10 @@ def method_overrides(args) -> dict[str, list[str]]:
     tree = ["rollout.kind=tree", f"rollout.tree.split_steps=[{splits}]", "rollout.tree.branching=[2]", "rollout.tree.between=sde",
             "sampling.window.strategy=all"]  # every step SDE and trained (presets may set a window)
     return {
-        "flat": ["rollout.kind=flat", "sampling.window.strategy=all"],
+        # every step trained, the last too (as the trees train it), not Flow-GRPO's 9 of 10
+        "flat": ["rollout.kind=flat", "sampling.window.strategy=all", "sampling.window.trained_fraction=1.0"],
         "tree": tree,
-        "tree+depth": tree + [f"rollout.tree.prune_depths=[{','.join(map(str, args.prune_depths))}]"],
+        "tree+depth": tree + ["rollout.tree.depth_unit=split", f"rollout.tree.prune_depths=[{','.join(map(str, args.prune_depths))}]"],
         "mix": tree[:-2] + ["rollout.tree.between=window", "sampling.window.strategy=progressive",
                             f"sampling.window.size={args.mix_window}", "sampling.window.start=0",
                             f"sampling.window.shift_every={args.mix_shift_every}"],

@@ -37,8 +37,11 @@ RUNS = {
     # the default preset: DGPO on the shapes model, two CPU processes
     "default": [None, "trainer.iterations=3"],
     "tiny_jpeg": ["tiny_jpeg", "trainer.iterations=3", "trainer.kl_beta=0.04"],
+    # recorded before the tree's defaults became the reference code's (docs/algorithms.md section 3): flowrl's variants
     "tree": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "sampling.batch_size=3", "rollout.kind=tree",
-             "rollout.tree.split_steps=[0,2]", "rollout.tree.branching=[2]", "trainer.kl_beta=0.01"],
+             "rollout.tree.split_steps=[0,2]", "rollout.tree.branching=[2]", "trainer.kl_beta=0.01",
+             "rollout.tree.split_noise_scale=1", "rollout.tree.leaf_reward=final_latent", "rollout.tree.depth_unit=split",
+             "rollout.tree.edge_order=by_step"],
     "two_stage": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "rollout.kind=two_stage", "rollout.two_stage.candidates=8",
                   "rollout.two_stage.explore_precision=nvfp4", "rollout.two_stage.fidelity_every=2"],
     "tiny_allocated": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "allocator.kind=dars_budget", "allocator.round_size=2",

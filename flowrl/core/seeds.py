@@ -13,6 +13,7 @@ class Stream:
 
     NFT_ORDER = 999_979  # DiffusionNFT: order of the sample batches, and its training sigmas
     UPDATE_ORDER = 999_983  # the policy-gradient update: order of the micro-batch groups
+    EDGE_ORDER = 999_931  # BranchGRPO's shuffled edges (rollout.tree.edge_order shuffled): their order and grouping
     SELECTION = 777_767  # two-stage exploration: ties and the random selection
     GROUP_SIGMAS = 999_961  # group objectives (DGPO, GDRO): the training sigmas of an iteration
     TIE_BREAK = 999_953  # GDRO: the seeded order of tied rewards

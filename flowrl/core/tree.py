@@ -6,8 +6,10 @@ t + 1, the index of its parent in level t; `tree_ids[t]` [n_t] says which tree (
 level t belongs to. Leaves are the nodes of the last level. The same shapes describe denoising
 trees (a level per step) and token trees (a level per token).
 
-The *depth* of a node is the number of splits above it: a tree that splits at steps s_1 < ... < s_D
-has depths 0..D, and the edge taken at step t leads to a node of depth #{s_d <= t}.
+The *depth* of a node is counted in one of two units (DEPTH_UNITS). "split": the number of splits
+above it, so a tree that splits at steps s_1 < ... < s_D has depths 0..D and the edge taken at step
+t leads to a node of depth #{s_d <= t}. "step" (the BranchGRPO reference code's): the number of
+steps above it, so the edge taken at step t leads to a node of depth t + 1, in 1..T.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import math
 import torch
 
 FUSIONS = ("mean", "prob")
+DEPTH_UNITS = ("step", "split")
 
 
 def fuse_rewards(parents: list[torch.Tensor], leaf_rewards: torch.Tensor, fusion: str = "mean",
@@ -127,10 +130,18 @@ def step_depths(num_steps: int, split_steps) -> torch.Tensor:
     return torch.searchsorted(s, torch.arange(num_steps), right=True)
 
 
-def trained_depths(num_depths: int, prune_depths=(), window: int = 0, shift_every: int = 1, iteration: int = 0) -> torch.Tensor:
-    """[D + 1] bool: which depths carry gradient this iteration (gradient-only depth pruning).
+def edge_depths(num_steps: int, split_steps, unit: str = "split") -> torch.Tensor:
+    """[T] long: the depth, in `unit` (DEPTH_UNITS), of the node the edge at step t leads to:
+    step_depths for "split", t + 1 for "step"."""
+    if unit not in DEPTH_UNITS:
+        raise ValueError(f"tree depth unit must be one of {DEPTH_UNITS}, got {unit!r}")
+    return step_depths(num_steps, split_steps) if unit == "split" else torch.arange(1, num_steps + 1)
 
-    Depth 0 (before the first split) is never trained: a tree has one node there, so A = 0.
+
+def trained_depths(num_depths: int, prune_depths=(), window: int = 0, shift_every: int = 1, iteration: int = 0) -> torch.Tensor:
+    """[D + 1] bool: which depths (in either unit) carry gradient this iteration (gradient-only
+    depth pruning). Depth 0 is never trained: in split units it is everything before the first
+    split, where a tree has one node, so A = 0; in step units no edge leads there.
     `prune_depths` are always skipped. With window > 0 only `window` consecutive depths are
     trained, starting at depth 1 and moving one depth deeper every `shift_every` iterations
     until the window touches depth D (as a progressive SDE window moves towards the data)."""

@@ -1,12 +1,14 @@
 """Branching rollout trees (BranchGRPO: Li et al., arXiv:2509.06040; docs/algorithms.md section 3).
 
 One root per prompt. At a split step every node evaluates the network once and draws `b`
-children from that one SDE transition (b noises, one std for both the noise and the log-prob:
-the reference scales the split noise but not the log-prob's std, which we do not copy).
-Between splits each node advances alone, by ODE or SDE as the spec says. All nodes of one
-level go through the network together, in batches of `batch_size` (the reference runs one node
-per forward), and training re-evaluates edges with exactly those batches, so the first
-importance ratio is 1.
+children from that one SDE transition, its noise scaled by `SplitNoise` (the reference code
+draws a split's children 4 stds from the mean and scores them with the unscaled std; scale 1 is
+the step function's own transition). Between splits each node advances alone, by ODE or SDE as
+the spec says. All nodes of one level go through the network together, in batches of
+`batch_size` (the reference runs one node per forward); training re-evaluates edges with exactly
+those batches (`tree_edges`), so the first importance ratio is 1, or any edges together with one
+sigma per row (`tree_edge_rows`). The last step's clean prediction x_{T-1} - sigma_{T-1} v of
+every leaf is kept (`TreeTrajectory.clean`): the reference code scores it, not the leaf.
 
 Noise of the edge into a node is keyed by (path_seed(tree seed, node path), step): a leaf is
 reproducible from (seed, path) whatever else is in the batch, and the leftmost path (path 0)
@@ -25,6 +27,9 @@ from tqdm.auto import tqdm
 from flowrl.core.tree import step_depths, tree_nfe
 from flowrl.sampling.noise import INITIAL, seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, StepOutput, Trajectory
+from flowrl.sampling.steps import gaussian_log_prob, predicted_x0
+
+SPLIT_LOGPROB_STDS = ("unscaled", "scaled")
 
 
 def path_seed(seed: int, path: int) -> int:
@@ -38,6 +43,36 @@ def path_seed(seed: int, path: int) -> int:
 def parent_batches(n: int, batch_size: int) -> list[slice]:
     """The batches of one level's nodes that share a forward, when sampling and when training."""
     return [slice(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+
+
+@dataclass(frozen=True)
+class SplitNoise:
+    """The transition of a split's children (BranchGRPO, Li et al., arXiv:2509.06040): x' = mean +
+    (scale x std) eps, with the step's own mean and std. Its log-prob takes the std `logprob_std`
+    names: "scaled", scale x std (the density the children were drawn from), or "unscaled", the
+    step's own std (the reference code's: its log-prob describes a Gaussian `scale` times narrower
+    than the one sampled). Sampling and training both go through `step`, so either way the first
+    importance ratio is 1. With scale 1 it is the step function's own transition."""
+
+    scale: float = 1.0
+    logprob_std: str = "scaled"
+
+    def step(self, spec: SamplerSpec, t: int, x, v, noise=None, x_next=None) -> StepOutput:
+        if self.scale == 1.0:
+            return spec.step(t, x, v, noise=noise, x_next=x_next)
+        out = spec.step(t, x, v, noise=None if noise is None else noise * self.scale, x_next=x_next)
+        if self.logprob_std == "unscaled" or (spec.kind == "cps" and spec.cps_logprob == "reference"):
+            return out  # cps's reference log-prob, -mean((x' - mean)^2), has no std to scale
+        std = out.std * self.scale
+        return out._replace(std=std, log_prob=gaussian_log_prob(out.next_x, out.mean, std, spec.reduction))
+
+
+def edge_step(spec: SamplerSpec, t: int, x, v, splits: dict[int, int], split_noise: SplitNoise, noise=None,
+              x_next=None) -> StepOutput:
+    """The transition of the edges at step t: a split's (`SplitNoise`) or the spec's own step."""
+    if t in splits:
+        return split_noise.step(spec, t, x, v, noise=noise, x_next=x_next)
+    return spec.step(t, x, v, noise=noise, x_next=x_next)
 
 
 @dataclass
@@ -57,6 +92,8 @@ class TreeTrajectory:
     prompt_ids: torch.Tensor  # [n_trees]
     seeds: torch.Tensor  # [n_trees]
     nfe: int = 0  # network evaluations (rows through policy.velocity), counted while sampling
+    clean: torch.Tensor | None = None  # [n_T, *latent] fp32: each leaf's x_{T-1} - sigma_{T-1} v, its last step's clean prediction
+    split_noise: SplitNoise = SplitNoise()  # how the splits' children were drawn and scored
 
     @property
     def num_steps(self) -> int:
@@ -116,8 +153,9 @@ def edge_children(tree: TreeTrajectory, t: int, parent_slice: slice) -> torch.Te
 @torch.no_grad()
 def tree_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec: SamplerSpec, splits: dict[int, int],
                  batch_size: int, prompt_ids: Sequence[int] | None = None, progress: bool = False,
-                 desc: str = "tree sampling") -> TreeTrajectory:
-    """Sample one tree per prompt: splits[t] children at step t, one child elsewhere."""
+                 desc: str = "tree sampling", split_noise: SplitNoise = SplitNoise()) -> TreeTrajectory:
+    """Sample one tree per prompt: splits[t] children at step t (drawn as `split_noise` says), one
+    child elsewhere."""
     spec = tree_spec(spec, splits)
     shape = policy.latent_shape()
     n_trees = len(prompts)
@@ -130,7 +168,7 @@ def tree_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec: Sam
     x = seeded_noise(seeds, INITIAL, shape, policy.device)
     levels, parents, log_probs = [x.cpu()], [], []
     tree_ids, paths = [torch.arange(n_trees)], [torch.zeros(n_trees, dtype=torch.long)]
-    nfe = 0
+    nfe, clean = 0, None
     bar = tqdm(total=tree_nfe(spec.num_steps, splits, n_trees), desc=desc, disable=not progress, leave=False, unit="nfe")
     for t in range(spec.num_steps):
         level, ids, path = levels[-1], tree_ids[-1], paths[-1]
@@ -149,7 +187,10 @@ def tree_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec: Sam
         if spec.is_stochastic(t):
             child_seeds = [path_seed(seeds[k], p) for k, p in zip(child_tree.tolist(), child_path.tolist())]
             noise = seeded_noise(child_seeds, t, shape, policy.device)
-        out = spec.step(t, level.to(policy.device)[parent], v[parent], noise=noise)
+        x = level.to(policy.device)[parent]
+        out = edge_step(spec, t, x, v[parent], splits, split_noise, noise=noise)
+        if t == spec.num_steps - 1:
+            clean = predicted_x0(x, v[parent], float(spec.sigmas[t])).cpu()
         levels.append(out.next_x.cpu())
         parents.append(parent)
         log_probs.append(out.log_prob.cpu())
@@ -160,7 +201,7 @@ def tree_rollout(policy, prompts: Sequence[str], seeds: Sequence[int], spec: Sam
         levels, parents, log_probs, tree_ids, paths, spec.sigmas.clone(),
         torch.tensor([spec.is_stochastic(t) for t in range(spec.num_steps)]), dict(splits), list(prompts),
         torch.as_tensor(list(prompt_ids) if prompt_ids is not None else range(n_trees), dtype=torch.long),
-        torch.as_tensor(seeds, dtype=torch.long), nfe,
+        torch.as_tensor(seeds, dtype=torch.long), nfe, clean, split_noise,
     )
 
 
@@ -176,5 +217,33 @@ def tree_edges(policy, tree: TreeTrajectory, spec: SamplerSpec, t: int, parent_s
     v = policy.velocity(level, float(spec.sigmas[t]), policy.encode([tree.prompts[j] for j in ids]))
     children = edge_children(tree, t, parent_slice)
     local_parent = (tree.parents[t][children] - parent_slice.start).to(policy.device)
-    out = spec.step(t, level[local_parent], v[local_parent], x_next=tree.levels[t + 1][children].to(policy.device))
+    out = edge_step(spec, t, level[local_parent], v[local_parent], tree.splits, tree.split_noise,
+                    x_next=tree.levels[t + 1][children].to(policy.device))
     return out, children
+
+
+def tree_edge_rows(policy, tree: TreeTrajectory, spec: SamplerSpec, steps: torch.Tensor, children: torch.Tensor) -> StepOutput:
+    """Re-evaluate, under the current policy and with grad, the edges into node children[i] of level
+    steps[i] + 1, whatever their steps: one forward with one sigma per row (each edge its own row,
+    a split parent's once per child, as the reference code trains edge by edge), then each row's
+    log-prob from its own step's function. Returns the StepOutput over the rows in their order,
+    with one std per row ([E, 1, ...])."""
+    spec = tree_spec(spec, tree.splits)
+    rows = list(zip(steps.tolist(), children.tolist()))
+    x = torch.stack([tree.levels[t][tree.parents[t][c]] for t, c in rows]).to(policy.device)
+    x_next = torch.stack([tree.levels[t + 1][c] for t, c in rows]).to(policy.device)
+    prompts = [tree.prompts[int(tree.tree_ids[t + 1][c])] for t, c in rows]
+    v = policy.velocity(x, spec.sigmas[steps], policy.encode(prompts))
+    outs, order = [], []
+    for t in torch.unique(steps).tolist():
+        idx = (steps == t).nonzero().squeeze(1)
+        dev = idx.to(policy.device)
+        outs.append(edge_step(spec, t, x[dev], v[dev], tree.splits, tree.split_noise, x_next=x_next[dev]))
+        order.append(idx)
+    back = torch.argsort(torch.cat(order)).to(policy.device)  # the inverse of the rows' grouping by step
+
+    def rows_of(name: str) -> torch.Tensor:
+        return torch.cat([getattr(o, name) for o in outs])[back]
+
+    std = torch.cat([o.std.reshape(1).expand(len(i)) for o, i in zip(outs, order)])[back]
+    return StepOutput(rows_of("next_x"), rows_of("mean"), std.view(-1, *[1] * (x.ndim - 1)), rows_of("log_prob"))

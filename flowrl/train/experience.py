@@ -48,8 +48,9 @@ class TransitionBatch(NamedTuple):
     behaviour_mean: Callable[[], torch.Tensor] | None = None
     dt: float | None = None
     index: torch.Tensor | None = None  # flat rollouts: each row's sample in the per-sample arrays (past their end: padding)
-    # the references' KL over the exact one at this step (SamplerSpec.reference_kl_scale; objective.grpo.kl_form)
-    kl_scale: float = 1.0
+    # the references' KL over the exact one at this step (SamplerSpec.reference_kl_scale; objective.grpo.kl_form), or per
+    # row [n] where the rows' steps differ (BranchGRPO's shuffled edges)
+    kl_scale: float | torch.Tensor = 1.0
     step: int | None = None  # the denoising step of its transitions (scripts/gradient_signal.py groups gradients by it)
 
     def kept(self) -> int:

@@ -163,9 +163,10 @@ def test_a_stale_tree_batch_trains_its_kept_edges_with_the_off_policy_loss(tmp_p
     monkeypatch.setattr(GRPO, "update", slow_update)
     monkeypatch.setattr("flowrl.train.objectives.grpo.behaviour_weight_stats", counting_stats)
     run = tmp_path / "run"
+    # edge_order by_step: its micro-batches hold the pruned edges beside the kept ones (shuffled ones leave them out)
     assert main(["train", "tiny_jpeg", *FAST, f"model.path={tiny_sd3_dir}", *AHEAD["tree"], "rollout.tree.width_keep=0.5",
-                 "trainer.iterations=3", "run.checkpoint_every=0", "run.async_rollouts=true", "run.max_staleness=2",
-                 "--run-dir", str(run)]) == 0
+                 "rollout.tree.edge_order=by_step", "trainer.iterations=3", "run.checkpoint_every=0", "run.async_rollouts=true",
+                 "run.max_staleness=2", "--run-dir", str(run)]) == 0
     rows = run_metrics(run)
     assert [r["staleness"] for r in rows] == [0, 1, 2]
     stale = [r for r in rows if r["staleness"] > 0]

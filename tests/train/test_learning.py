@@ -51,9 +51,12 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
     # they gained +0.008 and +0.039 against their controls' +0.018 and +0.029, seed 0)
     "mixgrpo": [*GRPO, *LONGER, "sampling.batch_size=4", "sampling.window.strategy=progressive", "sampling.window.size=2",
                 "sampling.window.shift_every=2"],
-    # BranchGRPO at half the learning rate for 16 iterations: at 8 and 12 the controls' drift matched its gain (below)
+    # BranchGRPO at half the learning rate for 16 iterations: at 8 and 12 the controls' drift matched its gain (below).
+    # Calibrated before the tree's defaults became the reference code's, so it keeps flowrl's variants (the split's own
+    # transition, the leaf scored, one optimizer step per step and sampling batch) until it is calibrated again
     "branchgrpo": [*GRPO, *LONGER, "rollout.kind=tree", "rollout.tree.split_steps=[0,1,2]", "rollout.tree.branching=[2]",
-                   "rollout.tree.between=sde", "sampling.window.strategy=all", "trainer.iterations=16", "trainer.lr=5e-4"],
+                   "rollout.tree.between=sde", "sampling.window.strategy=all", "trainer.iterations=16", "trainer.lr=5e-4",
+                   "rollout.tree.split_noise_scale=1", "rollout.tree.leaf_reward=final_latent", "rollout.tree.edge_order=by_step"],
     "g2rpo": [*GRPO, "rollout.kind=granular", "rollout.granular.branch_steps=[0,1]", "rollout.granular.granularities=[1,2]",
               "data.group_size=4", "sampling.window.strategy=all"],
     "sol_rl": ["objective.kind=nft", "rollout.kind=two_stage", "rollout.two_stage.candidates=16",

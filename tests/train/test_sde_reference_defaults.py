@@ -146,3 +146,27 @@ def test_a_shared_initial_noise_needs_flat_rollouts(tiny_sd3_dir):
     with pytest.raises(ConfigError, match="sampling.initial_noise"):
         load_config("tiny_jpeg", [f"model.path={tiny_sd3_dir}", "sampling.initial_noise=per_group", "rollout.kind=tree",
                                   "rollout.tree.split_steps=[0]", "rollout.tree.branching=[8]"])
+
+
+def test_tree_edges_carry_their_steps_reference_kl_scale(tmp_path, tiny_sd3_dir):
+    # a tree on Flow-GRPO's SDE: edges trained step by step carry their step's sigma - sigma_next; shuffled edges one per row,
+    # and the objective scales each kept row's KL by its own
+    from flowrl.train.objectives.grpo import GRPO
+
+    tree = [*FAST, f"model.path={tiny_sd3_dir}", "rollout.kind=tree", "rollout.tree.split_steps=[0,1]", "rollout.tree.branching=[2]",
+            "sampling.sampler=flow_grpo", "rollout.tree.prune_depths=[]"]
+    trainer = Trainer(load_config("tiny_jpeg", [*tree, "rollout.tree.edge_order=by_step"]), run_dir=tmp_path / "a")
+    sigmas = training_spec(trainer.cfg, 0, trainer.policy).sigmas
+    experience, _ = trainer.next_experience()
+    for mb in (mb for group in experience.transitions for mb in group):
+        assert mb.kl_scale == pytest.approx(float(sigmas[mb.step] - sigmas[mb.step + 1]))
+    shuffled = Trainer(load_config("tiny_jpeg", tree), run_dir=tmp_path / "b")
+    experience, _ = shuffled.next_experience()
+    scales = torch.cat([mb.kl_scale for group in experience.transitions for mb in group])
+    steps = sigmas[:-1] - sigmas[1:]
+    assert all(bool(torch.isclose(steps, s).any()) for s in scales) and len(set(scales.tolist())) > 1
+    mb = experience.transitions[0][0]
+    keep = torch.tensor([True, False] * (len(mb.kl_scale) // 2) + [True] * (len(mb.kl_scale) % 2))
+    rows = torch.ones(int(keep.sum()))
+    torch.testing.assert_close(GRPO.kl_rows(shuffled.objective, mb._replace(kl=lambda o, r, k: rows), None, None, keep),
+                               mb.kl_scale[keep])

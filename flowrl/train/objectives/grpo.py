@@ -220,7 +220,10 @@ class GRPO(Objective):
         """Per kept transition, the KL to the reference in objective.grpo.kl_form: the exact Gaussian KL,
         times the step's reference scale (|dt| on the Flow-SDE) in the references' form."""
         rows = mb.kl(out, ref, keep)
-        return rows * mb.kl_scale if self.ctx.cfg.objective.grpo.kl_form == "reference" else rows
+        if self.ctx.cfg.objective.grpo.kl_form != "reference":
+            return rows
+        scale = mb.kl_scale
+        return rows * (scale.to(rows.device)[keep] if isinstance(scale, torch.Tensor) else scale)
 
     def micro_batch_loss(self, mb: TransitionBatch, proximal: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, PolicyLoss | None, torch.Tensor]:
