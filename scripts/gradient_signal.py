@@ -23,6 +23,15 @@ way each iteration has cosines well above 0; pure noise has about 0), its null s
 uncorrelated), the share of the squared gradient norm, and ||mean g|| / mean ||g|| (pure noise of
 equal norms: 1 / sqrt(K)). A variant's gradient "has signal" when a cosine clears its control's by
 3 combined null standard deviations (`clears`).
+
+Iterations draw different prompts, so a direction that is real for one iteration's prompts but not
+shared with the next one's shows no cosine between iterations. The split-half cosine looks within an
+iteration: each group's chains are split in two halves (even and odd samples), each half's gradient
+taken from the same forward, and their cosine averaged over the iterations (standard error from its
+spread): positive where the update has a direction for its own prompts at all. Both the real and the
+control gradients come from one forward per micro-batch (at these weights every loss term is linear
+in the advantages). The KL is off (`trainer.kl_beta=0` unless overridden): at the base weights the
+adapter is zero and the KL's gradient exactly 0.
 """
 
 from __future__ import annotations
@@ -62,39 +71,77 @@ def permuted_in_blocks(values, block: int, generator):
     return out
 
 
-def control_batches(experience, group_size: int, generator):
-    """The experience's micro-batches with advantages that carry no information about their samples."""
+def halves_of(mb) -> "torch.Tensor":
+    """[n] bool: the rows of `mb` in the first half of their group (flat rollouts: even sample index, so
+    each group splits into two equal halves of independent chains; tree and granular rows: even row)."""
+    import torch
+
+    rows = mb.index if mb.index is not None else torch.arange(len(mb.advantages))
+    return rows % 2 == 0
+
+
+def control_advantages(experience, group_size: int, generator) -> list[list["torch.Tensor"]]:
+    """Per micro-batch of the experience, advantages that carry no information about their samples."""
     from flowrl.train.experience import advantages_at
 
     permuted = permuted_within_groups(experience.advantages, experience.prompt_ids, generator)
-    out = []
-    for group in experience.transitions:
-        row = []
-        for mb in group:
-            adv = advantages_at(permuted, mb.index) if mb.index is not None else permuted_in_blocks(mb.advantages, group_size, generator)
-            row.append(mb._replace(advantages=adv))
-        out.append(row)
-    return out
+    return [[advantages_at(permuted, mb.index) if mb.index is not None else permuted_in_blocks(mb.advantages, group_size, generator)
+             for mb in group] for group in experience.transitions]
 
 
-def step_gradients(objective, params: list, groups) -> dict[int, "torch.Tensor"]:
-    """Per step: the flattened gradient of the objective's loss summed over the kept transitions of `groups`."""
+def _flat(grads, params) -> "torch.Tensor":
     import torch
 
-    grads: dict[int, torch.Tensor] = {}
-    for group in groups:
-        for mb in group:
+    return torch.cat([(x if x is not None else torch.zeros_like(p)).reshape(-1).detach().float().cpu() for x, p in zip(grads, params)])
+
+
+def step_gradients(objective, params: list, groups, control: list | None = None) -> dict[int, tuple]:
+    """Per step: the flattened gradients of the objective's loss summed over the kept transitions of
+    `groups`, split into the two halves of each group (`halves_of`): {step: (half A, half B)}; their sum
+    is the step's gradient. With `control` (advantages per micro-batch), the same for those advantages,
+    from the same forward: (real, control)."""
+    import torch
+
+    real: dict[int, tuple] = {}
+    ctrl: dict[int, tuple] = {}
+
+    def add(out, key, a, b):
+        out[key] = (out[key][0] + a, out[key][1] + b) if key in out else (a, b)
+
+    for gi, group in enumerate(groups):
+        for k, mb in enumerate(group):
             if mb.kept() == 0:
                 continue
-            loss, pl, _ = objective.micro_batch_loss(mb)
-            if pl is None:
-                continue
-            g = torch.autograd.grad(loss * mb.kept(), params, allow_unused=True)
-            flat = torch.cat([(x if x is not None else torch.zeros_like(p)).reshape(-1).detach().float().cpu()
-                              for x, p in zip(g, params)])
+            out = mb.evaluate()  # one forward: every loss below is linear in the advantages at these weights
+            cached = mb._replace(evaluate=lambda out=out: out)
             key = -1 if mb.step is None else int(mb.step)
-            grads[key] = grads[key] + flat if key in grads else flat
-    return grads
+            keep = mb.keep.bool() if mb.keep is not None else torch.ones(len(mb.advantages), dtype=torch.bool)
+            half = halves_of(mb)
+            jobs = [(real, mb.advantages)] + ([(ctrl, control[gi][k])] if control is not None else [])
+            for target, adv in jobs:
+                parts = []
+                for side in (half, ~half):
+                    rows = keep & side
+                    if not bool(rows.any()):
+                        parts.append(torch.zeros(sum(p.numel() for p in params)))
+                        continue
+                    loss, _, _ = objective.micro_batch_loss(cached._replace(advantages=adv, keep=rows))
+                    parts.append(_flat(torch.autograd.grad(loss * int(rows.sum()), params, allow_unused=True, retain_graph=True),
+                                       params))
+                add(target, key, *parts)
+    return (real, ctrl) if control is not None else real
+
+
+def split_half_stats(pairs: list) -> dict:
+    """Mean over iterations of the cosine between a gradient's two halves (independent chains of the
+    same prompts: positive where the update has a direction for these prompts), and its standard error."""
+    import torch
+
+    cos = [float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for a, b in pairs if float(a.norm()) > 0 and float(b.norm()) > 0]
+    if len(cos) < 2:
+        return {"split_half": float("nan"), "split_half_se": float("nan")}
+    t = torch.tensor(cos, dtype=torch.float64)
+    return {"split_half": float(t.mean()), "split_half_se": float(t.std() / math.sqrt(len(cos)))}
 
 
 def cosine_stats(vectors: list) -> dict:
@@ -116,7 +163,8 @@ def cosine_stats(vectors: list) -> dict:
 
 
 def summarise(real: list[dict], control: list[dict], steps: list[int]) -> list[dict]:
-    """One row per part (each step, early, total without the last step, total): real and control statistics."""
+    """One row per part (each step, early, total without the last step, total): real and control
+    statistics. `real` and `control`: per iteration, {step: (half A, half B)}."""
     last = max(steps)
     parts = [(f"step {s}", [s]) for s in steps]
     early = [s for s in steps if s in EARLY]
@@ -125,26 +173,40 @@ def summarise(real: list[dict], control: list[dict], steps: list[int]) -> list[d
     if len(steps) > 1:
         parts.append(("all but last", [s for s in steps if s != last]))
     parts.append(("total", steps))
-    sq_steps = sum(sum(float(it[s].norm() ** 2) for s in steps) for it in real) or 1.0
+
+    def halves(it, members):
+        return sum(it[s][0] for s in members), sum(it[s][1] for s in members)
+
+    def whole(it, members):
+        a, b = halves(it, members)
+        return a + b
+
+    sq_steps = sum(sum(float(whole(it, [s]).norm() ** 2) for s in steps) for it in real) or 1.0
     rows = []
     for name, members in parts:
-        r = cosine_stats([sum(it[s] for s in members) for it in real])
-        c = cosine_stats([sum(it[s] for s in members) for it in control])
-        share = sum(sum(float(it[s].norm() ** 2) for s in members) for it in real) / sq_steps
+        r = cosine_stats([whole(it, members) for it in real])
+        c = cosine_stats([whole(it, members) for it in control])
+        rs = split_half_stats([halves(it, members) for it in real])
+        cs = split_half_stats([halves(it, members) for it in control])
+        share = sum(float(whole(it, [s]).norm() ** 2) for it in real for s in members) / sq_steps
         sd = math.sqrt(r["cosine_sd"] ** 2 + c["cosine_sd"] ** 2)
+        sd_half = math.sqrt(rs["split_half_se"] ** 2 + cs["split_half_se"] ** 2)
         rows.append({"part": name, "steps": members, "cosine": r["cosine"], "control": c["cosine"], "sd": sd,
                      "z": (r["cosine"] - c["cosine"]) / sd if sd > 0 else float("nan"),
                      "clears": bool(r["cosine"] - c["cosine"] > 3 * sd), "norm_share": share,
-                     "coherence": r["coherence"], "coherence_control": c["coherence"], "norm": r["norm"]})
+                     "coherence": r["coherence"], "coherence_control": c["coherence"], "norm": r["norm"],
+                     "split_half": rs["split_half"], "split_half_control": cs["split_half"], "split_half_sd": sd_half,
+                     "split_half_z": (rs["split_half"] - cs["split_half"]) / sd_half if sd_half > 0 else float("nan")})
     return rows
 
 
 def table(rows: list[dict], k: int) -> str:
-    lines = [f"| part | cosine | control | null SD | z | clears 3 SD | share of squared norm | coherence (noise {1 / math.sqrt(k):.3f}) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| part | cosine between iterations | control | null SD | z | clears 3 SD | split-half cosine | control | z | "
+             f"share of squared norm | coherence (noise {1 / math.sqrt(k):.3f}) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['part']} | {r['cosine']:+.4f} | {r['control']:+.4f} | {r['sd']:.4f} | {r['z']:+.1f} | "
-                     f"{'yes' if r['clears'] else 'no'} | {r['norm_share']:.3f} | {r['coherence']:.3f} ({r['coherence_control']:.3f}) |")
+                     f"{'yes' if r['clears'] else 'no'} | {r['split_half']:+.4f} | {r['split_half_control']:+.4f} | "
+                     f"{r['split_half_z']:+.1f} | {r['norm_share']:.3f} | {r['coherence']:.3f} ({r['coherence_control']:.3f}) |")
     return "\n".join(lines)
 
 
@@ -156,8 +218,10 @@ def measure(config: str, overrides: list[str], iterations: int, seed: int, run_d
     from flowrl.train.experience import TRANSITIONS
     from flowrl.train.loop import Trainer
 
+    # no KL unless asked: at the base weights the adapter is zero, so the KL's gradient is exactly 0
     cfg = load_config(config, ["run.cpu_processes=1", "model.compile=none", "run.tracker=none", "run.sample_every=0",
-                               "run.checkpoint_every=0", "trainer.budget_minutes=0", f"trainer.seed={seed}", *overrides])
+                               "run.checkpoint_every=0", "trainer.budget_minutes=0", "trainer.kl_beta=0", f"trainer.seed={seed}",
+                               *overrides])
     trainer = Trainer(cfg, run_dir=run_dir)
     if trainer.objective.needs != TRANSITIONS:
         raise SystemExit(f"gradient_signal: objective.kind {cfg.objective.kind} trains on clean samples, not transitions with "
@@ -170,15 +234,16 @@ def measure(config: str, overrides: list[str], iterations: int, seed: int, run_d
         trainer.policy.transformer.eval()
         experience, _ = trainer.next_experience()
         trainer.policy.transformer.train()
-        real.append(step_gradients(objective, params, experience.transitions))
-        control.append(step_gradients(objective, params, control_batches(experience, cfg.data.group_size, gen)))
+        r, c = step_gradients(objective, params, experience.transitions, control_advantages(experience, cfg.data.group_size, gen))
+        real.append(r)
+        control.append(c)
         totals = experience.reward_totals if experience.reward_totals is not None else experience.rewards.sum(1)
         rewards.append(float(totals.float().mean()))
     steps = sorted(set().union(*[set(r) for r in real]))
     zero = torch.zeros(sum(p.numel() for p in params))
     for it in real + control:  # a step absent from an iteration (a moving window) contributes nothing there
         for s in steps:
-            it.setdefault(s, zero)
+            it.setdefault(s, (zero, zero))
     rows = summarise(real, control, steps)
     return {"config": config, "overrides": overrides, "iterations": iterations, "seed": seed, "steps": steps,
             "trainable_parameters": int(zero.numel()), "reward_mean": sum(rewards) / len(rewards), "rows": rows}

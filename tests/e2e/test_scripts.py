@@ -299,7 +299,7 @@ def test_gradient_signal_measures_each_steps_gradient_and_its_permuted_control(t
     out = tmp_path / "signal.json"
     assert signal.main(["tiny_jpeg", *overrides, "--iterations", "3", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "| step 0 |" in printed and "| total |" in printed and "| all but last |" in printed
+    assert "| step 0 |" in printed and "| total |" in printed and "| all but last |" in printed and "split-half" in printed
     result = json.loads(out.read_text())
     assert result["steps"] == [0, 1]  # 3 steps, the last sampled but not trained (trained_fraction 0.99)
     shares = [r["norm_share"] for r in result["rows"] if r["part"].startswith("step ")]
@@ -312,9 +312,13 @@ def test_gradient_signal_measures_each_steps_gradient_and_its_permuted_control(t
     params = list(trainer.params.values())
     ours = signal.step_gradients(trainer.objective, params, experience.transitions)
     for step in (0, 1):
-        loss = sum(-(mb.advantages * mb.evaluate().log_prob).sum() for g in experience.transitions for mb in g if mb.step == step)
-        expected = torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)])
-        torch.testing.assert_close(ours[step], expected, rtol=1e-4, atol=1e-7)
+        batches = [mb for g in experience.transitions for mb in g if mb.step == step]
+        halves = []
+        for side in (0, 1):  # each group's even and odd samples
+            loss = sum(-(mb.advantages * (mb.index % 2 == side) * mb.evaluate().log_prob).sum() for mb in batches)
+            halves.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, params)]))
+        torch.testing.assert_close(ours[step][0], halves[0], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(ours[step][1], halves[1], rtol=1e-4, atol=1e-7)
     with pytest.raises(SystemExit, match="clean samples"):
         signal.measure("tiny_jpeg", [*overrides, "objective.kind=nft", "sampling.sampler=ode"], 2, 0, str(tmp_path / "nft"), False)
 
