@@ -91,7 +91,8 @@ def test_ddp_on_two_processes_trains_as_one_process_on_the_same_global_batch(tmp
     # process: 4 samples of one prompt in 2 micro-batches, both in one optimizer step (one process
     # accumulating 2, or 2 processes 1 each, their gradients averaged by the all-reduce); the group's
     # advantages need the rewards gathered from both processes
-    small = [*SMOOTH, "model.kind=sd3", "data.prompts_per_iteration=1", "sampling.num_steps=2"]
+    small = [*SMOOTH, "model.kind=sd3", "data.prompts_per_iteration=1", "sampling.num_steps=2",
+             "sampling.window.trained_fraction=1.0"]  # both steps trained (Flow-GRPO's fraction would train one)
     one = train_worker(tmp_path / "one", tiny_sd3_dir, [*small, "trainer.gradient_accumulation_steps=2"], 1)
     two = train_worker(tmp_path / "two", tiny_sd3_dir, [*small, "trainer.gradient_accumulation_steps=1"], 2)
     assert_trains_as_one_process(one, two, load_config("tiny_jpeg").trainer.lr, transitions=2 * 2)
@@ -104,7 +105,7 @@ def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(t
     # them, so both layouts take every step on the same global batch; full fine-tuning's KL runs
     # on a sharded frozen copy
     model_dir = request.getfixturevalue(f"tiny_{kind}_dir")
-    extra = [*SMOOTH, f"model.kind={kind}", *(FULL_FINETUNE if mode == "full" else [])]
+    extra = [*SMOOTH, f"model.kind={kind}", "sampling.window.trained_fraction=1.0", *(FULL_FINETUNE if mode == "full" else [])]
     one = train_worker(tmp_path / "one", model_dir, [*extra, "trainer.gradient_accumulation_steps=4"], 1)
     two = train_worker(tmp_path / "two", model_dir, [*extra, "trainer.gradient_accumulation_steps=2", "run.distributed=fsdp2"], 2)
     lr = 1e-3 if mode == "full" else load_config("tiny_jpeg").trainer.lr
