@@ -51,12 +51,11 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
     # they gained +0.008 and +0.039 against their controls' +0.018 and +0.029, seed 0)
     "mixgrpo": [*GRPO, *LONGER, "sampling.batch_size=4", "sampling.window.strategy=progressive", "sampling.window.size=2",
                 "sampling.window.shift_every=2"],
-    # BranchGRPO at half the learning rate for 16 iterations: at 8 and 12 the controls' drift matched its gain (below).
-    # Calibrated before the tree's defaults became the reference code's, so it keeps flowrl's variants (the split's own
-    # transition, the leaf scored, one optimizer step per step and sampling batch) until it is calibrated again
+    # BranchGRPO at half the learning rate for 16 iterations (at 8 and 12 the controls' drift matched its gain, below),
+    # with the reference code's tree (rollout.tree's defaults: split noise x4, the last step's clean prediction scored,
+    # the edges shuffled across steps, an optimizer step every 12)
     "branchgrpo": [*GRPO, *LONGER, "rollout.kind=tree", "rollout.tree.split_steps=[0,1,2]", "rollout.tree.branching=[2]",
-                   "rollout.tree.between=sde", "sampling.window.strategy=all", "trainer.iterations=16", "trainer.lr=5e-4",
-                   "rollout.tree.split_noise_scale=1", "rollout.tree.leaf_reward=final_latent", "rollout.tree.edge_order=by_step"],
+                   "rollout.tree.between=sde", "sampling.window.strategy=all", "trainer.iterations=16", "trainer.lr=5e-4"],
     "g2rpo": [*GRPO, "rollout.kind=granular", "rollout.granular.branch_steps=[0,1]", "rollout.granular.granularities=[1,2]",
               "data.group_size=4", "sampling.window.strategy=all"],
     "sol_rl": ["objective.kind=nft", "rollout.kind=two_stage", "rollout.two_stage.candidates=16",
@@ -100,7 +99,10 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #               +0.004 -0.015 +0.002; at lr 2e-3, +0.015 +0.006 +0.001 -0.002 / -0.007 +0.012 -0.018 -0.002: not separated
 #               2026-11-30 (commit 5fb22e1), 16 iterations in groups of 4: +0.021 +0.029 +0.006 +0.012 / +0.010 +0.012
 #               -0.018 -0.002: not separated
-#   branchgrpo  +0.100 +0.103 +0.089 +0.102 / +0.025 +0.020 -0.019 -0.030  (-0.001, 0.014; 16 iterations at lr 5e-4,
+#   branchgrpo  +0.101 +0.096 +0.097 +0.094 / -0.001 -0.015 +0.015 -0.005  (-0.002, 0.006; 16 iterations at lr 5e-4, the
+#               reference code's tree defaults, 2026-12-05, the same box, issue 90's code). Before them (flowrl's tree: the
+#               split's own transition, the noisy leaf scored, one optimizer step per step and sampling batch):
+#               +0.100 +0.103 +0.089 +0.102 / +0.025 +0.020 -0.019 -0.030  (-0.001, 0.014; 16 iterations at lr 5e-4,
 #               2026-11-30, commit a33c374). The drift of a control grows with the square root of the steps, the
 #               signal with the steps; at lr 1e-3 it did not separate:
 #               8 iterations  +0.095 +0.065 -0.020 +0.098 / +0.010 -0.030 +0.016 -0.103  (seed 2 does not learn)
