@@ -84,6 +84,10 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #   g2rpo       +0.068 +0.084 +0.080 +0.080 / +0.015 -0.056 -0.043 -0.021  (-0.026, 0.016)
 #   sol_rl      +0.038 +0.044 +0.036 +0.038 / +0.002 -0.006 -0.018 +0.006  (-0.004, 0.005; 4 iterations, commit bb2a233)
 #   flow_grpo   +0.083 +0.087 +0.092 +0.098 / +0.004 +0.015 +0.045 +0.008  (+0.018, 0.009; 10 iterations, commit f10ba5f)
+#               At the arena's guidance 4 (Flow-GRPO's reference trains with CFG, 4.5; 2026-12-05, issue 90's code, the box
+#               shared with other runs): +0.069 +0.055 +0.058 +0.094 / -0.049 -0.042 +0.103 +0.050: a control seed drifts
+#               past every engine seed, so the test keeps guidance 1, where the engine separates; the arena's task shows no
+#               gradient signal at guidance 4 or 1 (docs/arena.md, "Where the SDE gradient's signal is")
 #   awm         +0.038 +0.046 +0.033 +0.043 / -0.004 +0.002 +0.001 -0.007  (-0.002, 0.002; commit bb2a233)
 #   dpo         +0.039 +0.064 +0.025 +0.016 / +0.002 -0.021 +0.007 -0.006  (-0.005, 0.006; 12 iterations, commit bb2a233)
 #   flow_grpo_fast  +0.092 +0.070 +0.101 +0.089 / +0.030 -0.021 +0.029 -0.019  (+0.005, 0.014; 16 iterations, commit
