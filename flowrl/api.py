@@ -51,11 +51,11 @@ def config(preset=None, *overrides: str, reward=None, **sections):
 
 
 def _resolve(preset, overrides, reward, sections):
-    from flowrl.cli import _split_config_and_overrides
+    from flowrl.runs import split_config_and_overrides
     from flowrl.config import load_config
 
     with _config_source(preset) as source:
-        source, items = _split_config_and_overrides(source, [*overrides, *_section_overrides(sections)])
+        source, items = split_config_and_overrides(source, [*overrides, *_section_overrides(sections)])
         _refuse_text(source)
         cfg = load_config(source, items)
     return cfg if reward is None else _with_reward(cfg, reward)
@@ -182,7 +182,7 @@ def train(config=None, *overrides: str, reward=None, run_dir: str | Path | None 
     """`flowrl train CONFIG OVERRIDES [--run-dir DIR]`, in this process: the run of `config` (as
     `flowrl.api.config` takes it, `reward` included), written to `run_dir` (default
     run.output_dir/run.name). Returns its Run."""
-    from flowrl.cli import _no_file_on_the_way, _train_images
+    from flowrl.runs import no_file_on_the_way, train_images
     from flowrl.runtime.run_dir import default_run_dir
 
     with _one_sentence():
@@ -194,8 +194,8 @@ def train(config=None, *overrides: str, reward=None, run_dir: str | Path | None 
                               "(docs/usage.md), or set run.async_rollouts: false")
         _in_this_process(cfg)
         path = Path(run_dir) if run_dir is not None else default_run_dir(cfg)
-        _no_file_on_the_way(path, "run_dir")
-        _train_images(cfg, path, resume=False)
+        no_file_on_the_way(path, "run_dir")
+        train_images(cfg, path, resume=False)
         return Run(path, reward=functions or None)
 
 
@@ -250,7 +250,7 @@ class Run:
         """`flowrl train --resume PATH OVERRIDES`, in this process: the run continues from its latest
         checkpoint with its own config and `overrides` (`trainer={"iterations": 200}` trains on past
         the planned end). Returns this Run."""
-        from flowrl.cli import _train_images
+        from flowrl.runs import train_images
         from flowrl.config import load_config
         from flowrl.runtime.run_dir import CONFIG_FILE
 
@@ -259,7 +259,7 @@ class Run:
             _refuse_text(run=self.path)
             cfg = load_config(self.path / CONFIG_FILE, [*overrides, *_section_overrides(sections)])
             _in_this_process(cfg)
-            _train_images(cfg, self.path, resume=True)
+            train_images(cfg, self.path, resume=True)
         return self
 
     def sample(self, prompts: list[str], **options):
@@ -290,13 +290,13 @@ def sample(prompts: list[str], run=None, config=None, n: int = 1, seed: int = 0,
     """`flowrl sample --prompt P ... -n N`: the ODE samples of `run`'s checkpoint (the latest; EMA
     weights when kept) or of `config`'s base model (neither: the default preset's), N per prompt
     with seeds seed..seed+N-1, as images [len(prompts) * N, 3, H, W] in [0, 1] (videos [.., 3, F, H, W])."""
-    from flowrl.cli import _ode_images, _policy_for
+    from flowrl.runs import ode_samples, policy_for
 
     with _one_sentence(), _command("sample", run, config, checkpoint, *[f"--prompt={p}" for p in prompts],
                                    "-n", str(n), "--seed", str(seed), *(["--steps", str(steps)] if steps is not None else [])) as args:
-        cfg, policy, _, _ = _policy_for(args, list(overrides))
+        cfg, policy, _, _ = policy_for(args.run, args.checkpoint, args.config, list(overrides))
         expanded = [p for p in args.prompt for _ in range(args.n)]
-        return _ode_images(cfg, policy, expanded, [args.seed + j % args.n for j in range(len(expanded))], args.steps)
+        return ode_samples(cfg, policy, expanded, [args.seed + j % args.n for j in range(len(expanded))], args.steps)
 
 
 def evaluate(prompts=None, run=None, config=None, n: int = 1, seed: int = 0, checkpoint: int | None = None,
@@ -334,7 +334,7 @@ def export(run, out: str | Path, merge: bool = False, checkpoint: int | None = N
 def _command(name: str, run, config, checkpoint: int | None, *argv: str):
     """The parsed arguments of `flowrl NAME --run RUN | --config CONFIG [--checkpoint N] ARGV`, as
     the command line gives them to its command (neither run nor config: the default preset)."""
-    from flowrl.cli import _parse
+    from flowrl.cli import parse_args
 
     if run is not None and config is not None:
         raise UserError("give run (a trained run) or config (a base model), not both")
@@ -345,11 +345,11 @@ def _command(name: str, run, config, checkpoint: int | None, *argv: str):
     if run is not None:
         _refuse_text(run=run)
         with _unknown_reward_hint(run):
-            yield _parse([name, f"--run={run}", *checkpoint_flag, *argv])
+            yield parse_args([name, f"--run={run}", *checkpoint_flag, *argv])
         return
     with _config_source(config if config is not None else "default") as source:
         _refuse_text(source)
-        yield _parse([name, f"--config={source}", *checkpoint_flag, *argv])
+        yield parse_args([name, f"--config={source}", *checkpoint_flag, *argv])
 
 
 @contextlib.contextmanager

@@ -12,6 +12,8 @@ from pathlib import Path
 from flowrl.errors import UserError
 from flowrl.presets import preset_names
 from flowrl.quiet import silence_known_messages
+from flowrl.runs import (load_run_policy, no_file_on_the_way, ode_samples, policy_for, split_config_and_overrides,
+                         train_images)
 from flowrl.runtime.processes import (EXIT_INTERRUPTED, LAUNCHED_ENV, die_with_launcher, interrupted_message, is_first_process,
                                     launches_cpu_processes, relaunch)
 
@@ -225,7 +227,7 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """argparse, but a dot-list override (key=value) is accepted after an option too:
     `flowrl train --run-dir runs/a trainer.lr=1e-4`."""
     parser = _parser()
@@ -238,13 +240,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _split_config_and_overrides(config, overrides):
-    # `flowrl train trainer.lr=1e-5` (no config, only overrides) is allowed too
-    if config is not None and "=" in config:
-        return None, [config, *overrides]
-    return config, overrides
-
-
 def cmd_train(args) -> int:
     from importlib import import_module
 
@@ -252,7 +247,7 @@ def cmd_train(args) -> int:
     from flowrl.text.cli import is_text_config, is_text_run
     from flowrl.runtime.run_dir import CONFIG_FILE, default_run_dir
 
-    config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    config, overrides = split_config_and_overrides(args.config, args.overrides)
     if args.resume and config is not None:
         raise UserError("--resume takes its config from the run directory; give only overrides such as trainer.iterations=100")
     if is_text_config(config) or is_text_run(args.resume):  # `task: text`: the causal-LM path (docs/text.md)
@@ -271,9 +266,9 @@ def cmd_train(args) -> int:
             cfg = load_config(config, overrides)
         # fixed here, so that the processes of a relaunch and an interrupted run's message name the same directory
         run_dir = run if args.resume else Path(args.run_dir) if args.run_dir else default_run_dir(cfg)
-        start = lambda: _train_images(cfg, run_dir, bool(args.resume))  # noqa: E731
+        start = lambda: train_images(cfg, run_dir, bool(args.resume))  # noqa: E731
         warm_up = lambda: _warm_up_images(cfg.model.kind)  # noqa: E731
-    _no_file_on_the_way(run_dir, "the run directory (--run-dir, run.output_dir)")
+    no_file_on_the_way(run_dir, "the run directory (--run-dir, run.output_dir)")
     if launches_cpu_processes(cfg):
         argv = args.argv if args.resume or args.run_dir else [*args.argv, "--run-dir", str(run_dir)]
         return relaunch(cfg.run.cpu_processes, argv, run_dir, main, warm_up)
@@ -297,86 +292,12 @@ def _warm_up_images(kind: str) -> None:
         pass
 
 
-def _train_images(cfg, run_dir: Path, resume: bool) -> int:
-    from flowrl.train.loop import Trainer
-
-    trainer = Trainer(cfg, run_dir=run_dir, resume=resume)
-    if trainer.accelerator.is_main_process:
-        print(f"run directory: {trainer.run.path}", file=sys.stderr)
-        if cfg.trainer.mixed_precision == "auto":
-            print(f"trainer.mixed_precision auto: {trainer.mixed_precision} on this device", file=sys.stderr)
-    history = trainer.train()
-    if history and trainer.accelerator.is_main_process:
-        print(trainer.closing_line())
-    return 0
-
-
-def _load_run_policy(run: Path, overrides=(), iteration: int | str | None = None, weights: str = "ema"):
-    """The policy of a run's checkpoint: the latest, `best` (the monitor's best by gold reward) or an iteration's;
-    its EMA weights where the run kept an EMA (`weights="live"`: the trained weights themselves)."""
-    from flowrl.config import load_config
-    from flowrl.models import load_policy
-    from flowrl.runtime.checkpoint import find_checkpoint
-    from flowrl.runtime.run_dir import CONFIG_FILE, RunDir
-
-    if weights not in ("ema", "live"):
-        raise ValueError(f"weights must be 'ema' or 'live', not {weights!r}")
-    if not (run / CONFIG_FILE).is_file():
-        raise UserError(f"--run '{run}' is not a run directory (no {CONFIG_FILE})")
-    cfg = load_config(run / CONFIG_FILE, list(overrides))
-    ckpt = find_checkpoint(RunDir(run).checkpoints, iteration, run)
-    policy = load_policy(cfg.model)
-    if cfg.lora.enabled:
-        policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
-        policy.load_lora(ckpt / ("ema_lora" if weights == "ema" and (ckpt / "ema_lora").is_dir() else "lora"))
-    else:
-        names = ("ema_transformer", "transformer") if weights == "ema" else ("transformer",)
-        export = next((ckpt / name for name in names if (ckpt / name).is_dir()), None)
-        if export is not None:  # the diffusers-format export (the only whole copy of a sharded checkpoint's weights)
-            policy.load_transformer(export)
-        else:  # a checkpoint from before the exports
-            from safetensors.torch import load_file
-
-            saved = load_file(str(ckpt / "trainable.safetensors"))
-            policy.transformer.load_state_dict(saved, strict=False)
-    return cfg, policy, ckpt
-
-
-def _ode_images(cfg, policy, prompts, seeds, steps=None):
-    from flowrl.train.evaluate import ode_images
-
-    s = cfg.sampling
-    return ode_images(policy, prompts, seeds, policy.sigmas(s.eval_num_steps if steps is None else steps, s.schedule, s.shift),
-                      s.batch_size)
-
-
-def _no_file_on_the_way(path: Path, what: str) -> None:
-    """Refuse a path that cannot be made because a folder on the way (or the path itself) is a file."""
-    for folder in (path, *path.parents):
-        if folder.exists() and not folder.is_dir():
-            raise UserError(f"{what} '{path}' cannot be made: '{folder}' is a file, not a folder")
-
-
 def _writable_file(path: Path, flag: str) -> Path:
     """An output file path whose folders can exist, and that is no folder itself."""
-    _no_file_on_the_way(path.parent, flag)
+    no_file_on_the_way(path.parent, flag)
     if path.is_dir():
         raise UserError(f"{flag} '{path}' is a folder; give a file name such as {path / 'sample.png'}")
     return path
-
-
-def _policy_for(args, overrides):
-    """The policy of --run (its checkpoint) or of --config's base model, with its config."""
-    from flowrl.config import load_config
-    from flowrl.models import load_policy
-
-    if args.run:
-        cfg, policy, ckpt = _load_run_policy(Path(args.run), overrides, args.checkpoint)
-        return cfg, policy, f"{args.run} ({ckpt.name})", ckpt.name
-    if args.checkpoint is not None:
-        raise UserError("--checkpoint picks a checkpoint of --run; with --config there is none")
-    cfg = load_config(args.config, overrides)
-    return cfg, load_policy(cfg.model), f"base model {cfg.model.path}", "base model"
 
 
 def cmd_sample(args) -> int:
@@ -396,12 +317,12 @@ def cmd_sample(args) -> int:
     if args.out_dir:
         return _sample_to_dir(args, prompts_in, search)
     out = _writable_file(Path(args.out) if args.out else _unused_file(_default_sample_name(args)), "--out")
-    cfg, policy, what, source = _policy_for(args, list(args.overrides) + search)
+    cfg, policy, what, source = policy_for(args.run, args.checkpoint, args.config, list(args.overrides) + search)
     prompts = [p for p in prompts_in for _ in range(args.n)]
     seeds = [args.seed + j % args.n for j in range(len(prompts))]
     columns = args.n if args.n > 1 else math.ceil(math.sqrt(len(prompts)))  # a row per prompt, or one square-ish grid
     if not search:
-        images = _ode_images(cfg, policy, prompts, seeds, args.steps)
+        images = ode_samples(cfg, policy, prompts, seeds, args.steps)
         captions = prompts
         if args.reward is not None:  # each image labelled with its score
             from rewards import MultiReward
@@ -454,17 +375,17 @@ def _sample_to_dir(args, prompts: list[str], search: list[str]) -> int:
         raise UserError("--out-dir writes plain ODE samples; a search writes its grid and report (--out)")
     if args.out:
         raise UserError("--out writes a grid and --out-dir one file per image; give one of them")
-    cfg, policy, what, source = _policy_for(args, list(args.overrides))
+    cfg, policy, what, source = policy_for(args.run, args.checkpoint, args.config, list(args.overrides))
     steps = args.steps or cfg.sampling.eval_num_steps
     jobs = [{"prompt": p, "seed": args.seed + j, "steps": steps, "source": what} for p in prompts for j in range(args.n)]
-    _no_file_on_the_way(Path(args.out_dir), "--out-dir")
+    no_file_on_the_way(Path(args.out_dir), "--out-dir")
     out = SampleDir(args.out_dir, jobs)
     reward = MultiReward.single(args.reward, cfg.reward) if args.reward else None
     todo, batch = out.todo(), cfg.sampling.batch_size
     for start in tqdm(range(0, len(todo), batch), desc="flowrl sample", unit="batch", disable=not todo):
         indices = todo[start : start + batch]
         chunk = [jobs[i]["prompt"] for i in indices]
-        images = _ode_images(cfg, policy, chunk, [jobs[i]["seed"] for i in indices], steps)
+        images = ode_samples(cfg, policy, chunk, [jobs[i]["seed"] for i in indices], steps)
         scores = None
         if reward is not None:
             values = reward(images, chunk)
@@ -491,10 +412,10 @@ def cmd_export(args) -> int:
         raise UserError("flowrl export writes diffusers pipelines; a text run's checkpoint is already a transformers model "
                         "(RUN/checkpoints/iter_N/model)")
     out = Path(args.out)
-    _no_file_on_the_way(out, "--out")
+    no_file_on_the_way(out, "--out")
     if out.is_dir() and any(out.iterdir()):
         raise UserError(f"--out '{out}' is not empty; give a new or empty directory")
-    cfg, policy, ckpt = _load_run_policy(Path(args.run), FULL_PRECISION, args.checkpoint)
+    cfg, policy, ckpt = load_run_policy(Path(args.run), FULL_PRECISION, args.checkpoint)
     weights = "EMA " if (ckpt / "ema_lora").is_dir() or (ckpt / "ema_transformer").is_dir() else ""
     if not args.merge:
         if not policy.has_lora:
@@ -535,7 +456,7 @@ def cmd_check(args) -> int:
     from flowrl.text.config import is_text_config
     from flowrl.train.check import run_check
 
-    config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    config, overrides = split_config_and_overrides(args.config, args.overrides)
     if is_text_config(config):
         raise UserError("flowrl check compares flowrl's sampler with a diffusers pipeline; give an image config, not a text one")
     return run_check(load_config(config, overrides))
@@ -585,7 +506,7 @@ def _evaluate(args, prompts: list[str] | None, source: str | None, with_base: bo
     from rewards import MultiReward
 
     search = _search_overrides(args)
-    cfg, policy, what, _ = _policy_for(args, list(args.overrides) + search)
+    cfg, policy, what, _ = policy_for(args.run, args.checkpoint, args.config, list(args.overrides) + search)
     reward = MultiReward.from_config(cfg.reward)
     judge_name = args.judge or cfg.reward.judge
     judge = None
@@ -636,9 +557,9 @@ def cmd_offline(args) -> int:
     from flowrl.train.rollouts.common import training_spec
     from rewards import MultiReward
 
-    config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    config, overrides = split_config_and_overrides(args.config, args.overrides)
     if args.run:
-        cfg, policy, ckpt = _load_run_policy(Path(args.run), overrides, args.checkpoint)
+        cfg, policy, ckpt = load_run_policy(Path(args.run), overrides, args.checkpoint)
         model = {"model": cfg.model.path, "checkpoint": str(ckpt)}
     else:
         if args.checkpoint is not None:
@@ -662,7 +583,7 @@ def cmd_config(args) -> int:
     from flowrl.config import load_config
     from flowrl.config_help import describe
 
-    config, overrides = _split_config_and_overrides(args.config, args.overrides)
+    config, overrides = split_config_and_overrides(args.config, args.overrides)
     if config is not None and _names_a_key(config):  # `flowrl config show model.quantize`: a key of the default config
         config, overrides = None, [config, *overrides]
     from flowrl.text.config import is_text_config, load_text_config
@@ -733,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     silence_known_messages()
     try:
-        args = _parse(argv)
+        args = parse_args(argv)
     except UserError as exc:
         print(f"flowrl: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

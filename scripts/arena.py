@@ -309,11 +309,11 @@ class Judge:
         return {s: cache[f"{self.key}|{s}"] for s in seeds}
 
     def checkpoint(self, run: Path, iteration: int, seeds) -> dict[int, float]:
-        from flowrl.cli import _load_run_policy
+        from flowrl.runs import load_run_policy
 
         # the live weights: what every arena result has scored (until the CPU export fix, a run's `ema_lora` export
         # held them too), so the rows stay comparable
-        _, policy, _ = _load_run_policy(run, self.load_overrides, iteration=iteration, weights="live")
+        _, policy, _ = load_run_policy(run, self.load_overrides, iteration=iteration, weights="live")
         return {s: self.strict(policy, s) for s in seeds}
 
 

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def real_comparison(args, overrides: list[str]) -> int:
-    from flowrl.cli import _load_run_policy
+    from flowrl.runs import load_run_policy
     from flowrl.config import load_config
     from flowrl.train.evaluate import evaluate
     from flowrl.train.prompts import builtin_prompts
@@ -189,7 +189,7 @@ def real_comparison(args, overrides: list[str]) -> int:
         strict = torch.tensor([row["reward/shapes/strict"] for row in history])
         degenerate = sum(row["degenerate_groups"] for row in history) / len(history)
         curves[kind] = (spent, strict)
-        _, policy, _ = _load_run_policy(run_dir)
+        _, policy, _ = load_run_policy(run_dir)
         reward = MultiReward.from_config(cfg.reward)
         finals[kind] = evaluate(cfg, policy, reward, heldout, seed=10_000).category_table()["overall"]["strict"]
         print(f"{kind:<24s} {len(history)} iterations, {int(spent[-1])} rollouts, {minutes:.1f} min, "

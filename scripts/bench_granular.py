@@ -74,7 +74,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from flowrl.cli import _load_run_policy
+    from flowrl.runs import load_run_policy
     from flowrl.cli import main as cli_main
     from flowrl.config import load_config
     from flowrl.models import load_policy
@@ -116,7 +116,7 @@ def run(args) -> int:
             minutes = (time.perf_counter() - t0) / 60
             rows = RunDir(run_dir).read_metrics()
             nfe = [nfe_per_iteration(r, T) for r in rows]
-            _, policy, ckpt = _load_run_policy(run_dir)
+            _, policy, ckpt = load_run_policy(run_dir)
             strict = evaluate(cfg, policy, reward, prompts, seed=args.eval_seed).category_table()["overall"]["strict"]
             run = {"method": method, "seed": seed, "iterations": len(rows), "minutes": minutes, "nfe_per_iteration": nfe[0],
                    "total_nfe": sum(nfe), "strict": strict, "gain": strict - base, "checkpoint": ckpt.name,

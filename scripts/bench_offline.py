@@ -66,7 +66,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from flowrl.cli import _load_run_policy
+    from flowrl.runs import load_run_policy
     from flowrl.cli import main as cli_main
     from flowrl.config import load_config
     from flowrl.models import load_policy
@@ -105,7 +105,7 @@ def run(args) -> int:
                 raise SystemExit(f"bench_offline: training {run} failed")
             train_minutes = (time.perf_counter() - t0) / 60
             history = RunDir(run).read_metrics()
-            run_cfg, policy, _ = _load_run_policy(run)
+            run_cfg, policy, _ = load_run_policy(run)
             trained = {s: evaluate(run_cfg, policy, reward, prompts, seed=s).category_table()["overall"]["strict"] for s in args.eval_seeds}
             gains = {s: trained[s] - base[s] for s in args.eval_seeds}
             row = {"method": method, "seed": seed, "iterations": len(history), "build_minutes": build_minutes,

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from flowrl.cli import _load_run_policy
+    from flowrl.runs import load_run_policy
     from flowrl.config import load_config
     from flowrl.models import load_policy
     from flowrl.search.policy import search_policy, search_steps
@@ -121,7 +121,7 @@ def run(args) -> int:
         for method in args.methods:
             run("base", base, method)
     if args.run:
-        _, trained, ckpt = _load_run_policy(Path(args.run))
+        _, trained, ckpt = load_run_policy(Path(args.run))
         for method in args.run_methods or args.methods[-1:]:
             run("trained", trained, method)
 

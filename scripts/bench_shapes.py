@@ -52,7 +52,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from flowrl.cli import _load_run_policy
+    from flowrl.runs import load_run_policy
     from flowrl.cli import main as cli_main
     from flowrl.config import load_config
     from flowrl.models import load_policy
@@ -88,7 +88,7 @@ def run(args) -> int:
     history = RunDir(run_dir).read_metrics()
     rollouts = sum(row["samples"] for row in history)  # trained on
     explored = sum(row.get("candidates", row["samples"]) for row in history)  # two-stage: the candidate pool
-    _, policy, ckpt = _load_run_policy(run_dir)
+    _, policy, ckpt = load_run_policy(run_dir)
     gains, per_seed = {}, {}
     for seed in args.seed:
         trained = evaluate(cfg, policy, reward, prompts, seed=seed).category_table()

@@ -65,12 +65,12 @@ def measure(run: Path, per_category: int, seed: int) -> list[dict]:
 
     from safetensors.torch import load_file
 
-    from flowrl.cli import _load_run_policy
+    from flowrl.runs import load_run_policy
     from flowrl.sampling.rollout import SamplerSpec
     from flowrl.train.rollouts.common import training_spec
     from rewards import MultiReward
 
-    cfg, policy, ckpt = _load_run_policy(run, ["model.compile=none", "run.progress=false"])
+    cfg, policy, ckpt = load_run_policy(run, ["model.compile=none", "run.progress=false"])
     if not cfg.lora.enabled:
         raise SystemExit(f"reward_transfer: {run} trains without LoRA; this script compares adapters")
     iteration = int(ckpt.name.removeprefix("iter_"))  # the window of the last trained iteration

@@ -324,7 +324,8 @@ def test_gradient_signal_measures_each_steps_gradient_and_its_permuted_control(t
 
 
 def test_reward_transfer_scores_base_live_and_ema_under_each_condition(tmp_path, capsys, monkeypatch):
-    from flowrl.cli import _load_run_policy, main
+    from flowrl.cli import main
+    from flowrl.runs import load_run_policy
     from flowrl.train.evaluate import ode_images
     from flowrl.train.prompts import builtin_prompts
 
@@ -350,7 +351,7 @@ def test_reward_transfer_scores_base_live_and_ema_under_each_condition(tmp_path,
     rows = {r["model"]: r for r in transfer.measure(run, 1, 7)}
     assert list(rows) == ["base", "live", "EMA"]
     # the ODE condition draws `flowrl eval`'s images (flowrl.train.evaluate's ode_images, same prompts and seeds)
-    cfg, policy, ckpt = _load_run_policy(run, ["model.compile=none"])
+    cfg, policy, ckpt = load_run_policy(run, ["model.compile=none"])
     policy.transformer.load_state_dict(load_file(str(ckpt / "ema.safetensors")), strict=False)
     prompts, s = builtin_prompts("builtin:shapes-heldout", "--per-category", per_category=1), cfg.sampling
     images = ode_images(policy, prompts, [7 + j for j in range(len(prompts))], policy.sigmas(s.eval_num_steps, s.schedule, s.shift),

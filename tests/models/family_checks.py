@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 
-from flowrl.cli import _load_run_policy, _ode_images, main
+from flowrl.cli import main
+from flowrl.runs import load_run_policy, ode_samples
 from flowrl.sampling.noise import INITIAL, seeded_noise
 from run_checks import run_metrics, trainable
 
@@ -29,8 +30,8 @@ def check_lora_reproduces_flowrl_sample(run, args: list[str], pipe) -> None:
     """Train with Flow-GRPO's SDE into `run`; `pipe`, the family's own diffusers pipeline, samples as the
     policy's `diffusers_call` makes it (flowrl's initial noise in the pipeline's layout, its grid, guidance)."""
     assert main([*args, "sampling.sampler=flow_grpo", "--run-dir", str(run)]) == 0
-    cfg, policy, ckpt = _load_run_policy(run)
-    ours = _ode_images(cfg, policy, PROMPTS, SEEDS)  # what `flowrl sample` draws
+    cfg, policy, ckpt = load_run_policy(run)
+    ours = ode_samples(cfg, policy, PROMPTS, SEEDS)  # what `flowrl sample` draws
     latents, s = seeded_noise(SEEDS, INITIAL, policy.latent_shape()), cfg.sampling
     base = policy.diffusers_call(pipe, latents, PROMPTS, s.eval_num_steps, s.schedule, s.shift)
     pipe.load_lora_weights(str(ckpt / "ema_lora"))

@@ -15,7 +15,8 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
 
-from flowrl.cli import _load_run_policy, _ode_images, main
+from flowrl.cli import main
+from flowrl.runs import load_run_policy, ode_samples
 from flowrl.config import load_config
 from flowrl.schema import ModelConfig
 from flowrl.models import load_policy
@@ -92,12 +93,12 @@ def test_the_printed_export_snippet_draws_flowrl_samples_image_of_the_pixel_spac
     capsys.readouterr()
     assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
     theirs = _printed_snippet(capsys)
-    cfg, policy, _ = _load_run_policy(run)
+    cfg, policy, _ = load_run_policy(run)
     prompt = [snippet_prompt(cfg)]  # the run's first held-out prompt
-    ours = _ode_images(cfg, policy, prompt, [0])
+    ours = ode_samples(cfg, policy, prompt, [0])
     assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-5
     with policy.reference():  # the adapter moved the sample, so the match means something
-        assert (_ode_images(cfg, policy, prompt, [0]) - ours).abs().max() > 1e-4
+        assert (ode_samples(cfg, policy, prompt, [0]) - ours).abs().max() > 1e-4
     assert (merged / "sample_with_diffusers.py").read_text().startswith("import torch")
 
 
@@ -110,9 +111,9 @@ def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp
             "lora.target_modules=[to_q,to_k,to_v,to_out.0]", "trainer.iterations=1", "run.tracker=none",
             "run.progress=false", "run.sample_every=0", "--run-dir", str(run)]
     assert main(args) == 0
-    cfg, policy, ckpt = _load_run_policy(run)
+    cfg, policy, ckpt = load_run_policy(run)
     assert cfg.sampling.schedule == "auto" and not torch.allclose(policy.sigmas(4, "auto", 3.0), policy.sigmas(4, "shifted_linear", 3.0))
-    ours = _ode_images(cfg, policy, PROMPTS, SEEDS)  # what `flowrl sample` draws
+    ours = ode_samples(cfg, policy, PROMPTS, SEEDS)  # what `flowrl sample` draws
 
     latents = seeded_noise(SEEDS, INITIAL, policy.latent_shape())
 
@@ -132,7 +133,7 @@ def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp
     assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
     assert (pipeline_sample(FluxPipeline.from_pretrained(str(merged))) - ours).abs().max() <= 1e-5
     # the printed code: flowrl sample's first image of the first held-out prompt at seed 0
-    first = _ode_images(cfg, policy, [snippet_prompt(cfg)], [0])
+    first = ode_samples(cfg, policy, [snippet_prompt(cfg)], [0])
     assert (_printed_snippet(capsys) - first).abs().max() <= 1e-5
     assert main(["export", "--run", str(run), "-o", str(lora)]) == 0
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
@@ -155,13 +156,13 @@ def test_the_printed_snippet_of_a_merged_export_draws_flowrl_sample_for_every_fa
     capsys.readouterr()
     assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
     theirs = _printed_snippet(capsys)
-    cfg, policy, _ = _load_run_policy(run)
+    cfg, policy, _ = load_run_policy(run)
     prompt = [snippet_prompt(cfg)]
-    ours = _ode_images(cfg, policy, prompt, [0])
+    ours = ode_samples(cfg, policy, prompt, [0])
     # 1e-4: flowrl adds the adapter's output, the merged pipeline computes with the adapter fused into its weights
     assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-4
     with policy.reference():  # the trained adapter moved the sample, so the match means something
-        assert (_ode_images(cfg, policy, prompt, [0]) - ours).abs().max() > 1e-4
+        assert (ode_samples(cfg, policy, prompt, [0]) - ours).abs().max() > 1e-4
 
 
 # ---- the presets' grids against their references, written out ------------------------------

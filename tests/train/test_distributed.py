@@ -117,9 +117,9 @@ def test_fsdp2_on_two_processes_trains_as_one_process_on_the_same_global_batch(t
     redrawn = plain_diffusers_sample(model_dir, kind, ckpt, lora=mode == "lora")
     assert torch.allclose(redrawn, two["sample"], atol=1e-5)
     if mode == "full":  # `flowrl sample --run` and `eval --run` load the EMA export of a sharded run
-        from flowrl.cli import _load_run_policy
+        from flowrl.runs import load_run_policy
 
-        _, policy, _ = _load_run_policy(ckpt.parent.parent)
+        _, policy, _ = load_run_policy(ckpt.parent.parent)
         ema = load_file(str(ckpt / "ema_transformer" / "diffusion_pytorch_model.safetensors"))
         assert all(torch.equal(policy.transformer.state_dict()[k], v) for k, v in ema.items())
         assert not all(torch.equal(ema[k], two["full"][k]) for k in ema)  # the EMA, not the raw weights

@@ -244,10 +244,11 @@ def test_the_evaluations_go_into_the_metrics_rows_sheets_and_the_closing_line(ro
 
 
 def test_checkpoint_best_loads_the_best_checkpoint_and_bad_values_are_refused(rolled_back_run):
-    from flowrl.cli import _load_run_policy, _parser
+    from flowrl.cli import _parser
+    from flowrl.runs import load_run_policy
     from flowrl.errors import UserError
 
-    _, _, ckpt = _load_run_policy(rolled_back_run.run, (), "best")
+    _, _, ckpt = load_run_policy(rolled_back_run.run, (), "best")
     assert ckpt.name == "iter_000001"
     assert _parser().parse_args(["export", "--run", "x", "--checkpoint", "best", "-o", "y"]).checkpoint == "best"
     assert _parser().parse_args(["sample", "--run", "x", "--prompt", "a", "--checkpoint", "2"]).checkpoint == 2
@@ -256,7 +257,7 @@ def test_checkpoint_best_loads_the_best_checkpoint_and_bad_values_are_refused(ro
     (rolled_back_run.run / "checkpoints" / "best").rename(rolled_back_run.run / "best.moved")
     try:
         with pytest.raises(UserError, match="keeps no best checkpoint"):
-            _load_run_policy(rolled_back_run.run, (), "best")
+            load_run_policy(rolled_back_run.run, (), "best")
     finally:
         (rolled_back_run.run / "best.moved").rename(rolled_back_run.run / "checkpoints" / "best")
 

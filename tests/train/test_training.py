@@ -249,13 +249,13 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
         assert set(weights) == {exported(k) for k in saved} and all(torch.equal(weights[exported(k)], v) for k, v in saved.items())
     live, ema = (load_file(str(ckpt / f"{kept}.safetensors")) for kept in ("trainable", "ema"))
     assert any(not torch.equal(live[k], ema[k]) for k in live)
-    from flowrl.cli import _load_run_policy
+    from flowrl.runs import load_run_policy
 
     for which, kept in (("ema", ema), ("live", live)):  # what `flowrl eval` loads, and what the arena asks for
-        params = dict(_load_run_policy(run, weights=which)[1].transformer.named_parameters())
+        params = dict(load_run_policy(run, weights=which)[1].transformer.named_parameters())
         assert all(torch.equal(params[k], v) for k, v in kept.items())
     with pytest.raises(ValueError, match="'ema' or 'live'"):
-        _load_run_policy(run, weights="trained")
+        load_run_policy(run, weights="trained")
 
     out = tmp_path / "grid.png"
     assert main(["sample", "--run", str(run), "--prompt", "a red circle", "-n", "2", "--out", str(out)]) == 0
