@@ -33,19 +33,23 @@ RECORD = ROOT / "scripts" / "reference_metrics.json"
 QUIET = ["run.tracker=none", "run.progress=false", "run.sample_every=0", "run.checkpoint_every=0"]
 SMALL = ["sampling.num_steps=4", "data.prompts_per_iteration=2", "data.group_size=4", "sampling.batch_size=4",
          "lora.rank=4", "lora.alpha=8"]
+# the GRPO runs were recorded before issue 90 made Flow-GRPO's last-step and KL conventions the defaults: flowrl's
+# earlier choices, by name (docs/algorithms.md section 2)
+BEFORE_ISSUE_90 = ["sampling.window.trained_fraction=1.0", "objective.grpo.kl_form=exact"]
 RUNS = {
     # the default preset: DGPO on the shapes model, two CPU processes
     "default": [None, "trainer.iterations=3"],
-    "tiny_jpeg": ["tiny_jpeg", "trainer.iterations=3", "trainer.kl_beta=0.04"],
+    "tiny_jpeg": ["tiny_jpeg", "trainer.iterations=3", "trainer.kl_beta=0.04", *BEFORE_ISSUE_90],
     # recorded before the tree's defaults became the reference code's (docs/algorithms.md section 3): flowrl's variants
     "tree": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "sampling.batch_size=3", "rollout.kind=tree",
              "rollout.tree.split_steps=[0,2]", "rollout.tree.branching=[2]", "trainer.kl_beta=0.01",
              "rollout.tree.split_noise_scale=1", "rollout.tree.leaf_reward=final_latent", "rollout.tree.depth_unit=split",
-             "rollout.tree.edge_order=by_step"],
+             "rollout.tree.edge_order=by_step", *BEFORE_ISSUE_90],
     "two_stage": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "rollout.kind=two_stage", "rollout.two_stage.candidates=8",
-                  "rollout.two_stage.explore_precision=nvfp4", "rollout.two_stage.fidelity_every=2"],
+                  "rollout.two_stage.explore_precision=nvfp4", "rollout.two_stage.fidelity_every=2",
+                  *BEFORE_ISSUE_90],
     "tiny_allocated": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "allocator.kind=dars_budget", "allocator.round_size=2",
-                       "trainer.gradient_accumulation_steps=2", "trainer.inner_epochs=2"],
+                       "trainer.gradient_accumulation_steps=2", "trainer.inner_epochs=2", *BEFORE_ISSUE_90],
     # the text default: RLVR on the shipped arithmetic model (its config has no trackers or sample grids)
     "text": ["text_add", "trainer.iterations=3"],
 }

@@ -58,6 +58,18 @@ def assert_close_relative(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e
     assert ((ours - ref).abs().max() / scale).item() <= rel, ((ours - ref).abs().max().item(), scale.item())
 
 
+def record_decays(ema) -> list:
+    """The decay of every later `ema.update(params, decay)` call, in order (the update still runs)."""
+    decays, update = [], ema.update
+
+    def recording_update(params, decay=None):
+        decays.append(decay)
+        update(params, decay)
+
+    ema.update = recording_update
+    return decays
+
+
 def permute_rewards_within_groups(monkeypatch) -> None:
     """The learning tests' control for any engine: as samples are scored (flowrl.train.scoring,
     which flat, windowed, tree, granular and two-stage rollouts all go through), each reward is

@@ -14,7 +14,7 @@ from flowrl.config import load_config
 from flowrl.errors import ConfigError
 from flowrl.train.experience import Experience
 from flowrl.train.objectives.awm import AWM, AWMOptions, awm_indices, awm_policy_loss, awm_weighting, trained_timesteps
-from run_checks import assert_close_relative, lora_grads
+from run_checks import assert_close_relative, lora_grads, record_decays
 
 
 
@@ -143,14 +143,7 @@ def test_the_ema_decay_reads_the_optimizer_steps_after_the_epochs_step(tmp_path,
                                     "run.tracker=none", "run.progress=false", "run.sample_every=0", "run.checkpoint_every=0",
                                     "objective.awm.ema_decay_rate=0.1", "objective.awm.ema_decay_max=0.25"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run")
-    ema, decays = trainer.objective.ema, []
-    update = ema.update
-
-    def recording_update(params, decay=None):
-        decays.append(decay)
-        update(params, decay)
-
-    ema.update = recording_update
+    decays = record_decays(trainer.objective.ema)
     rows = trainer.train()
     assert [r["optimizer_steps"] for r in rows] == [1, 1, 1]
     assert decays == pytest.approx([min(0.25, 0.1 * step) for step in (1, 2, 3)])

@@ -20,7 +20,7 @@ from flowrl.train.objectives.dgpo import DGPO
 from flowrl.train.objectives.gdro import GDRO
 from flowrl.train.objectives.implicit import FlowErrors, GroupBatch
 from flowrl.train.objectives.nft import NFT, trained_timesteps
-from run_checks import assert_close_relative, lora_grads
+from run_checks import assert_close_relative, lora_grads, record_decays
 
 
 
@@ -212,14 +212,7 @@ def test_nft_old_policy_decay_reads_the_optimizer_steps_after_the_epochs_steps(t
                                     "lora.rank=2", "lora.alpha=4", "run.tracker=none", "run.progress=false", "run.sample_every=0",
                                     "run.checkpoint_every=0", "objective.nft.old_decay=0.5", "objective.nft.old_decay_rate=0.2"])
     trainer = Trainer(cfg, run_dir=tmp_path / "run")
-    old, decays = trainer.objective.old, []
-    update = old.update
-
-    def recording_update(params, decay=None):
-        decays.append(decay)
-        update(params, decay)
-
-    old.update = recording_update
+    decays = record_decays(trainer.objective.old)
     rows = trainer.train()
     assert [r["optimizer_steps"] for r in rows] == [1, 1, 1]
     assert decays == pytest.approx([0.2, 0.4, 0.5])

@@ -240,7 +240,7 @@ def test_pruning_leaves_the_rollout_unchanged_and_pruned_edges_without_gradient(
     assert all(torch.equal(x, y) for x, y in zip(a.tree.levels, b.tree.levels))  # same images
     assert torch.equal(a.scores.rewards, b.scores.rewards)
 
-    keep = pruned.rollout.keep(b.tree, b.advantages, b.real, 0)
+    keep = pruned.rollout.keep(b.tree, pruned.rollout.edge_masks(b.tree, b.advantages, 0), b.real)
     depth = b.tree.depth_of_step.tolist()  # [1, 1, 2, 2]
     assert [k is None for k in keep] == [d == 1 for d in depth]
     for t in (2, 3):  # the last depth: 2 of each tree's 4 leaves, the largest |A|
@@ -313,8 +313,8 @@ def test_mix_trains_only_sde_edges_inside_the_sliding_window(tmp_path, tiny_sd3_
     # iteration 0: window [0, 1] + splits {1, 4}; iteration 1: window [1, 2] + splits
     assert trainer.rollout.spec(0).sde_steps.tolist() == [True, True, False, False, True, False]
     assert trainer.rollout.spec(1).sde_steps.tolist() == [False, True, True, False, True, False]
-    seen, keep_edges = {}, trainer.rollout.keep
-    trainer.rollout.keep = lambda tree, adv, real, it: seen.setdefault(it, (tree, keep_edges(tree, adv, real, it)))[1]
+    seen, keep_edges = [], trainer.rollout.keep  # one call per iteration, in order
+    trainer.rollout.keep = lambda tree, edges, real: seen.append((tree, keep_edges(tree, edges, real))) or seen[-1][1]
     rows = trainer.train()
     tree, keep = seen[0]
     assert [k is not None for k in keep] == [False, True, False, False, True, False]  # step 0 is SDE but at depth 0
@@ -347,7 +347,8 @@ def test_depth_window_in_step_depths_slides_one_step_at_a_time(tmp_path, tiny_sd
     # depth_unit step (the default): a window of 2 step-depths over steps 0-3 (SDE everywhere, splits at 0 and 2)
     trainer = _trainer(tmp_path, tiny_sd3_dir, "window_steps", "rollout.tree.depth_window=2", "rollout.tree.depth_window_shift_every=1")
     batch = trainer.rollout.sample(0)
-    trained = [[t for t, k in enumerate(trainer.rollout.keep(batch.tree, batch.advantages, batch.real, it)) if k is not None]
+    r = trainer.rollout
+    trained = [[t for t, k in enumerate(r.keep(batch.tree, r.edge_masks(batch.tree, batch.advantages, it), batch.real)) if k is not None]
                for it in range(4)]
     # depths {1, 2} = steps {0, 1}, then {2, 3} = steps {1, 2}, then {3, 4} = steps {2, 3}, where it stays
     assert trained == [[0, 1], [1, 2], [2, 3], [2, 3]]

@@ -127,12 +127,12 @@ def test_prune_depths_count_steps_by_default(tmp_path, tiny_sd3_dir):
     prune = [1, 3]
     trainer = _trainer(tmp_path, tiny_sd3_dir, "steps", f"rollout.tree.prune_depths={prune}")
     batch = trainer.rollout.sample(0)
-    keep = trainer.rollout.keep(batch.tree, batch.advantages, batch.real, 0)
+    keep = trainer.rollout.keep(batch.tree, trainer.rollout.edge_masks(batch.tree, batch.advantages, 0), batch.real)
     # the reference: an edge is dropped when its child's depth, step + 1, is listed
     assert [k is None for k in keep] == [t + 1 in prune for t in range(T)]
     # flowrl's split depths: depth 1 is the segment after the first split, steps 0 and 1
     trainer = _trainer(tmp_path, tiny_sd3_dir, "splits", "rollout.tree.depth_unit=split", "rollout.tree.prune_depths=[1]")
-    keep = trainer.rollout.keep(batch.tree, batch.advantages, batch.real, 0)
+    keep = trainer.rollout.keep(batch.tree, trainer.rollout.edge_masks(batch.tree, batch.advantages, 0), batch.real)
     assert [k is None for k in keep] == [True, True, False, False]
 
 
@@ -146,7 +146,7 @@ def test_shuffled_edges_step_every_edges_per_step_and_train_each_edge_once(tmp_p
     trainer = _trainer(tmp_path, tiny_sd3_dir, "shuffled", "rollout.tree.edges_per_step=5", "trainer.weight_decay=0")
     batch = trainer.rollout.sample(0)
     exp = trainer.rollout.experience(batch)
-    keep = trainer.rollout.keep(batch.tree, batch.advantages, batch.real, 0)
+    keep = trainer.rollout.keep(batch.tree, trainer.rollout.edge_masks(batch.tree, batch.advantages, 0), batch.real)
     edges = sorted((t, c) for t, k in enumerate(keep) for c in k.nonzero().squeeze(1).tolist())
     assert len(edges) == 2 * (2 + 2 + 4 + 4)  # 24 edges, every one of them trained
     groups = exp.transitions

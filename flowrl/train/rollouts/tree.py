@@ -180,9 +180,9 @@ class TreeRollout(Rollout):
         ctx = self.ctx
         acc, g, weights = ctx.accelerator, ctx.cfg.data.group_size, ctx.reward_fn.channel_weights
         tree, scores, n, iteration = batch.tree, batch.scores, batch.num_trees, batch.iteration
-        keep = self.keep(tree, batch.advantages, batch.real, iteration)
+        edges = self.edge_masks(tree, batch.advantages, iteration)
+        keep = self.keep(tree, edges, batch.real)
         if ctx.cfg.rollout.tree.edge_order == "shuffled":
-            edges = self.edge_masks(tree, batch.advantages, iteration)
             groups = self.shuffled_micro_batches(tree, batch.spec, batch.advantages, keep, edges, iteration)
         else:
             groups = self.micro_batches(tree, batch.spec, batch.advantages, keep)
@@ -205,10 +205,11 @@ class TreeRollout(Rollout):
         return Experience(iteration, scores.rewards, batch.prompt_ids, scores.valid, leaf_adv, policy_precision(ctx.policy),
                           transitions=groups, weigh_by_transition=True, metrics=metrics)
 
-    def keep(self, tree: TreeTrajectory, advantages: list[torch.Tensor], real: torch.Tensor, iteration: int) -> list[torch.Tensor | None]:
+    @staticmethod
+    def keep(tree: TreeTrajectory, edges: list[torch.Tensor | None], real: torch.Tensor) -> list[torch.Tensor | None]:
         """Per step t, the mask over level t + 1 of the edges that carry gradient, or None where
-        the step is not trained at all (`edge_masks`), padding trees' edges left out."""
-        return [None if m is None else m & real[tree.tree_ids[t + 1]] for t, m in enumerate(self.edge_masks(tree, advantages, iteration))]
+        the step is not trained at all: the `edge_masks` without the padding trees' edges."""
+        return [None if m is None else m & real[tree.tree_ids[t + 1]] for t, m in enumerate(edges)]
 
     def edge_masks(self, tree: TreeTrajectory, advantages: list[torch.Tensor], iteration: int) -> list[torch.Tensor | None]:
         """Per step t, the mask over level t + 1 of the edges trained this iteration, padding trees
