@@ -115,17 +115,35 @@ def steps_without_noise(cfg, steps) -> list[int]:
     return [t for t in steps if transition_std(s.sampler, sigmas[t], sigmas[t + 1], s.noise_level, sigmas[1]) <= 0]
 
 
+def spread(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[float, float]:
+    """(mean within-group std, mean within-group max - min) of `values`."""
+    stds, ranges = [], []
+    for g in torch.unique(group_ids).tolist():
+        v = values[group_ids == g].double()
+        stds.append(float(v.std(unbiased=False)) if v.numel() > 1 else 0.0)
+        ranges.append(float(v.max() - v.min()))
+    return sum(stds) / len(stds), sum(ranges) / len(ranges)
+
+
+def group_spread(totals: torch.Tensor, prompt_ids: torch.Tensor, valid: torch.Tensor) -> dict:
+    """How far apart a group's rewards are (what a group objective's preferences are made of), over
+    the valid samples: the mean within-group std and max - min of the channel-weighted rewards."""
+    std, width = spread(totals[valid].float(), prompt_ids[valid])
+    return {"group_reward_std": std, "group_reward_range": width}
+
+
 def group_advantages(cfg, rewards: torch.Tensor, prompt_ids: torch.Tensor, valid: torch.Tensor,
                      weights: torch.Tensor, iteration: int) -> tuple[torch.Tensor, AdvantageOutput, dict]:
     """Advantages [N] of the valid samples by advantage.kind (0 for invalid ones: they take no
-    part), the estimator's output, and its metrics columns."""
+    part), the estimator's output, and its metrics columns (with the groups' reward spread)."""
     require_some_valid(valid, iteration)
     a = cfg.advantage
     adv = estimate_advantages(a.kind, rewards[valid], prompt_ids[valid], weights, a.std, a.eps, a.clip)
     advantages = torch.zeros(len(valid))
     advantages[valid] = adv.advantages.float()
     metrics = {"adv_abs_mean": adv.advantages.abs().mean().item(), "degenerate_groups": adv.degenerate.float().mean().item(),
-               "nonzero_advantage_samples": int((adv.mask & (adv.advantages != 0)).sum())}
+               "nonzero_advantage_samples": int((adv.mask & (adv.advantages != 0)).sum()),
+               **group_spread(rewards.float() @ weights, prompt_ids, valid)}
     return advantages, adv, metrics
 
 

@@ -24,13 +24,14 @@ from flowrl.core.seeds import Stream, sample_seed
 from flowrl.core.tree import (DEPTH_UNITS, depthwise_advantages, edge_depths, fuse_rewards, level_counts, trained_depths,
                               valid_nodes, width_prune)
 from flowrl.errors import ConfigError, check_choice, check_positive
-from flowrl.runtime.shards import gather_real
+from flowrl.runtime.shards import ProcessShard, gather_real
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.sampling.tree import (SPLIT_LOGPROB_STDS, SplitNoise, TreeTrajectory, edge_children, parent_batches, tree_edge_rows,
                                   tree_edges, tree_rollout, tree_spec)
-from flowrl.train.experience import TRANSITIONS, Experience, TransitionBatch
+from flowrl.train.experience import SAMPLES, TRANSITIONS, WHOLE_GROUPS, Experience, SampleBatch, TransitionBatch
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.common import (one_group_per_prompt, require_some_valid, step_kl, steps_without_noise, training_spec)
+from flowrl.train.rollouts.common import (group_advantages, group_spread, one_group_per_prompt, require_some_valid, step_kl,
+                                          steps_without_noise, training_spec)
 from flowrl.train.scoring import Scores, Scoring
 
 
@@ -124,11 +125,8 @@ class TreeRollout(Rollout):
 
     @classmethod
     def provides(cls, cfg) -> set[str]:
-        return {TRANSITIONS}
-
-    @classmethod
-    def missing_reason(cls, cfg, data: str) -> str:
-        return "(its training data are the tree's edges, not whole samples)"
+        # the edges for GRPO; the leaves, one tree per prompt on one process, as whole groups of clean samples
+        return {TRANSITIONS, SAMPLES, WHOLE_GROUPS}
 
     @classmethod
     def validate(cls, cfg) -> None:
@@ -176,7 +174,10 @@ class TreeRollout(Rollout):
 
     def experience(self, batch: TreeBatch) -> Experience:
         """The trained edges of `batch` (pruning and the depth window applied here, on the trainer's
-        plan) in micro-batches over this process's policy."""
+        plan) in micro-batches over this process's policy; for an objective that trains on clean
+        samples, the leaves (`leaf_experience`)."""
+        if self.ctx.objective_needs == SAMPLES:
+            return self.leaf_experience(batch)
         ctx = self.ctx
         acc, g, weights = ctx.accelerator, ctx.cfg.data.group_size, ctx.reward_fn.channel_weights
         tree, scores, n, iteration = batch.tree, batch.scores, batch.num_trees, batch.iteration
@@ -199,11 +200,38 @@ class TreeRollout(Rollout):
             "trained_transitions": int(gather_real(acc, local_kept, acc.num_processes).sum()),
             "training_forwards": sum(len(g) for g in groups),  # micro-batches per inner epoch, this process
             **self.depth_metrics(tree, batch.advantages, n),
+            **group_spread(by_tree.flatten(), batch.prompt_ids, scores.valid),
             "time_reward": scores.reward_time,
             "time_reward_wait": scores.reward_wait,
         }
         return Experience(iteration, scores.rewards, batch.prompt_ids, scores.valid, leaf_adv, policy_precision(ctx.policy),
                           transitions=groups, weigh_by_transition=True, metrics=metrics)
+
+    def leaf_experience(self, batch: TreeBatch) -> Experience:
+        """The leaves as groups of clean samples, for DGPO, AWM, DPO, NFT and GDRO: each tree's
+        data.group_size leaves are its prompt's group, each leaf the sample its reward scored
+        (rollout.tree.leaf_reward), with the advantage a flat group's samples would get from the
+        same rewards (advantage.kind, per prompt) and a flat group's seeds (tree k's leaf j is the
+        iteration's sample k x G + j: the objective's own noise is keyed by them). Padding trees'
+        leaves point past the real samples, as a flat rollout's padding copies do."""
+        ctx = self.ctx
+        cfg, acc, weights = ctx.cfg, ctx.accelerator, ctx.reward_fn.channel_weights
+        g, bs, tree, scores, n = cfg.data.group_size, cfg.sampling.batch_size, batch.tree, batch.scores, batch.num_trees
+        advantages, _, adv_metrics = group_advantages(cfg, scores.rewards, batch.prompt_ids, scores.valid, weights, batch.iteration)
+        positions = ProcessShard(n, acc.num_processes, acc.process_index).positions  # each local tree's place among all trees
+        leaf = torch.arange(g).repeat(len(positions))
+        first = positions.repeat_interleave(g) * g  # the tree's first leaf among the iteration's samples
+        index = torch.where(first < n * g, first + leaf, torch.full_like(leaf, n * g))
+        seeds = torch.tensor([sample_seed(cfg.trainer.seed, batch.iteration, int(k)) for k in (first + leaf).tolist()])
+        scored = tree.clean if cfg.rollout.tree.leaf_reward == "clean_prediction" else tree.leaves
+        owner = tree.tree_ids[-1].tolist()
+        samples = [SampleBatch(scored[rows].float(), [tree.prompts[i] for i in owner[rows]],
+                               seeds[rows], index[rows])
+                   for rows in (slice(lo, lo + bs) for lo in range(0, len(owner), bs))]
+        metrics = {**adv_metrics, "trees": n, "sampled": n * g, "nfe_per_leaf": tree.nfe / len(tree.leaves),
+                   "time_reward": scores.reward_time, "time_reward_wait": scores.reward_wait}
+        return Experience(batch.iteration, scores.rewards, batch.prompt_ids, scores.valid, advantages, policy_precision(ctx.policy),
+                          samples=samples, metrics=metrics, reward_totals=scores.rewards @ weights)
 
     @staticmethod
     def keep(tree: TreeTrajectory, edges: list[torch.Tensor | None], real: torch.Tensor) -> list[torch.Tensor | None]:
