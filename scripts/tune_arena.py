@@ -145,6 +145,11 @@ SPACES: dict[str, tuple[Param, ...]] = {
     # Flow-Factory ships 1e-5, under the 0.1x the other cells reach, so its lr range starts at 0.03x
     "dpo_online": (Param("trainer.lr", "log", 0.03, 3), Param("objective.dpo.beta", "log", 0.1, 10)),
     "awm": (LR, Param("objective.awm.beta", "log", 0.1, 10)),  # awm's KL to the base network
+    # the pairings, around dgpo_tuned's settings: how far a tree's leaves spread (the SDE's noise between the splits and
+    # the splits' own), and how many candidates the two stages select their high-contrast groups from
+    "tree_dgpo": (LR, NOISE, Param("rollout.tree.split_noise_scale", "log", 0.1, 1)),
+    "two_stage_dgpo": (LR, Param("objective.dgpo.beta", "log", 0.1, 10),
+                       Param("rollout.two_stage.candidates", "choice", choices=(16, 24, 32, 48, 64))),
 }
 
 # --smoke: every code path in seconds on a CPU, on a tiny random shapes model (scripts/smoke.py): the arena's
