@@ -527,14 +527,18 @@ class PromptGDROAllocator(Allocator):
         self.bins[visited] = torch.where((current < self.num_bins) & inside, current, target)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
+        # a checkpoint holds finite numbers only: the no-history nan travels as a mask beside a 0
+        history = ~self.error_ema.isnan()
         return {**super().state_dict(), "passes": self.passes, "visits": self.visits, "bins": self.bins, "q": self.q,
-                "error_ema": self.error_ema}
+                "error_ema": torch.where(history, self.error_ema, torch.zeros_like(self.error_ema)), "error_history": history}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        own = ("passes", "visits", "bins", "q", "error_ema")
+        own = ("passes", "visits", "bins", "q", "error_ema", "error_history")
         super().load_state_dict({k: v for k, v in state.items() if k not in own})
-        for k in own:
+        for k in own[:-1]:
             setattr(self, k, state[k].clone())
+        if "error_history" in state:
+            self.error_ema = torch.where(state["error_history"], self.error_ema, torch.full_like(self.error_ema, float("nan")))
 
 
 ALLOCATORS = {

@@ -614,3 +614,15 @@ def test_prompt_gdro_state_round_trip():
         assert torch.equal(x, y)
     assert torch.equal(a.error_ema.nan_to_num(-1), b.error_ema.nan_to_num(-1))
     assert all(torch.equal(a.choose_prompts(it), b.choose_prompts(it)) for it in range(5, 9))
+
+
+def test_prompt_gdro_state_is_finite_and_restores_its_no_history_marks():
+    alloc = make_allocator("prompt_gdro", num_prompts=6, budget=4, prompts_per_iteration=2, seed=0, gdro_bins=2)
+    alloc.observe(torch.tensor([0, 0, 1, 1]), torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    assert alloc.error_ema.isnan().any() and not alloc.error_ema.isnan().all()  # some bins seen, some not
+    state = alloc.state_dict()
+    assert all(torch.isfinite(v.float()).all() for v in state.values())  # a checkpoint refuses non-finite tensors
+    fresh = make_allocator("prompt_gdro", num_prompts=6, budget=4, prompts_per_iteration=2, seed=0, gdro_bins=2)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.error_ema.isnan(), alloc.error_ema.isnan())
+    assert torch.equal(fresh.error_ema.nan_to_num(), alloc.error_ema.nan_to_num())

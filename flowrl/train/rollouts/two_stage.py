@@ -13,8 +13,10 @@ correlations of low- and full-precision rewards of the same seeds are logged; th
 samples are then taken from that regeneration. Nothing sampled by the copy reaches a log-prob
 ratio: without regeneration this rollout provides transitions only when the candidates already
 are training-precision samples of the training sampler, and the GRPO objective refuses any
-experience sampled in another precision. Flow-matching objectives (nft) may skip stage 2
-(`regenerate: false`): they train on the clean samples of any sampler and precision.
+experience sampled in another precision. Objectives that need clean samples only (experience.
+SAMPLES: nft, dgpo, gdro, awm, dpo, which flow-match or compare the clean samples and take no
+log-prob of them) may skip stage 2 (`regenerate: false`): they train on the clean samples of any
+sampler and precision.
 """
 
 from __future__ import annotations
@@ -117,12 +119,13 @@ class TwoStageOptions:
     min_features: int = 0
     # > 0: diffusers' First Block Cache on the exploration copy, explore only: a step whose first-block residual
     # changed by less than this (relative mean absolute difference) reuses the previous step's other blocks
-    # (2x on FLUX.1-dev at 0.08). Candidates explored with it are never trained on. 0: off
+    # (2x on FLUX.1-dev at 0.08). Candidates explored with it reach no log-prob ratio (only a clean-sample objective
+    # with regenerate false trains on them as they are). 0: off
     first_block_cache: float = 0.0
     preview_steps: int = 0  # 0: stage 1 runs the training sampler | P > 0: a P-step ODE preview
     # false: train on the selected candidates themselves; only allowed when they already are
     # training-precision samples of the training sampler (explore_precision = model.dtype, no preview, no cache),
-    # or with objective.kind nft, which flow-matches clean samples and takes no log-prob of them
+    # or with an objective that needs clean samples only (nft, dgpo, gdro, awm, dpo: they take no log-prob of them)
     regenerate: bool = True
     fidelity_every: int = 10  # iterations between regenerating the whole pool to log reward rank correlations (0: never)
 
@@ -157,6 +160,8 @@ class TwoStageRollout(Rollout):
         ts = cfg.rollout.two_stage
         candidates_trainable = ts.regenerate or (ts.explore_precision == cfg.model.dtype and not ts.preview_steps
                                                  and not ts.first_block_cache)
+        # otherwise the candidates are clean samples only: what an objective that takes no log-prob of its samples
+        # needs (objective `needs` SAMPLES: nft, dgpo, gdro, awm, dpo), whatever they were sampled in
         return FlatRollout.provides(cfg) if candidates_trainable else {SAMPLES}
 
     @classmethod
@@ -258,7 +263,7 @@ class TwoStageRollout(Rollout):
         # stage 2: regenerate the selected seeds in the training precision (or the whole pool, to measure fidelity)
         t2 = time.perf_counter()
         fid = {}
-        if not ts.regenerate:  # training-precision samples of the training sampler, or clean samples for nft (validated)
+        if not ts.regenerate:  # training-precision samples of the training sampler, or clean samples only (validated)
             train_stage, regenerated = subset_stage(pool, selected, acc.num_processes, acc.process_index), 0
         elif ts.fidelity_every and it % ts.fidelity_every == 0:
             full = self.flat.sample_stage(pool_ids, seeds, spec, f"iter {it} regenerating the pool", it)
