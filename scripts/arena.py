@@ -399,6 +399,7 @@ def run_cell(cell: str, seed: int, args, judge: Judge, base: dict, start: float,
         "base_eval1": base[s1], "base_eval2": base[s2], "half_eval1": half[s1], "half_eval2": half[s2],
         "end_eval1": end[s1], "end_eval2": end[s2],
         "gain_half": mean([half[s] - base[s] for s in seeds]), "gain_end": mean([end[s] - base[s] for s in seeds]),
+        **reward_spread(rows),
         "run_dir": str(run_dir), "date": time.strftime("%Y-%m-%d %H:%M"), "torch": ident["torch"],
     }
     out = Path(args.out)
@@ -410,6 +411,13 @@ def run_cell(cell: str, seed: int, args, judge: Judge, base: dict, start: float,
                f"{len(rows)} iterations{capped}, {nfe['nfe_per_iteration']} NFE per iteration; held-out strict gain "
                f"half {record['gain_half']:+.3f}, end {record['gain_end']:+.3f}")
     return record
+
+
+def reward_spread(rows: list[dict]) -> dict:
+    """The within-group std of the training rewards (what a group objective's preferences are made
+    of): over the first 5 iterations (the rollout's own spread on the base model) and the whole run."""
+    std = [r["group_reward_std"] for r in rows if "group_reward_std" in r]
+    return {"group_reward_std_first": statistics.mean(std[:5]), "group_reward_std": statistics.mean(std)} if std else {}
 
 
 def recorded(out: Path) -> list[dict]:
@@ -515,15 +523,20 @@ def summarise(lines: list[dict], budget: float, smoke: bool) -> dict[str, list[d
 def table(by_cell: dict[str, list[dict]], budget: float, image: str | None, presets: Path = PRESETS) -> str:
     rows = [r for rs in by_cell.values() for r in rs]
     out = [f"| cell | seeds done | iterations | NFE per iteration (sampling + training) | gain at half ({budget / 2:g} min) | "
-           f"gain at end ({budget:g} min) | minutes (store build) |", "|---|---|---|---|---|---|---|"]
+           f"gain at end ({budget:g} min) | minutes (store build) | within-group reward std (first 5 iterations; run) |",
+           "|---|---|---|---|---|---|---|---|"]
     for cell, rs in by_cell.items():
         if not rs and cell.endswith(TUNED) and kept_reference(cell, presets):
             same = f"as {reference_cell(cell)}"  # the same config: running it again would repeat the reference's runs
-            out.append(f"| {cell} | {same} (its study kept the reference settings) | {same} | {same} | {same} | {same} | {same} |")
+            out.append(f"| {cell} | {same} (its study kept the reference settings) | {same} | {same} | {same} | {same} | {same} | "
+                       f"{same} |")
             continue
         if not rs:
-            out.append(f"| {cell} | 0 | pending | pending | pending | pending | pending |")
+            out.append(f"| {cell} | 0 | pending | pending | pending | pending | pending | pending |")
             continue
+        spreads = [r for r in rs if "group_reward_std" in r]  # recorded since the pairings (Arena III)
+        spread_text = (f"{statistics.mean(r['group_reward_std_first'] for r in spreads):.3f}; "
+                       f"{statistics.mean(r['group_reward_std'] for r in spreads):.3f}") if spreads else "not recorded"
         nfe = sorted({(r["nfe_per_iteration"], r["nfe_sampling"], r["nfe_training"]) for r in rs})
         nfe_text = ", ".join(f"{a:,} ({b:,} + {c:,})" for a, b, c in nfe)
         iters = [r["iterations"] for r in rs]
@@ -533,7 +546,7 @@ def table(by_cell: dict[str, list[dict]], budget: float, image: str | None, pres
         spread = f" ({min(iters)}-{max(iters)})" if min(iters) != max(iters) else ""
         out.append(f"| {cell} | {len(rs)} ({', '.join(str(r['seed']) for r in rs)}) | {statistics.mean(iters):.0f}{spread}{capped} | "
                    f"{nfe_text} | {pm([r['gain_half'] for r in rs])} | "
-                   f"{pm([r['gain_end'] for r in rs])} | {minutes:.1f}{f' ({build:.1f})' if build else ''} |")
+                   f"{pm([r['gain_end'] for r in rs])} | {minutes:.1f}{f' ({build:.1f})' if build else ''} | {spread_text} |")
     text = "\n".join(out) + "\n"
     if rows:
         base1, base2 = rows[-1]["base_eval1"], rows[-1]["base_eval2"]

@@ -79,7 +79,7 @@ def test_a_tuned_cell_whose_study_kept_the_reference_settings_reports_the_refere
     assert not arena.kept_reference("mixgrpo", tmp_path)
     rows = arena.table({c: [] for c in ("mixgrpo", "mixgrpo_tuned", "flow_grpo_tuned")}, 12, None, tmp_path).splitlines()
     assert rows[3].startswith("| mixgrpo_tuned | as mixgrpo (its study kept the reference settings) |")
-    assert rows[4] == "| flow_grpo_tuned | 0 | pending | pending | pending | pending | pending |"
+    assert rows[4] == "| flow_grpo_tuned | 0 | pending | pending | pending | pending | pending | pending |"
 
 
 def test_the_cells_are_the_algorithms_they_name():
