@@ -175,7 +175,7 @@ def real_comparison(args, overrides: list[str]) -> int:
     from rewards import MultiReward
 
     common = ["run.progress=false", "run.sample_every=0", "run.tracker=none", "trainer.max_minutes=0",
-              f"trainer.iterations={args.real_iterations}", f"trainer.seed={args.seed}",
+              f"trainer.iterations={args.real_iterations}", "trainer.budget_fill=false", f"trainer.seed={args.seed}",
               "allocator.success_threshold=1.4", *overrides]
     heldout = builtin_prompts("builtin:shapes-heldout", "--real", per_category=args.real_eval_per_category)
     curves, finals = {}, {}

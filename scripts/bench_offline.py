@@ -30,8 +30,8 @@ import torch
 from flowrl.runtime.budget import machine_name
 
 # each method: the overrides of the default preset that make it (docs/algorithms.md section 10)
-DGPO = ["objective.kind=dgpo", "trainer.iterations=90", "trainer.kl_beta=0.02"]
-GDRO = ["objective.kind=gdro", "rollout.kind=offline", "trainer.iterations=150", "trainer.kl_beta=0"]
+DGPO = ["objective.kind=dgpo", "trainer.iterations=90", "trainer.budget_fill=false", "trainer.kl_beta=0.02"]
+GDRO = ["objective.kind=gdro", "rollout.kind=offline", "trainer.iterations=150", "trainer.budget_fill=false", "trainer.kl_beta=0"]
 
 
 def main(argv=None) -> int:

@@ -7,11 +7,13 @@ plans how many iterations in all fit the budget (`plan_count`). At every checkpo
 (`Measured`): the mean time of an iteration (every timed iteration but the run's very first,
 which pays for warm-up: lazy initialisation, allocator growth), plus the periodic sample grids
 and checkpoints at their measured mean cost, against what is left of the budget less 3 % for
-timing noise. A plan is never below the iterations already done and never above
-`trainer.iterations`. A machine that speeds up after the probe trains more iterations, one that
-slows down trains fewer, and the run ends within a few percent of its budget (the margin, plus
-what the speed does after the last re-plan). A run with `run.checkpoint_every` 0 plans again at
-every tenth of its plan instead.
+timing noise. A plan is never below the iterations already done, and never above
+`trainer.iterations` unless `trainer.budget_fill` is set: without it a fast machine trains the
+count as written and ends early; with it the plan fills the budget, past `trainer.iterations`,
+and the schedules are stretched onto it by the clock below. A machine that speeds up after the
+probe trains more iterations, one that slows down trains fewer, and the run ends within a few
+percent of its budget (the margin, plus what the speed does after the last re-plan). A run with
+`run.checkpoint_every` 0 plans again at every tenth of its plan instead.
 
 The schedule clock. `trainer.iterations` stays the length every iteration-based schedule is
 written for (the nominal length): the learning-rate decay, a progressive SDE window, a sliding
@@ -24,7 +26,8 @@ changing plan must not make them jump, so the map is piecewise linear, one piece
   already ran: its piece starts at the last of them, (a - 1, progress(a - 1)), and maps the rest,
   a .. N - 1, linearly onto the rest of the nominal range, so that the last planned iteration
   lands on the last nominal one, nominal - 1 (a plan made before any iteration ran maps
-  0 .. N - 1 onto 0 .. nominal - 1).
+  0 .. N - 1 onto 0 .. nominal - 1). N may be above nominal (`trainer.budget_fill`): the clock
+  then runs slower than the iterations, and `step` repeats nominal steps instead of skipping them.
 
 Every piece starts where the last one left off, so a re-plan changes only the clock's rate:
 slower when the plan grows, faster when it shrinks. The clock never runs backwards: a re-plan
@@ -181,16 +184,19 @@ def plan_iterations(budget_s: float, elapsed_s: float, done: int, seconds_per_it
 
 
 def plan_count(budget_s: float, elapsed_s: float, done: int, nominal: int, measured: Measured, sample_every: int,
-               checkpoint_every: int) -> int:
-    """The iterations in all that fit `budget_s` at the measured costs, between `done` and `nominal`:
-    every iteration at its mean time, a sample grid every `sample_every` and a checkpoint every
-    `checkpoint_every` iterations (0: never, but one of each at the end) at theirs."""
+               checkpoint_every: int, cap: bool = True) -> int:
+    """The iterations in all that fit `budget_s` at the measured costs, at least `done` and, with
+    `cap`, at most `nominal`: every iteration at its mean time, a sample grid every `sample_every`
+    and a checkpoint every `checkpoint_every` iterations (0: never, but one of each at the end) at
+    theirs. Without `cap` (trainer.budget_fill) the count fills the budget, past `nominal` on a fast
+    machine; the schedule clock stretches the nominal schedules onto it."""
     grid, checkpoint = measured.seconds_per_grid() if sample_every else 0.0, measured.seconds_per_checkpoint()
     overhead = (grid / sample_every if sample_every else 0.0) + (checkpoint / checkpoint_every if checkpoint_every else 0.0)
-    # never more than trainer.iterations: a budget squeezes the schedule onto a slow machine, and a fast one
-    # ends early (set trainer.iterations high to fill the budget instead)
-    return min(nominal, plan_iterations(budget_s, elapsed_s, done, measured.seconds_per_iteration(),
-                                        overhead_per_iteration=overhead, reserve_s=grid + checkpoint))
+    fits = plan_iterations(budget_s, elapsed_s, done, measured.seconds_per_iteration(), overhead_per_iteration=overhead,
+                           reserve_s=grid + checkpoint)
+    # capped, never more than trainer.iterations: a budget squeezes the schedule onto a slow machine, and a fast one
+    # ends early
+    return min(nominal, fits) if cap else fits
 
 
 def machine_name() -> str:
@@ -219,14 +225,16 @@ def write_plan(run_path: Path, plan: SchedulePlan) -> None:
 
 
 def replan(plan: SchedulePlan, measured: Measured, iteration: int, elapsed: float, run_path: Path | None,
-           sample_every: int, checkpoint_every: int) -> None:
+           sample_every: int, checkpoint_every: int, fill: bool = False) -> None:
     """Plan the iteration count that fits the plan's budget (trainer.budget_minutes) from the speed
     measured so far (rank 0's clock decides for every process), with a sample grid every
-    `sample_every` and a checkpoint every `checkpoint_every` iterations; record the plan in the run
-    directory (`run_path`: rank 0's, None elsewhere), and say so when the count is new. The first
-    plan follows the probe; later ones, the checkpoints."""
+    `sample_every` and a checkpoint every `checkpoint_every` iterations, past the nominal count
+    with `fill` (trainer.budget_fill); record the plan in the run directory (`run_path`: rank 0's,
+    None elsewhere), and say so when the count is new. The first plan follows the probe; later
+    ones, the checkpoints."""
     minutes = plan.budget_minutes
-    planned = plan_count(minutes * 60, elapsed, iteration, plan.nominal, measured, sample_every, checkpoint_every)
+    planned = plan_count(minutes * 60, elapsed, iteration, plan.nominal, measured, sample_every, checkpoint_every,
+                         cap=not fill)
     planned, speed, elapsed = rank0((planned, measured.seconds_per_iteration(), elapsed))
     first, before = not plan.fixed, plan.planned
     plan.replan(iteration, planned, speed, elapsed)
@@ -235,8 +243,9 @@ def replan(plan: SchedulePlan, measured: Measured, iteration: int, elapsed: floa
         return
     write_plan(run_path, plan)
     if first:
+        of = "for" if planned > plan.nominal else "of"  # budget_fill: the schedules of trainer.iterations stretched
         tqdm.write(f"budget: {speed:.2f} s per iteration over the first {measured.iterations}; {planned} iterations "
-                   f"of trainer.iterations {plan.nominal} fit trainer.budget_minutes {minutes:g}")
+                   f"{of} trainer.iterations {plan.nominal} fit trainer.budget_minutes {minutes:g}")
     elif planned != before:
         tqdm.write(f"budget: at iteration {iteration}, {speed:.2f} s per iteration so far; {before} -> {planned} "
                    f"iterations fit trainer.budget_minutes {minutes:g}")

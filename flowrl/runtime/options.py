@@ -17,11 +17,16 @@ from flowrl.runtime.optimizers import check_optimizer
 class TrainerOptions:
     # the iteration count, and the length every iteration-based schedule is written for
     iterations: int = 40
-    # > 0: time the first budget_probe iterations, then plan the count (at most trainer.iterations) that fits
-    # this many minutes from the trainer's start, again at every checkpoint from the speed measured so far, with
-    # the schedules fitted onto it (flowrl/runtime/budget.py, plan.json)
+    # > 0: time the first budget_probe iterations, then plan the count (at most trainer.iterations, unless budget_fill)
+    # that fits this many minutes from the trainer's start, again at every checkpoint from the speed measured so far,
+    # with the schedules fitted onto it (flowrl/runtime/budget.py, plan.json)
     budget_minutes: float = 0.0
     budget_probe: int = 5
+    # with trainer.budget_minutes: plan past trainer.iterations to fill the budget (a fast machine trains more instead of
+    # ending early); every iteration-based schedule (lr decay, progressive window, ...) is stretched onto the plan by the
+    # schedule clock, trainer.iterations staying the nominal length they are written for. A run without a budget, or
+    # one that ends within its budget_probe iterations, makes no plan: it trains trainer.iterations
+    budget_fill: bool = False
     max_minutes: float = 0.0  # > 0: also stop (with a checkpoint) after this much wall time
     # adamw (torch's) | adamw8bit | paged_adamw8bit (bitsandbytes', pip install 'flowrl[memory]'): the same AdamW with
     # both moments of every tensor of 4096+ values in 8 bits, a quarter of adamw's state; paged: evicted to CPU memory

@@ -9,9 +9,11 @@ process beside the loop: started from the trainer's `producer_start`, its batche
 their staleness, closed however the loop ends.
 
 And the wall-clock budget (flowrl/runtime/budget.py): with trainer.budget_minutes the loop times
-its first trainer.budget_probe iterations, plans the iteration count that fits, plans again at
-every checkpoint, and maps the iterations onto the schedules' nominal clock; the plans, the
-budget's clock and what it measured go into every checkpoint.
+its first trainer.budget_probe iterations, plans the iteration count that fits (at most
+trainer.iterations, or with trainer.budget_fill as many as fill the budget), plans again at every
+checkpoint, and maps the iterations onto the schedules' nominal clock; the plans, the budget's
+clock and what it measured go into every checkpoint. The loop, its progress bar and its last
+checkpoint end at the plan's count, never at trainer.iterations itself.
 
 A trainer calls `start_clock` first (the budget counts from there), sets `cfg`, `accelerator`,
 `run`, `params`, `optimizer` and `allocator`, then calls `start_run`; it writes `train_iteration`
@@ -206,7 +208,8 @@ class RunManager:
         """Plan the iteration count that fits trainer.budget_minutes again (flowrl/runtime/budget.py, `replan`)."""
         self.plan.budget_minutes = self.cfg.trainer.budget_minutes  # a resume may change it
         replan(self.plan, self.measured, self.iteration, self.now() - self.started,
-               self.run.path if self.accelerator.is_main_process else None, self.grid_every, self.cfg.run.checkpoint_every)
+               self.run.path if self.accelerator.is_main_process else None, self.grid_every, self.cfg.run.checkpoint_every,
+               fill=self.cfg.trainer.budget_fill)
 
     def before_checkpoint(self, done: bool) -> None:
         pass

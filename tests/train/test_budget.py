@@ -15,7 +15,7 @@ import torch
 import flowrl.runtime.run_manager as run_manager
 from flowrl.config import ConfigError, load_config
 from flowrl.core.lr_schedule import lr_factor
-from flowrl.runtime.budget import Measured, SchedulePlan, plan_iterations
+from flowrl.runtime.budget import Measured, SchedulePlan, plan_count, plan_iterations
 from flowrl.train.loop import Trainer
 from flowrl.train.rollouts.common import training_spec
 from run_checks import run_metrics, trainable
@@ -119,11 +119,50 @@ def test_schedule_plan_maps_the_ends_onto_the_nominal_ends():
         assert plan.progress(planned - 1) == pytest.approx(269)
 
 
+def test_plan_count_is_capped_at_the_nominal_count_unless_it_fills_the_budget():
+    measured = Measured()
+    for seconds in (4.0, 2.0, 2.0):  # the first is warm-up: 2 s per iteration
+        measured.add_iteration(seconds)
+    # 100 s less 3 %: 97 s; 8 s gone on 3 iterations, 89 s / 2 s = 44 more: 47 fit
+    assert plan_count(100, 8, 3, 20, measured, sample_every=0, checkpoint_every=0, cap=False) == 47
+    assert plan_count(100, 8, 3, 20, measured, sample_every=0, checkpoint_every=0) == 20  # capped: trainer.iterations
+    assert plan_count(100, 8, 3, 60, measured, sample_every=0, checkpoint_every=0) == 47  # the cap only binds above the fit
+    assert plan_count(100, 200, 3, 20, measured, sample_every=0, checkpoint_every=0, cap=False) == 3  # never below done
+
+
+@pytest.mark.parametrize("planned", [21, 50, 137, 400])
+def test_a_plan_past_the_nominal_count_stretches_the_clock_onto_it(planned):
+    nominal = 20
+    for probe in (0, 2, 5):  # a plan before any iteration ran, or after a probe on the nominal clock
+        plan = SchedulePlan(nominal=nominal, planned=nominal)
+        plan.replan(probe, planned, 1.0, 0.0)
+        progress, steps = [plan.progress(i) for i in range(planned)], [plan.step(i) for i in range(planned)]
+        assert progress[:probe] == list(range(probe))  # the probe ran on the nominal clock
+        assert progress[0] == 0 and progress[-1] == nominal - 1 and steps[-1] == nominal - 1
+        assert all(b > a for a, b in zip(progress, progress[1:]))  # monotone, slower than the iterations
+        assert all(b - a <= 1 for a, b in zip(progress[probe:], progress[probe + 1:]))
+        assert steps == [math.floor(p) for p in progress] and set(steps) == set(range(nominal))  # every step, none skipped
+    # a re-plan past the nominal count keeps the clock of what ran, and a later shrink still ends on the last step
+    plan = SchedulePlan(nominal=nominal, planned=nominal)
+    plan.replan(2, planned, 1.0, 0.0)
+    before = [plan.progress(i) for i in range(10)]
+    plan.replan(10, planned + 30, 1.0, 0.0)
+    assert [plan.progress(i) for i in range(10)] == before and plan.progress(planned + 29) == nominal - 1
+    plan.replan(15, 16, 1.0, 0.0)  # slowed down: one more iteration, the clock jumps to its end without a step back
+    assert plan.progress(15) == nominal - 1 and plan.progress(14) <= plan.progress(15)
+
+
 @pytest.mark.parametrize("bad", ["trainer.budget_minutes=-1", "trainer.budget_minutes=nan", "trainer.budget_minutes=inf",
                                  "trainer.budget_probe=0"])
 def test_budget_fields_are_checked(tiny_sd3_dir, bad):
     with pytest.raises(ConfigError, match=bad.split("=")[0]):
         budget_cfg(tiny_sd3_dir, bad)
+
+
+def test_the_default_preset_fills_its_budget_and_a_fixed_count_needs_no_more_than_its_budget_off(tiny_sd3_dir):
+    assert load_config("default").trainer.budget_fill
+    assert not budget_cfg(tiny_sd3_dir, "trainer.budget_minutes=0").trainer.budget_fill  # off by default
+    assert load_config("default", ["trainer.budget_minutes=0"]).trainer.budget_minutes == 0  # budget_fill then plans nothing
 
 
 def test_planned_count_follows_the_measured_speed_and_the_schedules_end_with_it(tmp_path, tiny_sd3_dir, clock):
@@ -233,8 +272,47 @@ def test_a_fast_machine_trains_trainer_iterations_and_no_more(tmp_path, tiny_sd3
     assert [r["lr"] for r in run_metrics(tmp_path / "run")] == pytest.approx([1e-3 * (1 - i / 6) for i in range(6)])
 
 
-def test_without_a_budget_the_run_is_what_it_was(tmp_path, tiny_sd3_dir, clock):
-    cfg = budget_cfg(tiny_sd3_dir, "trainer.budget_minutes=0", "run.checkpoint_every=0", "trainer.iterations=3")
+def test_budget_fill_trains_past_trainer_iterations_with_the_schedules_stretched(tmp_path, tiny_sd3_dir, clock):
+    # the same fast machine as above, 2.5 s per iteration: 11 iterations fit the 30 s budget, past the 6 written; the
+    # linear decay and the progressive window (one step later every 2 nominal iterations) are stretched onto all 11
+    cfg = budget_cfg(tiny_sd3_dir, "run.checkpoint_every=0", "trainer.iterations=6", "trainer.budget_fill=true",
+                     "sampling.window.shift_every=2")
+    trainer = slowed(Trainer(cfg, tmp_path / "run"), clock, 2.5)
+    history = trainer.train()
+    assert len(history) == trainer.plan.planned == math.floor(0.97 * 30 / 2.5) == 11
+    record = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert (record["planned"], record["nominal"]) == (11, 6)
+    assert trainer.iteration == 11 and (tmp_path / "run" / "checkpoints" / "iter_000011").is_dir()  # the last checkpoint
+    lrs = [r["lr"] for r in run_metrics(tmp_path / "run")]
+    # the probe on the nominal clock, then the rest falling slower, to the decay's last value at the last planned iteration
+    assert lrs[:2] == pytest.approx([1e-3, 1e-3 * 5 / 6]) and lrs[-1] == pytest.approx(1e-3 * lr_factor("linear", 5, 6))
+    assert all(b < a for a, b in zip(lrs, lrs[1:]))
+    starts = [training_spec(cfg, i, trainer.policy, trainer.plan).trained_steps()[0] for i in range(11)]
+    assert starts[0] == 0 and starts[-1] == 2 and starts == sorted(starts)  # step 5 // 2 at the last, as written
+
+
+def test_budget_fill_keeps_the_max_minutes_backstop(tmp_path, tiny_sd3_dir, clock):
+    # 0.5 s per iteration fills the 30 s budget with about 58 iterations; trainer.max_minutes (15 s) stops the run first
+    cfg = budget_cfg(tiny_sd3_dir, "run.checkpoint_every=0", "trainer.iterations=6", "trainer.budget_fill=true",
+                     "trainer.max_minutes=0.25")
+    trainer = Trainer(cfg, tmp_path / "run")
+    timed_only(trainer, clock, lambda i: 0.5, grid_s=0.0, checkpoint_s=0.0)
+    rows = trainer.train()
+    assert trainer.plan.planned > 50 and len(rows) == 30 < trainer.plan.planned
+
+
+@pytest.mark.parametrize("fill", ["false", "true"])
+def test_without_a_budget_the_run_is_what_it_was(tmp_path, tiny_sd3_dir, clock, fill):
+    cfg = budget_cfg(tiny_sd3_dir, "trainer.budget_minutes=0", "run.checkpoint_every=0", "trainer.iterations=3",
+                     f"trainer.budget_fill={fill}")
     trainer = slowed(Trainer(cfg, tmp_path / "run"), clock, 100.0)
     assert len(trainer.train()) == 3 and not (tmp_path / "run" / "plan.json").exists()
+
+
+def test_a_filling_run_that_ends_within_its_probe_trains_its_iterations(tmp_path, tiny_sd3_dir, clock):
+    # the plan is made after budget_probe (4) iterations: a run of 3 ends first, unplanned, whatever fits the budget
+    cfg = budget_cfg(tiny_sd3_dir, "run.checkpoint_every=0", "trainer.iterations=3", "trainer.budget_fill=true",
+                     "trainer.budget_probe=4")
+    trainer = slowed(Trainer(cfg, tmp_path / "run"), clock, 0.5)
+    assert len(trainer.train()) == 3 and trainer.plan.planned == 3
     assert [r["lr"] for r in run_metrics(tmp_path / "run")] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3])

@@ -29,6 +29,7 @@ from run_checks import permute_rewards_within_groups
 PROMPTS = ["two blue squares", "a blue circle above a red square"]
 HELD_OUT_SEEDS = list(range(70_000, 70_006))  # training seeds come from sample_seed(), far from these
 COMMON = ["trainer.iterations=6", "trainer.lr=1e-3", "trainer.lr_schedule=constant", "trainer.ema=false", "trainer.max_minutes=0",
+          "trainer.budget_fill=false",  # the 6 iterations the calibrations ran, not the default preset's filled budget
           "data.prompts_per_iteration=2", "data.group_size=8", "sampling.batch_size=16", "sampling.num_steps=4",
           "sampling.eval_num_steps=4", "model.guidance_scale=1", "model.compile=none", "run.cpu_processes=1", "run.progress=false",
           "run.tracker=none", "run.sample_every=0", "run.checkpoint_every=0",
