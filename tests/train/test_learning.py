@@ -61,6 +61,10 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
                    "rollout.tree.between=sde", "sampling.window.strategy=all", "trainer.iterations=16", "trainer.lr=5e-4"],
     "g2rpo": [*GRPO, "rollout.kind=granular", "rollout.granular.branch_steps=[0,1]", "rollout.granular.granularities=[1,2]",
               "data.group_size=4", "sampling.window.strategy=all"],
+    # the pairings (issue 85): DGPO on a tree's leaves, DanceGRPO's SDE and the reference tree as in the arena's tree_dgpo
+    # (8 leaves per prompt); 12 iterations: a tree's group learns slower per iteration than a flat ODE group (below)
+    "tree_dgpo": ["rollout.kind=tree", "sampling.sampler=dance_grpo", "sampling.noise_level=0.3", "rollout.tree.split_steps=[0,1,2]",
+                  "rollout.tree.branching=[2]", "sampling.window.strategy=all", "trainer.iterations=12"],
     "sol_rl": ["objective.kind=nft", "rollout.kind=two_stage", "rollout.two_stage.candidates=16",
                "rollout.two_stage.explore_precision=fp8", "trainer.iterations=4"],  # its 6 gained +0.060 to +0.069
     # the objectives of issue 64, each with its arena cell's settings on the task's 4 steps
@@ -145,7 +149,12 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #               +0.098 / -0.003 +0.057 +0.002 -0.020: the control's seed 1 drifts +0.04 to +0.08 in every setting tried
 # Each threshold is at least 3.5 standard errors above its control's mean (DPO's: 3.2), above every
 # control seed and under every engine seed.
-THRESHOLDS = {"dgpo": 0.03, "nft": 0.025, "g2rpo": 0.04, "sol_rl": 0.02, "flow_grpo": 0.06, "awm": 0.02,
+#   tree_dgpo   +0.034 +0.052 +0.057 +0.047 / -0.019 +0.008 -0.006 -0.004  (-0.005, 0.006; 12 iterations, 2026-12-05, issue 85's
+#               code, the same box). Fewer iterations: at 4 +0.008 +0.022 +0.020 +0.024 / -0.013 +0.007 -0.002 -0.000, at 8
+#               +0.014 +0.042 +0.041 +0.030 / -0.022 +0.001 -0.015 -0.004; at 6 with split_noise_scale 1 (the split's own
+#               transition) +0.027 +0.024 +0.015 +0.027 / -0.004 +0.002 +0.004 +0.016; at 6 between=ode is the SDE run bit
+#               for bit (the last step's noise never reaches the clean prediction the leaf is scored and trained on)
+THRESHOLDS = {"dgpo": 0.03, "tree_dgpo": 0.02, "nft": 0.025, "g2rpo": 0.04, "sol_rl": 0.02, "flow_grpo": 0.06, "awm": 0.02,
               "dpo": 0.015, "flow_grpo_fast": 0.06, "flow_dppo": 0.015, "branchgrpo": 0.05, "gdro": 0.037, "mixgrpo": 0.05}
 
 
