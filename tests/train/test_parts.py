@@ -117,7 +117,7 @@ def test_compatibility_comes_from_the_declarations(toy_parts):
     samples = OBJECTIVES.where(lambda o: o.needs == SAMPLES)  # the built-in clean-sample objectives and the toy
     assert "toy_awfm" in samples and "grpo" not in samples and msg.endswith(f"objective.kind may be {', '.join(samples)} with it")
     with pytest.raises(ConfigError, match="^objective.kind 'toy_awfm' trains on clean samples.*objective.kind may be grpo with it$"):
-        load_config("tiny_jpeg", ["rollout.kind=tree", "rollout.tree.split_steps=[0,1]", "data.group_size=4", "objective.kind=toy_awfm"])
+        load_config("tiny_jpeg", ["rollout.kind=granular", "rollout.granular.branch_steps=[0,1]", "objective.kind=toy_awfm"])
     assert TRANSITIONS in ROLLOUTS["flat"].provides(load_config("tiny_jpeg"))
     with pytest.raises(ConfigError, match=f"^objective.kind must be one of {', '.join(OBJECTIVES.names())}; got 'kto'$"):
         load_config("tiny_jpeg", ["objective.kind=kto"])
