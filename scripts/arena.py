@@ -41,8 +41,9 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 REFERENCE_CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
                    "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo",  # each algorithm with its reference's settings
-                   # Arena III, pairings: the leading objective with its tuned settings, fed by another rollout at its reference's
-                   "tree_dgpo", "two_stage_dgpo")
+                   # Arena III, pairings: the leading objective (DGPO, tuned) and the better of AWM and DPO (DPO, its reference
+                   # settings), each fed by another rollout at that rollout's reference settings
+                   "tree_dgpo", "two_stage_dgpo", "tree_dpo", "two_stage_dpo")
 OFFLINE_CELLS = ("gdro_offline",)  # train from a group store that the arena builds, timed, inside the budget
 PRESETS = ROOT / "configs" / "arena"
 TUNED = "_tuned"  # cell X_tuned: configs/arena/X_tuned.yaml, written by scripts/tune_arena.py
@@ -82,6 +83,8 @@ SMOKE_CELL = {
     "sol_rl": [*SMALL, "rollout.two_stage.candidates=8"],
     "tree_dgpo": ["data.prompts_per_iteration=1", "sampling.batch_size=8"],
     "two_stage_dgpo": [*SMALL, "rollout.two_stage.candidates=8"],
+    "tree_dpo": ["data.prompts_per_iteration=1", "sampling.batch_size=8"],
+    "two_stage_dpo": [*SMALL, "rollout.two_stage.candidates=8"],
 }
 SMOKE_BUDGET, SMOKE_PER_CATEGORY, SMOKE_STORE_PROMPTS = 0.1, 2, 4
 

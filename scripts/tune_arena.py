@@ -150,6 +150,9 @@ SPACES: dict[str, tuple[Param, ...]] = {
     "tree_dgpo": (LR, NOISE, Param("rollout.tree.split_noise_scale", "log", 0.1, 1)),
     "two_stage_dgpo": (LR, Param("objective.dgpo.beta", "log", 0.1, 10),
                        Param("rollout.two_stage.candidates", "choice", choices=(16, 24, 32, 48, 64))),
+    "tree_dpo": (LR, Param("objective.dpo.beta", "log", 0.1, 10), NOISE),
+    "two_stage_dpo": (LR, Param("objective.dpo.beta", "log", 0.1, 10),
+                      Param("rollout.two_stage.candidates", "choice", choices=(16, 24, 32, 48, 64))),
 }
 
 # --smoke: every code path in seconds on a CPU, on a tiny random shapes model (scripts/smoke.py): the arena's

@@ -21,7 +21,8 @@ from script_loader import load_script
 
 ARENA_DIR = CONFIG_DIR / "arena"
 REFERENCE_CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
-                   "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo", "tree_dgpo", "two_stage_dgpo")
+                   "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo", "tree_dgpo", "two_stage_dgpo",
+                   "tree_dpo", "two_stage_dpo")
 # a cell X_tuned once scripts/tune_arena.py has written its preset (tests/e2e/test_tune_arena.py)
 TUNED_CELLS = tuple(f"{c}_tuned" for c in REFERENCE_CELLS if (ARENA_DIR / f"{c}_tuned.yaml").is_file())
 CELLS = REFERENCE_CELLS + TUNED_CELLS
@@ -97,19 +98,25 @@ def test_the_cells_are_the_algorithms_they_name():
     assert {c: cfg[c].objective.kind for c in REFERENCE_CELLS} == {
         "flow_grpo": "grpo", "mixgrpo": "grpo", "branchgrpo": "grpo", "g2rpo": "grpo", "sol_rl": "nft", "nft": "nft",
         "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm", "dgpo_reference": "dgpo", "flow_grpo_fast": "grpo",
-        "dpo": "dpo", "dpo_online": "dpo", "flow_dppo": "grpo", "tree_dgpo": "dgpo", "two_stage_dgpo": "dgpo"}
+        "dpo": "dpo", "dpo_online": "dpo", "flow_dppo": "grpo", "tree_dgpo": "dgpo", "two_stage_dgpo": "dgpo",
+        "tree_dpo": "dpo", "two_stage_dpo": "dpo"}
     assert {c: cfg[c].rollout.kind for c in REFERENCE_CELLS} == {
         "flow_grpo": "flat", "mixgrpo": "flat", "branchgrpo": "tree", "g2rpo": "granular", "sol_rl": "two_stage", "nft": "flat",
         "dgpo": "flat", "gdro_offline": "offline", "awm": "flat", "dgpo_reference": "flat", "flow_grpo_fast": "flat",
-        "dpo": "flat", "dpo_online": "flat", "flow_dppo": "flat", "tree_dgpo": "tree", "two_stage_dgpo": "two_stage"}
-    # the pairings: the tuned DGPO whole (objective and trainer), the rollout and its sampler as the rollout's reference cell
-    for cell, rollout_cell in (("tree_dgpo", "branchgrpo"), ("two_stage_dgpo", "sol_rl")):
-        assert (cfg[cell].objective, cfg[cell].trainer) == (tuned.objective, tuned.trainer)
+        "dpo": "flat", "dpo_online": "flat", "flow_dppo": "flat", "tree_dgpo": "tree", "two_stage_dgpo": "two_stage",
+        "tree_dpo": "tree", "two_stage_dpo": "two_stage"}
+    # the pairings: the tuned DGPO or the reference DPO whole (objective and trainer), the rollout and its sampler as the
+    # rollout's reference cell
+    pairings = {"tree_dgpo": ("branchgrpo", tuned), "two_stage_dgpo": ("sol_rl", tuned), "tree_dpo": ("branchgrpo", cfg["dpo"]),
+                "two_stage_dpo": ("sol_rl", cfg["dpo"])}
+    for cell, (rollout_cell, objective_cell) in pairings.items():
+        assert (cfg[cell].objective, cfg[cell].trainer) == (objective_cell.objective, objective_cell.trainer)
         theirs = cfg[rollout_cell]
         assert (cfg[cell].sampling, cfg[cell].selection) == (theirs.sampling, theirs.selection)
-    # the depth pruning concerns the edges, which DGPO does not train on
-    assert cfg["tree_dgpo"].rollout.tree == replace(cfg["branchgrpo"].rollout.tree, prune_depths=[])
-    assert cfg["two_stage_dgpo"].rollout.two_stage == cfg["sol_rl"].rollout.two_stage
+        if rollout_cell == "branchgrpo":  # its depth pruning concerns the edges, which the clean-sample objectives do not train on
+            assert cfg[cell].rollout.tree == replace(cfg["branchgrpo"].rollout.tree, prune_depths=[])
+        else:
+            assert cfg[cell].rollout.two_stage == cfg["sol_rl"].rollout.two_stage
     assert cfg["flow_grpo"].sampling.sampler == "flow_grpo" and cfg["flow_grpo"].sampling.window.strategy == "all"
     assert cfg["mixgrpo"].sampling.window.strategy == "progressive"
     fast = cfg["flow_grpo_fast"].sampling
