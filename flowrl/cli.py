@@ -469,7 +469,7 @@ def cmd_eval(args) -> int:
         from flowrl.text import cli as text
 
         return text.evaluate(args.run, args.config, list(args.overrides), args.checkpoint, base=not args.no_base)
-    from flowrl.train.evaluate import format_category_table, format_comparison
+    from flowrl.train.evaluate import ARTEFACT_LEGEND, format_category_table, format_comparison
     from flowrl.train.prompts import read_prompt_file
 
     prompts = read_prompt_file(args.prompts, field="--prompts", per_category=args.per_category) if args.prompts else None
@@ -482,6 +482,8 @@ def cmd_eval(args) -> int:
             print(f"{name:<{width}}  {value:.4f}")
     else:
         print(format_comparison(base.means(), result.means()))
+    if result.artefacts:
+        print(ARTEFACT_LEGEND)
     table = result.category_table()
     if table is not None:
         run_name = Path(args.run).name if args.run else "base model"
@@ -530,7 +532,7 @@ def _evaluate(args, prompts: list[str] | None, source: str | None, with_base: bo
         from flowrl.train.evaluate import score_images
 
         found, problem = search_policy(cfg, policy, expanded, [args.seed + j for j in range(len(expanded))], progress=True)
-        result = score_images(cfg, reward, problem.images(found.latents[-1]), expanded, judge)
+        result = score_images(cfg, reward, problem.images(found.latents[-1]), expanded, judge, patch=getattr(policy, "pixel_patch", None))
         t = found.totals()
         what += (f", {cfg.search.method} search on {cfg.search.reward or 'reward.weights'} (mean {found.rewards[-1].mean():.4f}), "
                  f"{t['nfe'] / len(expanded):.0f} network evaluations, {t['decodes'] / len(expanded):.0f} decodes and "

@@ -122,35 +122,46 @@ def _best_shape(component: np.ndarray, min_side: int = 3) -> tuple[str | None, t
     return (SHAPES[best] if iou[best] >= MIN_SHAPE_IOU else None), tuple(float(v) for v in iou)
 
 
-def _analyse_chunk(images: np.ndarray) -> list[list[Detected]]:
+def _chunk_objects(images: np.ndarray) -> list[tuple]:
+    """The verifier's objects of a chunk uint8 [N, H, W, 3], in the order `analyse` reports them:
+    (image index, colour index into _NAMES, (ys, xs) slices of the bounding box, the component's
+    boolean mask in that box, area, shape, ious). `_analyse_chunk` and `fill_nonuniformity_batch`
+    share it, so the artefact measure reads exactly the objects the verifier counts."""
     n, h, w, _ = images.shape
     k = len(_NAMES)
     label = _palette_labels(images)
     masks = label[:, None] == np.arange(1, k + 1, dtype=np.uint8)[None, :, None, None]  # [N, K, H, W]
     components, count = ndimage.label(masks.reshape(n * k, h, w), structure=_EIGHT)
-    found: list[list[Detected]] = [[] for _ in range(n)]
     if count == 0:
-        return found
+        return []
     areas = np.bincount(components.ravel(), minlength=count + 1)
     min_area = max(4, round(4 * h * w / 1024))  # 4 px at 32x32: smaller specks are noise
     min_side = max(3, round(3 * max(h, w) / 32))  # a 2x2 box has no shape
     keep = np.flatnonzero(areas >= min_area)
     keep = keep[keep > 0]
     if len(keep) == 0:
-        return found
+        return []
     # renumber the kept components 1..m (the rest to 0) so that find_objects, which builds a
     # slice per label, skips the many specks of a noisy image
     renumber = np.zeros(count + 1, dtype=np.int32)
     renumber[keep] = np.arange(1, len(keep) + 1, dtype=np.int32)
     components = renumber[components]
+    out = []
     for j, (plane, ys, xs) in enumerate(ndimage.find_objects(components)):
         comp = components[plane.start, ys, xs] == j + 1
         area = int(areas[keep[j]])
         shape, ious = _best_shape(comp, min_side)
         if shape is None and area < SPECK_FACTOR * min_area:
             continue  # a shapeless speck: blur halo or noise, not an object
-        cy, cx = np.nonzero(comp)
         image, color = divmod(plane.start, k)
+        out.append((image, color, (ys, xs), comp, area, shape, ious))
+    return out
+
+
+def _analyse_chunk(images: np.ndarray) -> list[list[Detected]]:
+    found: list[list[Detected]] = [[] for _ in range(images.shape[0])]
+    for image, color, (ys, xs), comp, area, shape, ious in _chunk_objects(images):
+        cy, cx = np.nonzero(comp)
         found[image].append(Detected(
             _NAMES[color], shape, (ys.start, xs.start, ys.stop, xs.stop),
             (float(cy.mean() + ys.start + 0.5), float(cx.mean() + xs.start + 0.5)), area, ious,
@@ -285,6 +296,57 @@ def cleanliness_batch(images: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy((dist <= CLEAN_DISTANCE**2).reshape(len(arr), -1).mean(1).astype(np.float32))
 
 
+# ---- artefact measures: how far images stray from the renderer's flat colours (lower is cleaner) -----
+# A trained model can keep every pixel within MAX_COLOR_DISTANCE (and within CLEAN_DISTANCE) of the
+# palette while its backgrounds carry a faint grid and its fills turn speckled: shapes, shapes_quality
+# and shapes_clean all stay blind to that. These measure it in RGB units (0-255) on the uint8 pixels the
+# verifier reads; the renderer's own images score 0 on both.
+
+def background_impurity_batch(images: torch.Tensor) -> torch.Tensor:
+    """[N, 3, H, W] in [0, 1] -> [N] float32: the mean over the pixels the verifier labels background
+    (label 0 of `_palette_labels`: nearest to BACKGROUND, or farther than MAX_COLOR_DISTANCE from every
+    colour) of their Euclidean RGB distance from BACKGROUND,
+
+        impurity = (1 / |B|) sum_{p in B} || x_p - BACKGROUND ||_2,   x_p in 0-255 units,
+
+    0 for a pure background; NaN for an image without a background pixel (callers average with nanmean)."""
+    arr = to_uint8(images)
+    out = np.full(len(arr), np.nan)
+    for i in range(0, len(arr), CHUNK):
+        chunk = arr[i : i + CHUNK]
+        background = _palette_labels(chunk) == 0  # [n, H, W]
+        dist = np.sqrt(((chunk.astype(np.float64) - np.array(BACKGROUND, dtype=np.float64)) ** 2).sum(-1))
+        count = background.reshape(len(chunk), -1).sum(1)
+        total = (dist * background).reshape(len(chunk), -1).sum(1)
+        out[i : i + len(chunk)] = np.where(count > 0, total / np.maximum(count, 1), np.nan)
+    return torch.from_numpy(out.astype(np.float32))
+
+
+def fill_nonuniformity_batch(images: torch.Tensor) -> torch.Tensor:
+    """[N, 3, H, W] in [0, 1] -> [N] float32: for each object the verifier detects (`analyse`: a
+    connected component of one palette label of at least the verifier's min_area, less its shapeless
+    specks), the mean Euclidean RGB distance of its pixels from the object's mean colour, averaged
+    over the image's objects O:
+
+        nonuniformity = (1 / |O|) sum_{o in O} (1 / |o|) sum_{p in o} || x_p - mean_{q in o} x_q ||_2,
+
+    in 0-255 units; 0 for flat fills; NaN for an image without objects (callers average with nanmean).
+    Only the pixels the verifier gives the object's colour count: a pixel pushed beyond
+    MAX_COLOR_DISTANCE leaves the object (and counts as background, in `background_impurity_batch`)."""
+    arr = to_uint8(images)
+    out = np.full(len(arr), np.nan)
+    for i in range(0, len(arr), CHUNK):
+        chunk = arr[i : i + CHUNK]
+        spreads: list[list[float]] = [[] for _ in chunk]
+        for image, _, (ys, xs), comp, _, _, _ in _chunk_objects(chunk):
+            pixels = chunk[image, ys, xs][comp].astype(np.float64)  # [area, 3]
+            spreads[image].append(float(np.sqrt(((pixels - pixels.mean(0)) ** 2).sum(-1)).mean()))
+        for j, s in enumerate(spreads):
+            if s:
+                out[i + j] = float(np.mean(s))
+    return torch.from_numpy(out.astype(np.float32))
+
+
 def category_table(prompts: Sequence[str], strict: Sequence[float], partial: Sequence[float] | None = None) -> dict[str, dict[str, float]]:
     """Mean strict (and partial) per category, plus `overall`: the mean over the categories
     present, each weighted equally, as GenEval reports it."""
@@ -337,3 +399,20 @@ def shapes_quality(images, prompts, metadata=None):
           "shapes and shapes_quality do not see (for the corrected score of `flowrl eval`)")
 def shapes_clean(images, prompts, metadata=None):
     return cleanliness_batch(images)
+
+
+# The registry has no direction flag: these two score artefacts, lower is cleaner. Train on them, if at all, with a
+# negative weight; as reward.judge they would read backwards (the corrected score takes higher as better, and
+# reward.judge_range must rise). `flowrl eval` prints both beside the base for shapes-world prompts anyway.
+@register("shapes_background_impurity", "artefact measure, lower is cleaner (0: the renderer's pure white): the mean RGB "
+          "distance (0-255) from the background colour of the pixels the shapes verifier labels background (a faint grid, "
+          "tint or noise on the background, which shapes and shapes_clean do not see)")
+def shapes_background_impurity(images, prompts, metadata=None):
+    return torch.nan_to_num(background_impurity_batch(images), nan=0.0)  # no background pixel: nothing impure
+
+
+@register("shapes_fill_nonuniformity", "artefact measure, lower is cleaner (0: the renderer's flat fills): the mean RGB "
+          "distance (0-255) of a detected object's pixels from its mean colour, averaged over the image's objects (0 "
+          "without objects); speckled or gridded fills, which shapes and shapes_clean do not see")
+def shapes_fill_nonuniformity(images, prompts, metadata=None):
+    return torch.nan_to_num(fill_nonuniformity_batch(images), nan=0.0)  # no object: no fill to be uneven

@@ -350,6 +350,17 @@ class FlowPolicy:
         f = self.vae_scale_factor * 2
         return 2 * (self.cfg.height // f), 2 * (self.cfg.width // f)
 
+    @property
+    def pixel_patch(self) -> int:
+        """Image pixels per side of one transformer token: the family's `token_patch` (else the transformer
+        config's patch_size) times the VAE's spatial factor, 1 in pixel space. The period of a pattern the
+        network repeats in every token (the monitor's `patch_energy`): the shapes model's 4 (patch 4, no VAE),
+        SD3's 16 (patch 2 on 8x latents), SANA's 32, the families that pack 2x2 latent patches 16."""
+        patch = type(self).token_patch or self.transformer.config.patch_size
+        if isinstance(patch, (list, tuple)):  # (frames, height, width) patches of a video transformer
+            patch = patch[-1]
+        return int(patch) * int(self.vae_scale_factor)
+
     def velocity(self, x: torch.Tensor, sigma: float | torch.Tensor, cond: dict[str, torch.Tensor]) -> torch.Tensor:
         """v(x, sigma | cond) in fp32 for latents x [B, *latent_shape]; sigma is one float or one per
         row ([B]). Outside the adapter's sigma range (lora.sigma_range) the base network answers:

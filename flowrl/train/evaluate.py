@@ -19,6 +19,7 @@ class EvalResult(NamedTuple):
     judge: torch.Tensor | None = None  # [N] the auxiliary judge's scores on the same images (reward.judge)
     judge_range: tuple[float, float] = (0.0, 1.0)
     breakdown: dict[str, dict[str, float]] | None = None  # the reward's breakdown by kind of prompt (MultiReward.breakdown)
+    artefacts: dict[str, float] | None = None  # the shapes world's artefact measures (`artefact_means`), lower is cleaner
 
     def means(self) -> dict[str, float]:
         out = {name: self.scores[:, k].mean().item() for k, name in enumerate(self.channel_names)}
@@ -27,6 +28,7 @@ class EvalResult(NamedTuple):
             out["judge"] = self.judge.mean().item()
             for k, name in enumerate(self.channel_names):
                 out[f"corrected {name}"] = corrected_score(self.scores[:, k], self.judge, self.judge_range).mean().item()
+        out.update(self.artefacts or {})
         return out
 
     def category_table(self) -> dict[str, dict[str, float]] | None:
@@ -62,15 +64,40 @@ def evaluate(cfg, policy, reward, prompts: list[str], seed: int = 0, num_steps: 
     s = cfg.sampling
     images = ode_images(policy, prompts, seeds, policy.sigmas(num_steps or s.eval_num_steps, s.schedule, s.shift), s.batch_size,
                         progress=progress, desc=desc)
-    return score_images(cfg, reward, images, prompts, judge)
+    return score_images(cfg, reward, images, prompts, judge, patch=getattr(policy, "pixel_patch", None))
 
 
-def score_images(cfg, reward, images: torch.Tensor, prompts: list[str], judge=None) -> EvalResult:
-    """Score images [N, 3, H, W] of `prompts` with `reward`, and with `judge` when given."""
+def score_images(cfg, reward, images: torch.Tensor, prompts: list[str], judge=None, patch: int | None = None) -> EvalResult:
+    """Score images [N, 3, H, W] of `prompts` with `reward`, and with `judge` when given; the artefact
+    measures of shapes-world prompts (`artefact_means`, patch energy where `patch`, the policy's pixel_patch, is given)."""
     judged = None if judge is None else judge(images, prompts)[:, 0]
     scores = reward(images, prompts)
     return EvalResult(list(prompts), scores, list(reward.channel_names), reward.channel_weights, judged,
-                      tuple(cfg.reward.judge_range), reward.breakdown(prompts, scores))
+                      tuple(cfg.reward.judge_range), reward.breakdown(prompts, scores), artefact_means(images, prompts, patch))
+
+
+ARTEFACT_LEGEND = ("artefacts, lower is cleaner: background impurity = mean RGB distance (0-255) of the background pixels "
+                   "from white; fill nonuniformity = mean RGB distance of an object's pixels from its mean colour; patch "
+                   "energy = share of the luminance spectrum's power on the transformer patch's lattice (white noise: "
+                   "(p^2 - 1) / (H W - 1))")
+
+
+def artefact_means(images: torch.Tensor, prompts: list[str], patch: int | None = None) -> dict[str, float] | None:
+    """The shapes world's artefact measures of images whose prompts are all shapes-world prompts (else None),
+    each the nanmean over the images where it is defined: background impurity and fill nonuniformity
+    (rewards/shapes.py), and patch energy on the lattice of `patch` pixels (flowrl/train/monitor/image_stats.py)
+    where it is given. docs/monitor.md, "Artefact measures"."""
+    from flowrl.train.monitor.image_stats import artefact_statistics, patch_energy
+    from rewards.shapes import prompt_category
+
+    if not prompts or any(prompt_category(p) == "other" for p in prompts):
+        return None
+    stats = artefact_statistics(images)
+    out = {"background impurity": stats.get("background_impurity", float("nan")),
+           "fill nonuniformity": stats.get("fill_nonuniformity", float("nan"))}
+    if patch:
+        out["patch energy"] = patch_energy(images, patch)
+    return out
 
 
 def format_comparison(base: dict[str, float], run: dict[str, float], first: str = "channel") -> str:

@@ -217,3 +217,10 @@ def test_relation_probe_tells_a_right_relation_from_a_mirrored_one():
     # mirrored left-right: every object is still drawn (the shapes are symmetric), every relation is wrong
     mirrored = probe.relation_stats(prompts, drawn[:, :, ::-1].copy())
     assert mirrored["objects_right"] > 0.95 and mirrored["relation_given_objects"] == 0.0
+
+
+def test_pixel_patch_is_a_tokens_side_in_image_pixels(tiny_sd3_dir):
+    # the shapes model: pixel space, patch 4; the tiny SD3: patch 2 on the 8x VAE's latents
+    assert load_policy(ModelConfig(**SHIPPED)).pixel_patch == 4
+    tiny = load_policy(ModelConfig(kind="sd3", path=tiny_sd3_dir), device="cpu")
+    assert tiny.vae_scale_factor == 8 and tiny.transformer.config.patch_size == 2 and tiny.pixel_patch == 16

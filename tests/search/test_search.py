@@ -202,6 +202,7 @@ def test_eval_with_search_prints_the_held_out_table(capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "bon search on shapes_quality" in out and "10 network evaluations" in out and "overall" in out
+    assert "background impurity" in out and "patch energy" in out  # the searched images' artefact measures
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -162,6 +162,16 @@ def test_the_monitor_section_is_validated():
     assert load_config("tiny_jpeg", ["monitor.enabled=true", "monitor.gold=[shapes/strict]"]).monitor.gold == ["shapes/strict"]
 
 
+def test_the_shapes_artefact_measures_are_watched_on_shapes_world_prompts_only():
+    from flowrl.train.monitor.watch import Monitor
+
+    on = ["monitor.enabled=true", "monitor.drift={background_impurity: 2.0, patch_energy: 0.01}"]
+    assert Monitor(load_config("tiny_jpeg", on + ["monitor.prompts=[a red circle, two blue squares]"])).shapes_world
+    assert not Monitor(load_config("tiny_jpeg", ["monitor.enabled=true", "monitor.prompts=[a cat]"])).shapes_world
+    with pytest.raises(ConfigError, match="monitor.drift names background_impurity.*'a yellow star above a cat' is not one"):
+        Monitor(load_config("tiny_jpeg", on))  # its training prompts include one outside the shapes grammar
+
+
 # ---- in the trainer ----------------------------------------------------------------------------------
 FAST = ["sampling.num_steps=3", "sampling.eval_num_steps=2", "data.prompts_per_iteration=2", "data.group_size=2",
         "sampling.batch_size=4", "run.tracker=none", "run.progress=false", "lora.rank=2", "lora.alpha=4", "run.sample_every=0"]
@@ -235,6 +245,9 @@ def test_the_evaluations_go_into_the_metrics_rows_sheets_and_the_closing_line(ro
     rows = [json.loads(line) for line in (r.run / "metrics.jsonl").read_text().splitlines()]
     assert [row["heldout/brightness"] for row in rows] == pytest.approx([0.9, 0.3, 0.2])
     assert all(0 <= row["monitor/brightness"] <= 1 and "monitor/colour_entropy" in row and "time_monitor" in row for row in rows)
+    # the tiny SD3's 16-pixel tokens (patch 2 on 8x latents); its two monitor prompts are shapes-world prompts
+    assert all(0 <= row["monitor/patch_energy"] <= 1 and row["monitor/background_impurity"] >= 0 for row in rows)
+    assert all("patch_energy" in e.stats for e in r.trainer.monitor.evaluations)
     assert all(math.isfinite(row["monitor/diversity"]) for row in rows)
     assert (r.run / "samples" / "monitor_base.png").is_file() and (r.run / "samples" / "monitor_000003.png").is_file()
     line = r.trainer.closing_line()

@@ -271,6 +271,7 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
     assert lines[1].split() == ["channel", "base", "run", "change"]  # the run beside the base model (adapter disabled)
     base, trained, change = (float(v) for v in next(line for line in lines if line.startswith("weighted sum")).split()[2:5])
     assert change == pytest.approx(trained - base, abs=2e-4) and base != trained
+    assert any(line.startswith("patch energy ") and len(line.split()) == 5 for line in lines)  # shapes prompts: beside the base
     assert main(["eval", "--run", str(run), "--prompts", str(prompts), "model.guidance_scale=2.5", "--no-base"]) == 0
     assert capsys.readouterr().out.splitlines()[1].split()[0] != "channel"  # the run alone
     assert main(["eval", "--run", str(run), "--prompts", str(prompts), "model.bogus=1"]) == 2

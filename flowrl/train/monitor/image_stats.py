@@ -1,7 +1,8 @@
 """Image statistics that move when a model hacks its reward (docs/monitor.md): images in, numbers out.
 
 Every function takes images [N, 3, H, W] (or videos [N, 3, F, H, W], whose frames count as images)
-with values in [0, 1] and returns the mean over images of one number per image. The definitions
+with values in [0, 1] and returns the mean over images of one number per image (patch_energy also takes the
+model's token side in pixels; artefact_statistics returns the shapes world's two artefact measures). The definitions
 are ours: UniRL PR #407 named brightness, dark-pixel fraction, edge density and colour entropy
 without publishing their formulas (docs/monitor.md writes each one out)."""
 
@@ -77,11 +78,79 @@ def frame_change(videos: torch.Tensor) -> float:
     return (videos[:, :, 1:].float() - videos[:, :, :-1].float()).abs().mean().item()
 
 
-def image_statistics(images: torch.Tensor) -> dict[str, float]:
-    """Every statistic by name; frame_change too for videos."""
+def patch_energies(images: torch.Tensor, patch: int) -> torch.Tensor:
+    """[N] float64: each image's `patch_energy` (videos: each frame's, [N F])."""
+    y = luminance(as_frames(images)).double()
+    h, w = y.shape[-2:]
+    if int(patch) != patch or not 1 <= patch <= min(h, w):
+        raise ValueError(f"patch_energy: patch must be a whole number of pixels from 1 to the image's side ({min(h, w)}); got {patch}")
+    patch = int(patch)
+    h, w = h - h % patch, w - w % patch
+    y = y[..., :h, :w]  # the whole tokens (they start at the top-left pixel): the lattice is then exact
+    y = y - y.mean((-2, -1), keepdim=True)
+    power = torch.fft.fft2(y).abs() ** 2  # [N, h, w]
+    power[:, 0, 0] = 0.0  # DC (0 up to rounding once the mean is taken out)
+    on = power[:, :: h // patch, :: w // patch].sum((-2, -1))  # u, v multiples of h / patch, w / patch
+    total = power.sum((-2, -1))
+    return torch.where(total > 0, on / total.clamp_min(1e-300), torch.zeros_like(total))
+
+
+def patch_energy(images: torch.Tensor, patch: int) -> float:
+    """The share of the luminance spectrum's AC power that lies on the lattice of the transformer's
+    patch, per image, averaged over images:
+
+        P(u, v) = |FFT2(Y - mean Y)|^2 (u in 0..H-1, v in 0..W-1),
+        patch_energy = sum_{(u, v) in L, (u, v) != (0, 0)} P(u, v) / sum_{(u, v) != (0, 0)} P(u, v),
+        L = {(u, v): u a multiple of H / patch, v a multiple of W / patch},
+
+    with Y the BT.601 luminance and `patch` the model's token side in image pixels (the policy's
+    `pixel_patch`). Why the lattice: a pattern that repeats every `patch` pixels down and across,
+    such as a seam or a bias at the same place in every token, is a sum of the harmonics of period
+    `patch`, so all its power lies on the frequencies that are multiples of H / patch and W / patch,
+    the patch^2 - 1 bins of L besides DC. White noise spreads its power evenly over the H W - 1 AC
+    bins, so its expected share is (patch^2 - 1) / (H W - 1) (15 / 1023 = 0.0147 at 32x32 with
+    patch 4); a pure period-`patch` pattern on a flat image scores 1; an image without AC power (a
+    flat one) 0. Independent noise of AC power n added to an image of AC power T and share s moves the
+    share, in expectation, to (T s + n s_noise) / (T + n), s_noise = (patch^2 - 1) / (H W - 1): towards
+    the noise's share, from above or below, with a weight n / (T + n) that faint speckle on a scene of
+    coloured shapes keeps near 0. So it ranks periodic grids, not speckle (the
+    shapes world's fill_nonuniformity and background_impurity see speckle). Where H or W is not a
+    multiple of `patch`, the measure reads the top-left crop of whole tokens (H - H % patch rows,
+    W - W % patch columns: tokens start at the top-left pixel), where the lattice is exact."""
+    return patch_energies(images, patch).mean().item()
+
+
+def artefact_statistics(images: torch.Tensor) -> dict[str, float]:
+    """The shapes world's artefact measures (rewards/shapes.py), each the nanmean over the images (frames)
+    where it is defined: background_impurity (the verifier's background pixels' mean RGB distance from
+    white, 0-255) and fill_nonuniformity (the mean RGB distance of an object's pixels from its mean colour).
+    A measure defined on no image (no object anywhere) is left out."""
+    from rewards.shapes import background_impurity_batch, fill_nonuniformity_batch
+
+    frames = as_frames(images)
+    out = {}
+    for name, fn in (("background_impurity", background_impurity_batch), ("fill_nonuniformity", fill_nonuniformity_batch)):
+        value = torch.nanmean(fn(frames).double()).item()
+        if math.isfinite(value):
+            out[name] = value
+    return out
+
+
+SHAPES_STATISTICS = ("background_impurity", "fill_nonuniformity")  # artefact_statistics: shapes-world prompts only
+ARTEFACT_STATISTICS = ("patch_energy", *SHAPES_STATISTICS)
+
+
+def image_statistics(images: torch.Tensor, patch: int | None = None, shapes_world: bool = False) -> dict[str, float]:
+    """Every statistic by name; frame_change too for videos; patch_energy where `patch` (the model's token
+    side in pixels) is given; background_impurity and fill_nonuniformity with `shapes_world` (images of
+    the shapes world: a white background and flat palette colours, which those measures assume)."""
     out = {name: globals()[name](images) for name in STATISTICS}
     if images.ndim == 5 and images.shape[2] > 1:
         out["frame_change"] = frame_change(images)
+    if patch:
+        out["patch_energy"] = patch_energy(images, patch)
+    if shapes_world:
+        out.update(artefact_statistics(images))
     return out
 
 

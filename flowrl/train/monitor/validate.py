@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from flowrl.errors import ConfigError, check_choice, check_range
-from flowrl.train.monitor.image_stats import STATISTICS
+from flowrl.train.monitor.image_stats import ARTEFACT_STATISTICS, STATISTICS
 from flowrl.train.monitor.rules import ACTIONS
 from flowrl.train.prompts import BUILTIN_PROMPT_SETS
 from rewards import check_reward_config, get_reward
 
-DRIFT_STATISTICS = (*STATISTICS, "frame_change")
+# frame_change: videos only; patch_energy: every image model; background_impurity, fill_nonuniformity: shapes-world prompts only
+DRIFT_STATISTICS = (*STATISTICS, "frame_change", *ARTEFACT_STATISTICS)
 
 
 def gold_reward(channel: str) -> str:

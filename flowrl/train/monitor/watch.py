@@ -16,16 +16,19 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.core.seeds import sample_seed
+from flowrl.errors import ConfigError
 from flowrl.runtime.checkpoint import BEST, best_checkpoint, load_checkpoint, point_to
 from flowrl.runtime.processes import rank0
 from flowrl.train.evaluate import ode_images
 from flowrl.train.images import save_grid
-from flowrl.train.monitor.image_stats import group_diversity, image_statistics, middle_frames, pixel_features
+from flowrl.train.monitor.image_stats import (SHAPES_STATISTICS, group_diversity, image_statistics, middle_frames,
+                                              pixel_features)
 from flowrl.train.monitor.rules import Evaluation, Firing, check_rules
 from flowrl.train.monitor.validate import gold_reward
 from flowrl.train.prompts import load_prompts, read_prompt_file
 from flowrl.train.trainer_state import restore_trainer
 from rewards import MultiReward
+from rewards.shapes import prompt_category
 
 MONITOR_SEEDS = -2  # the `iteration` of the monitor's seeds in sample_seed (-1: the sample grids')
 
@@ -52,6 +55,14 @@ class Monitor:
         prompts = monitor_prompts(cfg)
         self.prompts = [p for p in prompts for _ in range(m.seeds)]  # each prompt's seeds side by side: its group
         self.groups = torch.arange(len(prompts)).repeat_interleave(m.seeds)
+        # the shapes world's artefact measures assume its scenes (a white background, flat palette colours): they
+        # are measured where every monitor prompt is one of its prompts, whatever the run trains on
+        self.shapes_world = bool(prompts) and all(prompt_category(p) != "other" for p in prompts)
+        unmeasured = [name for name in m.drift if name in SHAPES_STATISTICS and not self.shapes_world]
+        if unmeasured:
+            other = next((p for p in prompts if prompt_category(p) == "other"), None)
+            raise ConfigError(f"monitor.drift names {', '.join(unmeasured)}, which the monitor measures only when all its prompts "
+                              f"are shapes-world prompts; " + (f"'{other}' is not one" if other else "it has no prompts"))
         self.seeds = [sample_seed(cfg.trainer.seed, MONITOR_SEEDS, j) for j in range(len(self.prompts))]
         names = list(dict.fromkeys(gold_reward(c) for c in m.gold))
         self.gold = MultiReward({n: 1.0 for n in names}, cfg.reward.batch_size, rewards=rewards,
@@ -69,8 +80,9 @@ class Monitor:
     def due(self, iteration: int) -> bool:
         return iteration % self.options.every == 0
 
-    def measure(self, images: torch.Tensor) -> dict:
-        """Gold channels, image statistics and the raw within-group diversity of the monitor's images."""
+    def measure(self, images: torch.Tensor, patch: int | None = None) -> dict:
+        """Gold channels, image statistics and the raw within-group diversity of the monitor's images; `patch`:
+        the policy's token side in pixels (`pixel_patch`), for patch_energy."""
         gold = {}
         if self.gold is not None:
             scores = self.gold(images, self.prompts)
@@ -78,7 +90,8 @@ class Monitor:
             gold = {c: means[c] for c in self.options.gold}
         features, metric = ((self.encoder(middle_frames(images)).float().cpu(), "cosine") if self.encoder is not None
                             else (pixel_features(images), "rms"))
-        return {"gold": gold, "stats": image_statistics(images), "diversity": group_diversity(features, self.groups, metric)}
+        stats = image_statistics(images, patch=patch, shapes_world=self.shapes_world)
+        return {"gold": gold, "stats": stats, "diversity": group_diversity(features, self.groups, metric)}
 
     def summary(self) -> list[str]:
         """For the closing line: each rule that fired, its action and the iterations it fired at."""
@@ -123,7 +136,7 @@ def measured(tr, name: str, reference: bool = False) -> dict:
     images = draw(tr, reference)
     out = None
     if images is not None:
-        out = tr.monitor.measure(images)
+        out = tr.monitor.measure(images, patch=getattr(tr.policy, "pixel_patch", None))
         save_grid(images, tr.run.samples / f"{name}.png", columns=tr.monitor.options.seeds * 2, captions=tr.monitor.prompts)
     return rank0(out)
 
