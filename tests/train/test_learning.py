@@ -65,6 +65,9 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
     # (8 leaves per prompt); 12 iterations: a tree's group learns slower per iteration than a flat ODE group (below)
     "tree_dgpo": ["rollout.kind=tree", "sampling.sampler=dance_grpo", "sampling.noise_level=0.3", "rollout.tree.split_steps=[0,1,2]",
                   "rollout.tree.branching=[2]", "sampling.window.strategy=all", "trainer.iterations=12"],
+    # the pairing that led Arena III's first seeds: DGPO on Sol-RL's best-worst selection (16 fp8 candidates, 8 kept)
+    "two_stage_dgpo": ["rollout.kind=two_stage", "rollout.two_stage.candidates=16", "rollout.two_stage.explore_precision=fp8",
+                       "rollout.two_stage.fidelity_every=0", "trainer.iterations=4"],
     "sol_rl": ["objective.kind=nft", "rollout.kind=two_stage", "rollout.two_stage.candidates=16",
                "rollout.two_stage.explore_precision=fp8", "trainer.iterations=4"],  # its 6 gained +0.060 to +0.069
     # the objectives of issue 64, each with its arena cell's settings on the task's 4 steps
@@ -154,7 +157,9 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #               +0.014 +0.042 +0.041 +0.030 / -0.022 +0.001 -0.015 -0.004; at 6 with split_noise_scale 1 (the split's own
 #               transition) +0.027 +0.024 +0.015 +0.027 / -0.004 +0.002 +0.004 +0.016; at 6 between=ode is the SDE run bit
 #               for bit (the last step's noise never reaches the clean prediction the leaf is scored and trained on)
-THRESHOLDS = {"dgpo": 0.03, "tree_dgpo": 0.02, "nft": 0.025, "g2rpo": 0.04, "sol_rl": 0.02, "flow_grpo": 0.06, "awm": 0.02,
+#   two_stage_dgpo  +0.069 +0.073 +0.051 +0.076 / +0.020 -0.027 +0.000 -0.014  (-0.005, 0.010; 4 iterations, 16 fp8 candidates,
+#               2026-12-05, issue 85's code, the same box): per iteration above flat DGPO's (its high-contrast groups)
+THRESHOLDS = {"dgpo": 0.03, "tree_dgpo": 0.02, "two_stage_dgpo": 0.035, "nft": 0.025, "g2rpo": 0.04, "sol_rl": 0.02, "flow_grpo": 0.06, "awm": 0.02,
               "dpo": 0.015, "flow_grpo_fast": 0.06, "flow_dppo": 0.015, "branchgrpo": 0.05, "gdro": 0.037, "mixgrpo": 0.05}
 
 
