@@ -68,7 +68,7 @@ def load_run_policy(run: Path, overrides=(), iteration: int | str | None = None,
 
 def ode_samples(cfg, policy, prompts, seeds, steps=None):
     """What `flowrl sample` draws: images of `prompts` from `seeds` on the ODE of sampling.eval_num_steps (or `steps`)."""
-    from flowrl.train.evaluate import ode_images
+    from flowrl.train.images import ode_images
 
     s = cfg.sampling
     return ode_images(policy, prompts, seeds, policy.sigmas(s.eval_num_steps if steps is None else steps, s.schedule, s.shift),

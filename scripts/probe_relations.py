@@ -80,7 +80,7 @@ def run(args) -> int:
     from flowrl.config import load_config
     from flowrl.errors import UserError
     from flowrl.models import load_policy
-    from flowrl.train.evaluate import ode_images
+    from flowrl.train.images import ode_images
 
     try:
         cfg = load_config("default", [f"model.path={args.model}", *args.overrides])

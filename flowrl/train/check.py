@@ -32,7 +32,7 @@ from flowrl.models import load_policy
 from flowrl.sampling.noise import INITIAL, seeded_noise
 from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import rollout
-from flowrl.train.evaluate import ode_images
+from flowrl.train.images import ode_images
 from flowrl.train.prompts import load_prompts
 from flowrl.train.rollouts.common import recompute_transition, training_spec
 

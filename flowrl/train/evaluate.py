@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from tqdm.auto import tqdm
 
-from flowrl.sampling.rollout import SamplerSpec, rollout
+from flowrl.train.images import ode_images
 
 
 class EvalResult(NamedTuple):
@@ -43,17 +42,6 @@ def corrected_score(reward: torch.Tensor, judge: torch.Tensor, judge_range=(0.0,
     low, high = judge_range
     u = 1 + 4 * (judge.float() - low) / (high - low)
     return reward.float() * (u - 3) + 0.2
-
-
-def ode_images(policy, prompts: list[str], seeds: list[int], sigmas: torch.Tensor, batch_size: int,
-               progress: bool = False, desc: str = "eval sampling") -> torch.Tensor:
-    """Deterministic (ODE) samples on `sigmas` decoded to images [N, 3, H, W] in [0, 1]."""
-    spec = SamplerSpec.ode(sigmas)
-    images = []
-    for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress, leave=False, unit="batch"):
-        traj = rollout(policy, prompts[i : i + batch_size], seeds[i : i + batch_size], spec, batch_size, progress=False)
-        images.append(policy.decode(traj.final))
-    return torch.cat(images)
 
 
 def evaluate(cfg, policy, reward, prompts: list[str], seed: int = 0, num_steps: int | None = None,

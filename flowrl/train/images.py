@@ -10,7 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
+from tqdm.auto import tqdm
 
+from flowrl.sampling.rollout import SamplerSpec, rollout
 from rewards.simple import to_uint8
 
 
@@ -94,3 +96,15 @@ def save_video_grid(videos: torch.Tensor, path: str | Path, columns: int | None 
     labels = None if captions is None else [c if k == 0 else f"frame {t}" for c in captions for k, t in enumerate(picked)]
     image_grid(strip, len(picked), pad=2 * factor, captions=labels).save(path)
     return path
+
+
+def ode_images(policy, prompts: list[str], seeds: list[int], sigmas: torch.Tensor, batch_size: int,
+               progress: bool = False, desc: str = "eval sampling") -> torch.Tensor:
+    """Deterministic (ODE) samples on `sigmas` decoded to images [N, 3, H, W] in [0, 1] (evaluation, the
+    monitor and `flowrl sample` draw them; flowrl.train.evaluate re-exports it)."""
+    spec = SamplerSpec.ode(sigmas)
+    images = []
+    for i in tqdm(range(0, len(prompts), batch_size), desc=desc, disable=not progress, leave=False, unit="batch"):
+        traj = rollout(policy, prompts[i : i + batch_size], seeds[i : i + batch_size], spec, batch_size, progress=False)
+        images.append(policy.decode(traj.final))
+    return torch.cat(images)

@@ -326,7 +326,7 @@ def test_gradient_signal_measures_each_steps_gradient_and_its_permuted_control(t
 def test_reward_transfer_scores_base_live_and_ema_under_each_condition(tmp_path, capsys, monkeypatch):
     from flowrl.cli import main
     from flowrl.runs import load_run_policy
-    from flowrl.train.evaluate import ode_images
+    from flowrl.train.images import ode_images
     from flowrl.train.prompts import builtin_prompts
 
     import torch

@@ -110,7 +110,7 @@ SHIPPED = dict(kind="sd3", path="builtin:shapes", height=32, width=32, guidance_
 
 
 def test_shipped_model_loads_through_the_sd3_adapter_and_draws_its_world():
-    from flowrl.train.evaluate import ode_images
+    from flowrl.train.images import ode_images
     from flowrl.train.prompts import builtin_prompts
     from rewards.shapes import score_batch
 

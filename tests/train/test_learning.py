@@ -22,7 +22,7 @@ import torch
 
 from flowrl.config import load_config
 from flowrl.sampling.schedules import shifted_sigmas
-from flowrl.train.evaluate import ode_images
+from flowrl.train.images import ode_images
 from flowrl.train.loop import Trainer
 from run_checks import permute_rewards_within_groups
 

@@ -15,7 +15,7 @@ def manifest(out):
 def test_out_dir_writes_each_image_with_its_row_and_a_second_call_samples_only_what_is_missing(tmp_path, capsys):
     from flowrl.config import load_config
     from flowrl.models import load_policy
-    from flowrl.train.evaluate import ode_images
+    from flowrl.train.images import ode_images
     from rewards.simple import to_uint8
 
     prompts, out = tmp_path / "prompts.txt", tmp_path / "out"

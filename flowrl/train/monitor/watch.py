@@ -19,8 +19,7 @@ from flowrl.core.seeds import sample_seed
 from flowrl.errors import ConfigError
 from flowrl.runtime.checkpoint import BEST, best_checkpoint, load_checkpoint, point_to
 from flowrl.runtime.processes import rank0
-from flowrl.train.evaluate import ode_images
-from flowrl.train.images import save_grid
+from flowrl.train.images import ode_images, save_grid
 from flowrl.train.monitor.image_stats import (SHAPES_STATISTICS, group_diversity, image_statistics, middle_frames,
                                               pixel_features)
 from flowrl.train.monitor.rules import Evaluation, Firing, check_rules
