@@ -119,7 +119,8 @@ class RolloutSection:
 
     # flat: G independent chains per prompt | tree: BranchGRPO trees (rollout.tree) |
     # two_stage: low-precision exploration, selection, regeneration (rollout.two_stage) |
-    # granular: G2RPO's singular branches with multi-granularity tails (rollout.granular) | offline: a group store
+    # granular: G2RPO's singular branches with multi-granularity tails (rollout.granular) | offline: a group store |
+    # warm_start: a group store's iterations, then flat (rollout.warm_start)
     kind: str = "flat"
 
 
@@ -130,7 +131,7 @@ class DataConfig:
     prompts_per_iteration: int = 2
     group_size: int = 8
     eval_prompts: list[str] = field(default_factory=list)  # sample grids; defaults to the first 4 prompts
-    offline: Optional[str] = None  # rollout.kind offline: a group store directory (`flowrl offline build`)
+    offline: Optional[str] = None  # rollout.kind offline or warm_start: a group store directory (`flowrl offline build`)
 
 
 @dataclass
