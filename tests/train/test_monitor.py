@@ -257,16 +257,16 @@ def test_the_evaluations_go_into_the_metrics_rows_sheets_and_the_closing_line(ro
 
 
 def test_checkpoint_best_loads_the_best_checkpoint_and_bad_values_are_refused(rolled_back_run):
-    from flowrl.cli import _parser
+    from flowrl.cli import parse_args
     from flowrl.runs import load_run_policy
     from flowrl.errors import UserError
 
     _, _, ckpt = load_run_policy(rolled_back_run.run, (), "best")
     assert ckpt.name == "iter_000001"
-    assert _parser().parse_args(["export", "--run", "x", "--checkpoint", "best", "-o", "y"]).checkpoint == "best"
-    assert _parser().parse_args(["sample", "--run", "x", "--prompt", "a", "--checkpoint", "2"]).checkpoint == 2
+    assert parse_args(["export", "--run", "x", "--checkpoint", "best", "-o", "y"]).checkpoint == "best"
+    assert parse_args(["sample", "--run", "x", "--prompt", "a", "--checkpoint", "2"]).checkpoint == 2
     with pytest.raises(UserError, match="must be an iteration"):
-        _parser().parse_args(["eval", "--run", "x", "--checkpoint", "bestest"])
+        parse_args(["eval", "--run", "x", "--checkpoint", "bestest"])
     (rolled_back_run.run / "checkpoints" / "best").rename(rolled_back_run.run / "best.moved")
     try:
         with pytest.raises(UserError, match="keeps no best checkpoint"):

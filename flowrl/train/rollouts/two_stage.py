@@ -38,7 +38,7 @@ from flowrl.sampling.precision import BACKENDS, EXPLORE_PRECISIONS, FP8_SCALINGS
 from flowrl.sampling.rollout import SamplerSpec, policy_precision
 from flowrl.train.experience import SAMPLES, TRANSITIONS, Experience
 from flowrl.train.parts import Rollout, register_rollout
-from flowrl.train.rollouts.common import Stage, group_advantages, training_spec
+from flowrl.train.rollouts.common import Stage, group_advantages, spread, training_spec
 from flowrl.train.rollouts.flat import FlatBatch, FlatRollout, flat_experience, split_flat_batch
 
 
@@ -57,16 +57,6 @@ def subset_stage(stage: Stage, selected: torch.Tensor, num_processes: int, proce
     rows = rows + [rows[-1] if rows else 0] * pad
     return Stage(stage.traj.subset(rows), stage.rewards[selected], stage.prompt_ids[selected], torch.tensor(positions, dtype=torch.long),
                  stage.reward_time, stage.reward_wait, stage.valid[selected])
-
-
-def spread(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[float, float]:
-    """(mean within-group std, mean within-group max - min) of `values`."""
-    stds, ranges = [], []
-    for g in torch.unique(group_ids).tolist():
-        v = values[group_ids == g].double()
-        stds.append(float(v.std(unbiased=False)) if v.numel() > 1 else 0.0)
-        ranges.append(float(v.max() - v.min()))
-    return sum(stds) / len(stds), sum(ranges) / len(ranges)
 
 
 def selection_spread(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor, selected: torch.Tensor) -> dict:
