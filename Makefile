@@ -23,4 +23,4 @@ demo: install
 	$(BIN)/flowrl train
 
 test: install
-	$(BIN)/python -m pytest tests -n auto  # one worker per core (pytest-xdist)
+	$(BIN)/python -m pytest tests -n auto --dist loadgroup  # one worker per core (pytest-xdist); a group's tests on one

@@ -1,4 +1,4 @@
-"""`flowrl train | sample | eval | offline build | export | check | config show | rewards | serve-reward | produce`: parse, build, call. User mistakes print one
+"""`flowrl train | sample | eval | offline build | export | check | config show | rewards | serve-reward`: parse, build, call. User mistakes print one
 sentence on stderr and exit 2, without a traceback."""
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ def _parser() -> argparse.ArgumentParser:
     _check_parser(sub)
     _config_parser(sub)
     sub.add_parser("rewards", help="list the registered rewards")
-    _produce_parser(sub)
     _serve_reward_parser(sub)
     return p
 
@@ -169,15 +168,6 @@ def _config_parser(sub: argparse._SubParsersAction) -> None:
     show.add_argument("config", nargs="?", help="a YAML file or a preset name (default: the default preset)")
     show.add_argument("overrides", nargs="*", help="dot-list overrides, e.g. trainer.lr=1e-5, and keys or sections to show, "
                       "e.g. model.quantize")
-
-
-def _produce_parser(sub: argparse._SubParsersAction) -> None:
-    """Add `flowrl produce` and its arguments."""
-    pr = sub.add_parser("produce", help="sample asynchronous rollouts on this machine for a trainer on another one "
-                        "(run.async_rollouts with run.producer_port; docs/usage.md)")
-    pr.add_argument("address", metavar="TRAINER_HOST:PORT", help="the trainer's machine and its run.producer_port")
-    pr.add_argument("--threads", type=_int(0), default=0, help="torch threads on a CPU (default 0: torch's default)")
-    pr.add_argument("--wait-minutes", type=float, default=10.0, help="how long to wait for the trainer to listen (default 10)")
 
 
 def _serve_reward_parser(sub: argparse._SubParsersAction) -> None:
@@ -644,14 +634,6 @@ def cmd_serve_reward(args) -> int:
     return 0
 
 
-def cmd_produce(args) -> int:
-    from flowrl.runtime.remote_producers import produce_remote
-
-    if not args.wait_minutes > 0:
-        raise UserError(f"--wait-minutes must be > 0; got {args.wait_minutes}")
-    return produce_remote(args.address, args.wait_minutes, args.threads)
-
-
 def main(argv: list[str] | None = None) -> int:
     die_with_launcher()
     silence_known_messages()
@@ -662,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USER_ERROR
     args.argv = list(sys.argv[1:] if argv is None else argv)
     handler = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "export": cmd_export, "check": cmd_check, "offline": cmd_offline, "rewards": cmd_rewards,
-               "serve-reward": cmd_serve_reward, "produce": cmd_produce, "config": cmd_config}[args.command]
+               "serve-reward": cmd_serve_reward, "config": cmd_config}[args.command]
     try:
         return handler(args)
     except UserError as exc:

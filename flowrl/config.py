@@ -33,7 +33,8 @@ from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_si
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 from flowrl.registry import load_plugins
 from flowrl.runtime.optimizers import check_optimizer
-from flowrl.runtime.options import check_ranges, validate_runtime
+from flowrl.runtime.options import RETIRED_KEYS, check_ranges, validate_runtime
+from flowrl.runtime.ray_cluster import REWARD_PLACEMENTS, check_resources
 from flowrl.schema import Config, ObjectiveSection, RolloutSection
 from flowrl.search import SEARCH_METHODS
 from flowrl.train.experience import DATA_KINDS, FIXED_STEPS, SAMPLES
@@ -54,7 +55,8 @@ MOVED_KEYS = {"trainer.objective": "objective.kind", "trainer.clip_range": "obje
               "trainer.clip_range_high": "objective.grpo.clip_range_high",
               **{f"trainer.nft_{k}": f"objective.nft.{k}" for k in ("timesteps", "beta", "sigma_shift", "old_policy", "old_decay",
                                                                    "old_decay_rate", "adaptive_weight", "negatives", "r_scale",
-                                                                   "guidance_scale")}}
+                                                                   "guidance_scale")},
+              **RETIRED_KEYS}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -174,6 +176,8 @@ def _validate_sigma_range(cfg: Config) -> None:
 # and mappings too) is finite. A part's own section (objective.nft, rollout.tree, ...) is checked by
 # the part's validate.
 RANGES: dict[str, str | tuple[str, str]] = {
+    "reward.ray.workers": ">= 1",
+    "reward.ray.max_restarts": ">= 0",
     "model.guidance_scale": (">= 0", "0 turns guidance off for Z-Image; SD3 then samples unconditionally"),
     "model.max_sequence_length": ">= 0",
     "lora.rank": ">= 1",
@@ -412,6 +416,19 @@ def _validate_rewards(cfg: Config, rollout, validate_paths: bool) -> None:
     if len(jr) != 2 or not jr[0] < jr[1]:
         raise ConfigError(f"reward.judge_range must be [low, high] with low < high (the judge's scores mapped onto 1-5); got {list(jr)}")
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
+    _validate_reward_placement(cfg)
+
+
+def _validate_reward_placement(cfg: Config) -> None:
+    rw = cfg.reward
+    check_choice("reward.placement", rw.placement, REWARD_PLACEMENTS)
+    if rw.placement != "ray":
+        return
+    if cfg.run.cluster != "ray":
+        raise ConfigError("reward.placement ray puts the reward models on the run's Ray cluster; set run.cluster: ray")
+    if cfg.run.cpu_processes > 1:
+        raise ConfigError("reward.placement ray runs beside one trainer process; set run.cpu_processes: 1")
+    check_resources("reward.ray.resources", rw.ray.resources)
 
 
 def _validate_run(cfg: Config) -> None:

@@ -48,24 +48,16 @@ def check_positive(key: str, value, strict: bool = True) -> None:
 
 
 def check_producers(run, allocator_kind: str) -> None:
-    """run.producers, run.producer_devices, run.producer_port and run.producer_wait_minutes (both
-    trainers' run sections)."""
-    check_range("run.producer_port", run.producer_port, "[0, 65535]", "0: the producer runs on this machine")
-    check_positive("run.producer_wait_minutes", run.producer_wait_minutes)
+    """run.producers, run.producer_devices and run.ray.rollout_workers (both trainers' run sections)."""
     check_range("run.producers", run.producers, ">= 1")
-    if run.producer_port and not run.async_rollouts:
-        raise ConfigError(f"run.producer_port {run.producer_port} waits for a producer of asynchronous rollouts; set "
-                          "run.async_rollouts: true, or run.producer_port: 0")
     if run.producers > 1 and not run.async_rollouts:
         raise ConfigError(f"run.producers {run.producers} starts producers of asynchronous rollouts; set run.async_rollouts: true")
-    if run.producers > 1 and allocator_kind != "uniform":
+    producers, key = (run.ray.rollout_workers, "run.ray.rollout_workers") if run.cluster == "ray" else (run.producers, "run.producers")
+    if producers > 1 and allocator_kind != "uniform":
         # each producer's allocator sees only its own batches; the uniform one draws by iteration alone
-        raise ConfigError(f"run.producers {run.producers} splits the batches between producers, each with its own allocator, "
+        raise ConfigError(f"{key} {producers} splits the batches between producers, each with its own allocator, "
                           f"which only allocator.kind uniform allows; got '{allocator_kind}'")
     devices = list(run.producer_devices)
-    if devices and run.producer_port:
-        raise ConfigError("run.producer_devices places producers on this machine; a producer started with `flowrl produce` "
-                          "takes its machine's devices (choose one with CUDA_VISIBLE_DEVICES there), so leave it empty")
     if devices and len(devices) != run.producers:
         raise ConfigError(f"run.producer_devices must name one device per producer (run.producers {run.producers}); got {devices}")
     for device in devices:

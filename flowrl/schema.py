@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from flowrl.allocator_config import AllocatorConfig
 from flowrl.runtime.options import RunOptions, TrainerOptions
+from flowrl.runtime.ray_cluster import RewardRayOptions
 
 
 
@@ -145,6 +146,10 @@ class RewardConfig:
     channel_weights: dict[str, float] = field(default_factory=dict)
     # videos (model.kind wan): image rewards score every frame_stride-th frame and average (rewards/video.py)
     frame_stride: int = 1
+    # inline: each sampling process holds the reward models | ray (with run.cluster ray): each registered reward in
+    # reward.ray.workers Ray actors of its own, scoring each batch as soon as it is decoded (rewards/placement.py)
+    placement: str = "inline"
+    ray: RewardRayOptions = field(default_factory=RewardRayOptions)
     # an auxiliary judge for GDRO's corrected score in `flowrl eval` (r * (u - 3) + 0.2, u the judge's
     # score mapped from judge_range onto [1, 5]); never trained on. Options under reward.options.NAME.
     judge: Optional[str] = None

@@ -65,6 +65,7 @@ class MultiReward:
     unless `channel_weights` (channel name such as "shapes/partial" -> weight) says otherwise.
     options: reward name -> options (model path, device, dtype, batch_size, kind, url, ...).
     rewards: name -> plain callable, used instead of the registry for that name.
+    placement: None, or a registered reward's workers on Ray (rewards/placement.py `RewardRayOptions`).
     """
 
     def __init__(
@@ -76,6 +77,7 @@ class MultiReward:
         on_invalid: str = "error",
         channel_weights: dict[str, float] | None = None,
         frame_stride: int = 1,
+        placement=None,
     ):
         if on_invalid not in ON_INVALID:
             raise UserError(f"reward.on_invalid must be one of {', '.join(ON_INVALID)}; got '{on_invalid}'")
@@ -90,6 +92,7 @@ class MultiReward:
         self.channel_names: list[str] = []
         self.breakdowns: dict[str, Callable] = {}  # reward name -> its registered breakdown
         self.bucket_fn: Callable[[str], str] | None = None  # the first reward's prompt -> kind, if one has it
+        self.placed: list = []  # the rewards scored on Ray workers (reward.placement ray)
         options = options or {}
         for name in self.weights:
             if rewards and name in rewards:  # a plain function passed in directly
@@ -98,7 +101,13 @@ class MultiReward:
                 self.batch_sizes[name] = batch_size
             else:
                 plan = plan_reward(name, options.get(name))
-                self.fns[name], channels = plan.build()
+                if placement is not None:
+                    from rewards.placement import place_reward
+
+                    self.fns[name], channels = place_reward(name, options.get(name), placement)
+                    self.placed.append(self.fns[name])
+                else:
+                    self.fns[name], channels = plan.build()
                 self.scores_videos[name] = plan.spec.video
                 if plan.spec.breakdown is not None:
                     self.breakdowns[name] = plan.spec.breakdown
@@ -113,7 +122,20 @@ class MultiReward:
         """Build from a `flowrl.config.RewardConfig`."""
         return cls(reward_cfg.weights, reward_cfg.batch_size, rewards=rewards, options=reward_cfg.options,
                    on_invalid=reward_cfg.on_invalid, channel_weights=reward_cfg.channel_weights,
-                   frame_stride=reward_cfg.frame_stride)
+                   frame_stride=reward_cfg.frame_stride, placement=reward_cfg.ray if reward_cfg.placement == "ray" else None)
+
+    @property
+    def concurrency(self) -> int:
+        """How many batches can be scored at once: one per Ray worker of the placed rewards, else 1."""
+        return max((len(p.handles) for p in self.placed), default=1)
+
+    def close(self) -> None:
+        """Stop the rewards' Ray workers (the trainer's, at the run's end); nothing for inline rewards."""
+        if self.placed:
+            from rewards.placement import release
+
+            release(self.placed)
+            self.placed = []
 
     @classmethod
     def single(cls, name: str, reward_cfg) -> "MultiReward":

@@ -1,20 +1,19 @@
-"""A small HTTP server that puts any registered reward behind a URL (`flowrl serve-reward`).
+"""A registered reward behind a URL (`flowrl serve-reward`): a FastAPI app served by uvicorn.
 
   GET  /info   -> {"name", "channels", "protocol"}       (also a health check)
   POST /score  -> safetensors scores for a safetensors batch (see rewards.wire)
 
-Requests are handled on threads, but scoring runs one request at a time: reward models are
-not assumed thread-safe and one GPU serves best one batch at a time. It binds 127.0.0.1
-unless told otherwise: there is no authentication, so expose it only on a trusted network.
+Requests are taken concurrently (uvicorn's event loop, the scoring on its thread pool), but
+scoring runs one request at a time: reward models are not assumed thread-safe and one GPU
+serves best one batch at a time. It binds 127.0.0.1 unless told otherwise: there is no
+authentication, so expose it only on a trusted network. FastAPI and uvicorn are the `serve`
+extra (`pip install 'flowrl[serve]'`), imported when a server starts.
 """
 
-from __future__ import annotations
-
-import json
+# no `from __future__ import annotations`: FastAPI reads the handlers' annotations (Request) as objects
 import logging
-import sys
+import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,56 +25,55 @@ MAX_BODY_BYTES = 2 << 30  # 2 GiB: a batch of 64 images of 2048 x 2048 x 3 is 0.
 log = logging.getLogger("rewards.server")
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: "_HTTPServer"
-    protocol_version = "HTTP/1.1"
+def _error(status: int, message: str):
+    from fastapi.responses import JSONResponse
 
-    def _reply(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    return JSONResponse({"error": message}, status_code=status)
 
-    def _error(self, status: int, message: str) -> None:
-        self._reply(status, json.dumps({"error": message}).encode(), "application/json")
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if self.path.rstrip("/") != "/info":
-            return self._error(404, f"no such path {self.path}; use GET /info or POST /score")
-        reward = self.server.reward
-        info = {"name": reward.name, "channels": list(reward.channel_names), "protocol": wire.PROTOCOL}
-        self._reply(200, json.dumps(info).encode(), "application/json")
+def reward_app(reward: "ServedReward"):
+    """The FastAPI app that serves `reward`."""
+    try:
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse, Response
+        from starlette.concurrency import run_in_threadpool
+        from starlette.exceptions import HTTPException
+    except ImportError:
+        raise UserError("flowrl serve-reward needs FastAPI and uvicorn: pip install 'flowrl[serve]'") from None
 
-    def do_POST(self) -> None:  # noqa: N802
-        if self.path.rstrip("/") != "/score":
-            return self._error(404, f"no such path {self.path}; use GET /info or POST /score")
-        length = int(self.headers.get("Content-Length") or 0)
+    app = FastAPI(title=f"flowrl reward '{reward.name}'", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def not_found(request: Request, exc: HTTPException):  # every error as {"error": sentence}
+        if exc.status_code == 404:
+            return _error(404, f"no such path {request.url.path}; use GET /info or POST /score")
+        return _error(exc.status_code, str(exc.detail))
+
+    @app.get("/info")
+    async def info():
+        return JSONResponse({"name": reward.name, "channels": list(reward.channel_names), "protocol": wire.PROTOCOL})
+
+    @app.post("/score")
+    async def score(request: Request):
+        length = int(request.headers.get("content-length") or 0)
         if length <= 0 or length > MAX_BODY_BYTES:
-            return self._error(413 if length > 0 else 411, f"a request body of 1 to {MAX_BODY_BYTES} bytes is needed; got {length}")
-        body = self.rfile.read(length)
+            return _error(413 if length > 0 else 411, f"a request body of 1 to {MAX_BODY_BYTES} bytes is needed; got {length}")
+        body = await request.body()
         try:
             images, prompts, metadata = wire.decode_request(body)
         except Exception as exc:  # malformed safetensors, JSON or shapes
-            return self._error(400, f"bad request: {str(exc).splitlines()[0]}")
+            return _error(400, f"bad request: {str(exc).splitlines()[0]}")
         try:
-            scores = self.server.reward.score(images, prompts, metadata)
+            scores = await run_in_threadpool(reward.score, images, prompts, metadata)
         except UserError as exc:
-            return self._error(400, str(exc))
+            return _error(400, str(exc))
         except Exception as exc:
-            log.exception("reward '%s' failed", self.server.reward.name)
-            return self._error(500, f"reward '{self.server.reward.name}' failed on the server: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        self._reply(200, wire.encode_scores(scores), "application/octet-stream")
+            log.exception("reward '%s' failed", reward.name)
+            return _error(500, f"reward '{reward.name}' failed on the server: {type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        return Response(wire.encode_scores(scores), media_type="application/octet-stream")
 
-    def log_message(self, format: str, *args) -> None:  # quiet unless the server is verbose
-        if self.server.verbose:
-            sys.stderr.write(f"{self.address_string()} - {format % args}\n")
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    reward: "ServedReward"
-    verbose: bool
+    return app
 
 
 class ServedReward:
@@ -99,35 +97,44 @@ class ServedReward:
 
 class RewardServer:
     """`RewardServer(reward, host, port).start()` serves on a background thread (tests);
-    `serve_forever()` blocks (the CLI). Port 0 picks a free port; `url` tells which."""
+    `serve_forever()` blocks (the CLI). Port 0 picks a free port; `url` tells which. The socket
+    is bound here, so a taken port is one sentence before anything starts."""
 
     def __init__(self, reward: ServedReward, host: str = "127.0.0.1", port: int = 8000, verbose: bool = False):
+        import uvicorn
+
+        app = reward_app(reward)
+        self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
-            self.httpd = _HTTPServer((host, port), _Handler)
+            self.socket.bind((host, port))
         except OSError as exc:
+            self.socket.close()
             raise UserError(f"cannot listen on {host}:{port} ({exc.strerror or exc}); choose another --port or --host") from None
-        self.httpd.reward, self.httpd.verbose = reward, verbose
+        self.socket.listen(128)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
+                                                    lifespan="off"))
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self.httpd.server_address[:2]
+        host, port = self.socket.getsockname()[:2]
         return f"http://{host}:{port}"
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever()
+        self.server.run(sockets=[self.socket])
 
     def start(self) -> "RewardServer":
-        # a short poll interval makes close() quick (shutdown waits for the next poll)
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="reward-server", daemon=True)
+        self._thread = threading.Thread(target=self.serve_forever, name="reward-server", daemon=True)
         self._thread.start()
+        while not self.server.started and self._thread.is_alive():
+            threading.Event().wait(0.01)
         return self
 
     def close(self) -> None:
+        self.server.should_exit = True
         if self._thread is not None:
-            self.httpd.shutdown()
-            self._thread.join()
-        self.httpd.server_close()
+            self._thread.join(timeout=10)
+        self.socket.close()
 
     def __enter__(self) -> "RewardServer":
         return self

@@ -11,6 +11,11 @@ and exits 1 if there is any.
     .venv/bin/python scripts/check_metrics_unchanged.py --record   # rewrite the record (after an intended change)
     .venv/bin/python scripts/check_metrics_unchanged.py --only tree
     .venv/bin/python scripts/check_metrics_unchanged.py --smoke    # the code path: tiny_jpeg's first iteration only
+    .venv/bin/python scripts/check_metrics_unchanged.py --ray 2 --only default text   # on 2 Ray rollout workers
+
+--ray N trains the runs on N Ray rollout workers at max_staleness 0 (run.cluster ray, a local
+cluster on 127.0.0.1) and compares them with the synchronous record: the same numbers, plus the
+asynchronous columns (staleness, weights by version), which are not differences.
 
 The record (scripts/reference_metrics.json) names the commit, machine and date it was made on.
 Floating-point results depend on the CPU's instruction set and thread count, so compare on the
@@ -93,17 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--record", action="store_true", help="write the record instead of comparing")
     p.add_argument("--only", nargs="+", choices=sorted(RUNS), help="these runs only")
     p.add_argument("--allow-new", action="store_true", help="metrics the record lacks are not differences")
+    p.add_argument("--ray", type=int, default=0, metavar="N", help="train on N Ray rollout workers at max_staleness 0 "
+                   "(implies --allow-new)")
     p.add_argument("--smoke", action="store_true", help="the code path in seconds: the first iteration of tiny_jpeg (or of "
                    "--only's runs), compared with the record's first")
     args = p.parse_args(argv)
-    if args.smoke and args.record:
-        p.error("--smoke runs one iteration; it records nothing")
+    if (args.smoke or args.ray) and args.record:
+        p.error("--smoke and --ray record nothing: the record is the synchronous run's")
     names = args.only or (["tiny_jpeg"] if args.smoke else list(RUNS))
     with tempfile.TemporaryDirectory() as tmp:
         results = {}
         for name in names:
             print(f"running {name} ...", flush=True)
-            results[name] = run(name, Path(tmp), ["trainer.iterations=1"] if args.smoke else [])
+            ray = ["run.cluster=ray", "run.max_staleness=0", f"run.ray.rollout_workers={args.ray}"] if args.ray else []
+            results[name] = run(name, Path(tmp), [*ray, *(["trainer.iterations=1"] if args.smoke else [])])
     if args.record:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
         old = json.loads(RECORD.read_text())["runs"] if RECORD.exists() else {}
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     problems = []
     for name in names:
         found = compare(name, results[name], record["runs"][name][: 1 if args.smoke else None])
-        if args.allow_new:
+        if args.allow_new or args.ray:
             found = [f for f in found if "is new" not in f]
         problems += found
         print(f"{name}: {'identical' if not found else f'{len(found)} differences'} "

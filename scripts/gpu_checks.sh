@@ -116,6 +116,11 @@ if wanted async_shapes named; then
   run async_shapes 590 "$PY" scripts/bench_async.py --task shapes --minutes 2 --seeds 0 --parts sync2 async1 async2_producers2 \
     --out "$OUT/async-shapes-gpu.jsonl" --runs /tmp/bench-async
 fi
+# Ray rollout workers (issue 89): the default preset with the local producer and with one Ray worker, both sharing the
+# card (bench_ray; Ray and its dependencies must be importable there: their wheels in .whl/)
+if wanted ray named; then
+  run ray 420 "$PY" scripts/bench_ray.py --iterations 30 --parts local ray1 $([ "$SMOKE" = 1 ] && echo --smoke)
+fi
 
 echo "=== results ($RESULTS)"
 cat "$RESULTS"

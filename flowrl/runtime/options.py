@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from flowrl.core.lr_schedule import LR_SCHEDULES
-from flowrl.errors import check_choice, check_range
+from flowrl.errors import ConfigError, check_choice, check_range
 from flowrl.runtime.optimizers import check_optimizer
+from flowrl.runtime.ray_cluster import STRATEGIES, RayOptions, check_resources
 
 
 @dataclass
@@ -68,14 +69,18 @@ class RunOptions:
     # flat and two_stage)
     async_rollouts: bool = False
     max_staleness: int = 1  # with async_rollouts: no batch is trained more than this many updates after its weights (0: synchronous)
-    # with async_rollouts: 0, the producer is a process on this machine; a port, the trainer listens there for a producer
-    # started on another machine with `flowrl produce TRAINER_HOST:PORT` (weights and batches over a Gloo process group)
-    producer_port: int = 0
-    producer_wait_minutes: float = 10.0  # how long the trainer waits for that producer to join before it stops
-    # with async_rollouts: producers sampling in turn (batch i by producer i mod N; uniform allocator), on this machine
-    # or, with producer_port, as many `flowrl produce` joining; N batches sample at once when max_staleness >= N - 1
+    # with async_rollouts: producers sampling in turn (batch i by producer i mod N; uniform allocator), processes on this
+    # machine; N batches sample at once when max_staleness >= N - 1
     producers: int = 1
     producer_devices: list[str] = field(default_factory=list)  # one per producer on this machine (cpu, cuda:N); []: model.device
+    # where the producers run: local (processes of this machine) | ray (Ray actors on a placement group, on this machine or
+    # a cluster's nodes: run.ray; docs/distributed.md). ray implies async_rollouts, with max_staleness as set
+    cluster: str = "local"
+    ray: RayOptions = field(default_factory=RayOptions)
+
+    def __post_init__(self):
+        if self.cluster == "ray":  # the Ray workers are the producers of asynchronous rollouts
+            self.async_rollouts = True
 
 
 # each numeric option's range, with why where it helps (flowrl/errors.py `check_range`)
@@ -98,10 +103,15 @@ RANGES: dict[str, str | tuple[str, str]] = {
     "run.checkpoint_every": ">= 0",
     "run.cpu_processes": ">= 1",
     "run.max_staleness": (">= 0", "0: every batch sampled with the newest weights"),
-    "run.producer_port": ">= 0",
-    "run.producer_wait_minutes": "> 0",
     "run.producers": ">= 1",
+    "run.ray.rollout_workers": ">= 1",
+    "run.ray.max_restarts": ">= 0",
+    "run.ray.cpus": (">= 0", "0: Ray's count of this machine's CPUs"),
 }
+
+CLUSTERS = ("local", "ray")
+# run.producer_port and `flowrl produce` were retired for Ray's workers
+RETIRED_KEYS = {"run.producer_port": "run.ray.address", "run.producer_wait_minutes": "run.ray.address"}
 
 
 def check_ranges(cfg, ranges: dict[str, str | tuple[str, str]]) -> None:
@@ -119,3 +129,16 @@ def validate_runtime(cfg) -> None:
     check_ranges(cfg, RANGES)
     check_choice("trainer.lr_schedule", cfg.trainer.lr_schedule, LR_SCHEDULES)
     check_optimizer(cfg.trainer.optimizer)
+    check_cluster(cfg.run)
+
+
+def check_cluster(run) -> None:
+    """run.cluster and run.ray: one sentence for the first that cannot work."""
+    check_choice("run.cluster", run.cluster, CLUSTERS)
+    if run.cluster != "ray":
+        return
+    check_choice("run.ray.placement", run.ray.placement, STRATEGIES)
+    check_resources("run.ray.worker_resources", run.ray.worker_resources)
+    if run.producers > 1 or run.producer_devices:
+        raise ConfigError("run.cluster ray counts its workers with run.ray.rollout_workers and places them with "
+                          "run.ray.worker_resources; leave run.producers at 1 and run.producer_devices empty")

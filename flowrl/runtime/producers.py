@@ -1,7 +1,7 @@
 """Rollouts that run ahead of the trainer (`run.async_rollouts`): AReaL's staleness-bounded
 asynchronous RL on one machine. A producer process collects batch after batch with the newest
 weights it has received while the trainer updates on the batch before (or N producers in turn,
-`run.producers`; on other machines, flowrl/runtime/remote_producers.py).
+`run.producers`; as Ray actors on this machine or a cluster's nodes, flowrl/runtime/ray_rollouts.py).
 
 Versions. The trainer's weights have version v, the number of updates made, which is also the
 iteration of the batch it trains next. After the update on batch i it publishes its trainable
@@ -51,6 +51,8 @@ class ProducedBatch:
     producer_idle_s: float  # the producer's wait for weights recent enough to start this batch
     producer_busy_s: float  # its time collecting the batch
     trainer_wait_s: float = 0.0  # the trainer's wait for it (set by `take`)
+    weights_bytes: int = 0  # the weights it fetched before this batch (Ray workers; 0 when it held that version)
+    weights_fetch_s: float = 0.0  # their fetch from the object store and copy into the worker's policy (Ray workers)
 
 
 @dataclass
@@ -183,8 +185,6 @@ def checked_batch(item, iteration: int, max_staleness: int, waiting_since: float
 class SharedMemoryChannel:
     """The producer's side of a RolloutProducer: weights from shared memory, batches into the spool."""
 
-    gone = False  # the trainer is always there for a process it started
-
     def __init__(self, shared, version, lock, out, stop, spool: str):
         self.shared, self.version, self.lock, self.out, self.stop, self.spool = shared, version, lock, out, stop, spool
 
@@ -266,8 +266,7 @@ def run_producer(build, channel, iteration: int, max_staleness: int, threads: in
     """Batch after batch (every `stride`-th from `iteration`), each started once weights of version >=
     iteration - max_staleness are at hand (the newest ones, loaded when the version moved), until the
     trainer says stop; returns the next batch's iteration. `channel`: `load_weights(need, have,
-    weights)` and `send(item)`, over shared memory (SharedMemoryChannel) or the network
-    (flowrl/runtime/remote_producers.py)."""
+    weights)` and `send(item)` (SharedMemoryChannel: over shared memory)."""
     try:
         if threads:
             torch.set_num_threads(threads)
@@ -290,8 +289,6 @@ def run_producer(build, channel, iteration: int, max_staleness: int, threads: in
     except UserError as exc:
         channel.send(ProducerFailure(str(exc)))
     except Exception as exc:  # reaches the trainer as one sentence; the traceback stays in the producer's stderr
-        if channel.gone:  # the trainer closed the connection: nobody to tell
-            return iteration
         import traceback
 
         traceback.print_exc()

@@ -39,7 +39,6 @@ from flowrl.runtime.budget import Measured, SchedulePlan, replan, write_plan
 from flowrl.runtime.checkpoint import latest_checkpoint, load_checkpoint, restore_rng
 from flowrl.runtime.processes import rank0
 from flowrl.runtime.producers import RolloutProducer, replay
-from flowrl.runtime.remote_producers import RemoteProducer
 
 
 class RunManager:
@@ -90,14 +89,21 @@ class RunManager:
 
     def train(self) -> list[dict]:
         """The loop; with run.async_rollouts, beside a producer process that samples ahead."""
-        if self.cfg.run.async_rollouts:
-            self.start_producer()
         try:
+            if self.cfg.run.async_rollouts:
+                self.join_cluster()
+                self.start_producer()
             return self.loop()
         finally:
             if self.producer is not None:
                 self.producer.close()
                 self.producer = None
+            self.release()
+            if self.ray_started:
+                from flowrl.runtime.ray_cluster import leave_cluster
+
+                leave_cluster()
+                self.ray_started = False
 
     def loop(self) -> list[dict]:
         acc, r, t = self.accelerator, self.cfg.run, self.cfg.trainer
@@ -128,7 +134,17 @@ class RunManager:
         return self.history
 
     # ---- run.async_rollouts (flowrl/runtime/producers.py) ------------------------------
-    producer: RolloutProducer | RemoteProducer | None = None
+    producer = None  # a RolloutProducer, or with run.cluster ray a RayProducer (flowrl/runtime/ray_rollouts.py)
+    ray_started = False  # run.cluster ray: this process started the cluster, and shuts it down when the run ends
+
+    def join_cluster(self) -> None:
+        """run.cluster ray: join the cluster (or start one on this machine) before anything is placed
+        on it: the rollout workers, and the image trainer's reward workers. The first trainer
+        process is the driver; the others hold no Ray connection."""
+        if self.cfg.run.cluster == "ray" and self.accelerator.is_main_process and not self.ray_started:
+            from flowrl.runtime.ray_cluster import connect
+
+            self.ray_started = connect(self.cfg.run.ray)
 
     def producer_start(self) -> tuple[Callable[[], object], dict]:
         """What a producer process builds its collector with (called there), and the weights it
@@ -138,15 +154,16 @@ class RunManager:
     def start_producer(self) -> None:
         """A producer from this iteration, the weights as they are now, the allocator as it is now: a
         process on this machine, where on a CPU each side takes trainer.threads threads (half the
-        cores when that is 0), or one on another machine (run.producer_port). With several trainer
-        processes the first one holds the producers and hands every batch to the others."""
+        cores when that is 0), or Ray actors (run.cluster ray). With several trainer processes the
+        first one holds the producers and hands every batch to the others."""
         if not self.accelerator.is_main_process:
             return
         r = self.cfg.run
         build, weights = self.producer_start()
-        if r.producer_port:
-            self.producer = RemoteProducer(r.producer_port, build, weights, r.max_staleness, self.iteration, r.producer_wait_minutes,
-                                           r.producers)
+        if r.cluster == "ray":
+            from flowrl.runtime.ray_rollouts import RayProducer
+
+            self.producer = RayProducer(build, weights, r.max_staleness, self.iteration, r.ray, self.cfg.trainer.threads)
             return
         cpu = self.accelerator.device.type == "cpu"
         threads = self.cfg.trainer.threads
@@ -164,8 +181,13 @@ class RunManager:
         batch = self.producer.take(self.iteration) if self.accelerator.num_processes == 1 else self.shared_batch()
         replay(self.allocator, batch.state)  # the checkpoints hold the allocator as the producer(s) left it
         staleness = self.iteration - batch.version
-        return batch.experience, staleness, {"staleness": staleness, "time_producer_idle": batch.producer_idle_s,
-                                             "time_producer_busy": batch.producer_busy_s, "time_trainer_wait": batch.trainer_wait_s}
+        row = {"staleness": staleness, "time_producer_idle": batch.producer_idle_s, "time_producer_busy": batch.producer_busy_s,
+               "time_trainer_wait": batch.trainer_wait_s}
+        if self.cfg.run.cluster == "ray":  # weights by version: what the last update put in the object store, what this batch fetched
+            row.update({"weights_published_bytes": getattr(self.producer, "publish_bytes", 0),
+                        "time_weights_publish": getattr(self.producer, "publish_s", 0.0),
+                        "weights_fetched_bytes": batch.weights_bytes, "time_weights_fetch": batch.weights_fetch_s})
+        return batch.experience, staleness, row
 
     def shared_batch(self):
         """Several trainer processes: the first takes the batch from the producers, and every process
@@ -180,6 +202,10 @@ class RunManager:
         if failure is not None:
             raise UserError(failure)
         return batch
+
+    def release(self) -> None:
+        """What the trainer placed outside its process (the image trainer's reward workers), stopped
+        however the run ends."""
 
     # the loop's hooks: the image trainer's budget, marks, trackers and sample grids
     def before_loop(self) -> None:

@@ -13,13 +13,14 @@ from flowrl.allocator_config import AllocatorConfig
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.errors import ConfigError, check_choice, check_producers
-from flowrl.runtime.options import RunOptions, TrainerOptions, validate_runtime
+from flowrl.runtime.options import RETIRED_KEYS, RunOptions, TrainerOptions, validate_runtime
 from flowrl.text.objective import TEXT_OBJECTIVES, TextLossConfig
 from flowrl.yaml_config import merge_config, preset_path, read_yaml
 
 TASK = "text"
 # keys that moved to the image config's names for the same concept: the old name is refused with a sentence naming the new one
-TEXT_MOVED_KEYS = {"loss.kl_beta": "trainer.kl_beta", "loss.advantage": "advantage.kind", "loss.scale_rewards": "advantage.std"}
+TEXT_MOVED_KEYS = {"loss.kl_beta": "trainer.kl_beta", "loss.advantage": "advantage.kind", "loss.scale_rewards": "advantage.std",
+                   **RETIRED_KEYS}
 BUILTIN_TEXT_MODELS = ("add",)  # model.path builtin:NAME, shipped in the package
 
 

@@ -67,6 +67,6 @@ def image_producer(cfg: Config, allocator_state: dict, rewards: dict | None = No
     allocator.load_state_dict(allocator_state)
     reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards)
     ctx = TrainContext(cfg=cfg, accelerator=acc, policy=policy, params=policy.named_trainable_parameters(), prompts=prompts,
-                       reward_fn=reward_fn, reward_runner=AsyncRewardRunner(reward_fn), allocator=allocator, optimizer_step=None,
+                       reward_fn=reward_fn, reward_runner=AsyncRewardRunner(reward_fn, max_workers=reward_fn.concurrency), allocator=allocator, optimizer_step=None,
                        optimizer=None, objective_needs=objective_class(cfg.objective.kind).needs, plan=None)
     return ImageCollector(policy, rollout_class(cfg.rollout.kind)(ctx), allocator)

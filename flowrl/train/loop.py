@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from flowrl.core.seeds import sample_seed
+from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.models.compile import CompileWatch
 from flowrl.runtime.budget import cross_marks, pending_marks
@@ -96,8 +97,11 @@ class Trainer(RunManager):
         self.policy.compile(cfg.model.compile, cfg.sampling.batch_size)
         self.compile_watch = CompileWatch() if cfg.model.compile != "none" else None
         self.ema = EMA(self.params, t.ema_decay) if t.ema else None
+        if cfg.reward.placement == "ray" and acc.num_processes > 1:
+            raise UserError("reward.placement ray runs beside one trainer process; launch one, or set reward.placement: inline")
+        self.join_cluster()  # run.cluster ray: before reward.placement ray puts the reward models on it
         self.reward_fn = MultiReward.from_config(cfg.reward, rewards=rewards) if rollout_cls.needs_rewards else None
-        self.reward_runner = AsyncRewardRunner(self.reward_fn)
+        self.reward_runner = AsyncRewardRunner(self.reward_fn, max_workers=self.reward_fn.concurrency if self.reward_fn else 1)
         ctx = TrainContext(cfg=cfg, accelerator=acc, policy=self.policy, params=self.params, prompts=self.prompts,
                            reward_fn=self.reward_fn, reward_runner=self.reward_runner, allocator=self.allocator,
                            optimizer_step=self.optimizer_step, optimizer=self.optimizer, objective_needs=objective_cls.needs,
@@ -191,6 +195,10 @@ class Trainer(RunManager):
         self.reward_runner.close()
         self.accelerator.end_training()
         self.layout.close()
+
+    def release(self) -> None:
+        if self.reward_fn is not None:
+            self.reward_fn.close()  # reward.placement ray: the reward workers stop with the run
 
     # ---- outputs ------------------------------------------------------------------------
     def eval_spec(self) -> SamplerSpec:

@@ -29,7 +29,6 @@ SMOKE_TESTS = {
     "bench_granular": "test_bench_granular_trains_both_methods_and_writes_its_results",
     "bench_hacking": "test_bench_hacking_trains_every_arm_under_the_monitor_and_plots_the_curves",
     "bench_offline": "test_bench_offline_trains_dgpo_and_gdro_from_its_store",
-    "bench_remote": "test_bench_remote_times_both_transports",
     "bench_rollout": "test_bench_rollout_prints_the_overhead_and_runs_the_gpu_iteration_code",
     "bench_search": "test_bench_search_searches_with_every_method_and_writes_its_rows",
     "bench_shapes": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
@@ -50,6 +49,9 @@ SMOKE_TESTS = {
 # script -> (test file, test) elsewhere whose test runs the script's main path (or, for a helper
 # module without a main, the scripts that import it) on a tiny workload
 COVERED_ELSEWHERE = {
+    # bench_ray --smoke on the Ray test module's cluster (one cluster start for the module)
+    "bench_ray": ("train/test_ray_rollouts.py", "test_bench_ray_times_the_local_producer_and_ray_workers_side_by_side"),
+    "check_ray_faults": ("train/test_ray_rollouts.py", "test_check_ray_faults_kills_a_worker_and_compares_with_the_undisturbed_run"),
     # the memory features' GPU check (gpu_checks.sh memory_features), its --cpu-smoke in process
     "bench_memory_features": ("e2e/test_gpu_checks.py", "test_bench_memory_features_runs_every_configuration_against_its_plan"),
     # the GPU checks' one command, with --cpu-smoke
@@ -236,15 +238,6 @@ def test_bench_text_runs_rl_sft_and_the_allocators(tmp_path):
     assert results["sft"]["0"]["steps"] == 1
     assert list(results["allocators"]) == ["uniform", "vade", "successive_elimination"]
     assert all(0 <= r["held_out"]["all"] <= 1 for part in ("rl", "sft", "allocators") for r in results[part].values())
-
-
-def test_bench_remote_times_both_transports(capsys, monkeypatch):
-    bench = load_script("bench_remote")
-    monkeypatch.setitem(sys.modules, "bench_remote", bench)  # the stand-in collector is pickled by its module's name
-    assert bench.main(["--smoke"]) == 0
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("default "))
-    tensors, weights_mb, batch_mb, local_s, remote_s, remote_over_local = map(float, row.split()[1:])
-    assert tensors > 0 and weights_mb > 0 and batch_mb > 0 and remote_over_local > 0
 
 
 def test_readme_figures_draws_both_figures_of_a_run(tmp_path, capsys):

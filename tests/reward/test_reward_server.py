@@ -1,4 +1,4 @@
-"""The reward server and its client on loopback: round trips, timeouts, server errors, a server
+"""The reward server (FastAPI on uvicorn) and its client on loopback: round trips, timeouts, server errors, a server
 that is not running, and `flowrl serve-reward`'s handling of user mistakes. Offline."""
 
 from __future__ import annotations
@@ -226,10 +226,12 @@ def test_serve_reward_serves_until_interrupted(monkeypatch, capsys):
     seen = {}
 
     def serve_then_interrupt(self):  # what Ctrl-C does to the blocking serve_forever
-        loop = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05})
+        loop = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]})
         loop.start()
+        while not self.server.started:
+            time.sleep(0.01)
         seen["info"] = requests.get(f"{self.url}/info", timeout=5).json()
-        self.httpd.shutdown()
+        self.server.should_exit = True
         loop.join()
         raise KeyboardInterrupt
 

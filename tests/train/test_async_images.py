@@ -282,7 +282,6 @@ def test_m2po_on_transitions_drops_the_largest_log_ratios_until_the_second_momen
     (["run.producers=2", "allocator.kind=vade"], "which only allocator.kind uniform allows; got 'vade'"),
     (["run.producers=2", "run.producer_devices=[cuda:1]"], "one device per producer (run.producers 2)"),
     (["run.producer_devices=[gpu1]"], "cpu, cuda or cuda:N; got 'gpu1'"),
-    (["run.producer_devices=[cuda:1]", "run.producer_port=29600"], "leave it empty"),
     (["run.producers=0"], "run.producers must be a finite number >= 1"),
 ])
 def test_what_async_rollouts_cannot_run_with_is_refused_in_one_sentence(override, named):
