@@ -24,6 +24,7 @@ checkpoints intact.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 import traceback
@@ -35,7 +36,7 @@ import torch
 from flowrl.errors import UserError
 from flowrl.quiet import silence_known_messages
 from flowrl.runtime.producers import DISTRIBUTED_ENV, POLL_S, ObservationLog, ProducedBatch, ProducerFailure, checked_batch
-from flowrl.runtime.ray_cluster import NAMESPACE, RayOptions, connect, first_line, placement_group, ray_module
+from flowrl.runtime.ray_cluster import NAMESPACE, RayOptions, first_line, placement_group, ray_module
 
 STOP = -1  # the version the board answers once the trainer has closed
 
@@ -126,7 +127,7 @@ class RolloutWorker:
                 with torch.no_grad():
                     for name, tensor in self.weights.items():
                         tensor.copy_(tensors[name])
-                fetched = sum(t.numel() * t.element_size() for t in tensors.values())
+                fetched = nbytes(tensors)
                 self.have = version
             t1 = time.perf_counter()  # t1 - t_fetch: the weights' fetch alone, without the wait for their version
             if self.next_iteration != iteration and previous_state and self.log is None:
@@ -153,9 +154,8 @@ class RayProducer:
 
     def __init__(self, build: Callable[..., Any], weights: dict[str, torch.Tensor], max_staleness: int, start_iteration: int,
                  options: RayOptions, threads: int = 0):
-        ray = ray_module()
+        ray = ray_module()  # connected already: the run manager joins the cluster first (RunManager.join_cluster)
         self.max_staleness, self.options = max_staleness, options
-        self.started_cluster = connect(options)  # False where the trainer joined the cluster first (RunManager.join_cluster)
         self.group = None
         try:
             self._start(ray, build, weights, start_iteration, threads)
@@ -174,7 +174,7 @@ class RayProducer:
         threads = threads or max(1, int(cpus))
         device = "cuda" if gpus else "cpu"  # Ray shows a worker only the GPUs of its bundle, as cuda
         actor = ray.remote(RolloutWorker)
-        self.build_ref = ray.put(_on_device(build, device))  # what each worker builds with, once in the object store
+        self.build_ref = ray.put(functools.partial(build, device=device))  # the collectors take `device`, as locally  # what each worker builds with, once in the object store
         board = f"rollout-board-{uuid.uuid4().hex[:12]}"
         self.board = ray.remote(WeightsBoard).options(num_cpus=0, name=board, namespace=NAMESPACE).remote([self.build_ref])
         self.publish(weights, start_iteration)
@@ -216,7 +216,7 @@ class RayProducer:
         tensors = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
         holder = [ray.put(tensors)]
         self.board.publish.remote(version, holder)
-        self.publish_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.publish_bytes = nbytes(tensors)
         self.publish_s = time.perf_counter() - t0
 
     def take(self, iteration: int) -> ProducedBatch:
@@ -261,12 +261,7 @@ class RayProducer:
         except Exception:  # a cluster already gone has nothing left to stop
             pass
         self.batches, self.states, self.workers, self.board, self.group, self.build_ref = {}, {}, [], None, None, None
-        if self.started_cluster and ray.is_initialized():
-            ray.shutdown()
 
 
-def _on_device(build, device: str):
-    """`build` on the worker's device (the image and text collectors take `device`)."""
-    import functools
-
-    return functools.partial(build, device=device)
+def nbytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
