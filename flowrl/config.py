@@ -33,7 +33,7 @@ from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_si
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
 from flowrl.registry import load_plugins
 from flowrl.runtime.optimizers import check_optimizer
-from flowrl.runtime.options import RETIRED_KEYS, check_ranges, validate_runtime
+from flowrl.runtime.options import RETIRED_DEFAULTS, RETIRED_KEYS, check_ranges, validate_runtime
 from flowrl.runtime.ray_cluster import REWARD_PLACEMENTS, check_resources
 from flowrl.schema import Config, ObjectiveSection, RolloutSection
 from flowrl.search import SEARCH_METHODS
@@ -70,7 +70,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     kinds = [o.partition("=")[2] for o in overrides or [] if o.startswith("objective.kind=")]
     kind = kinds[-1] if kinds else OmegaConf.select(loaded, "objective.kind", default=None)
     cfg: Config = merge_config(schema, loaded, str(src), overrides, REPLACED_MAPPINGS, moved=MOVED_KEYS,
-                               defaults=objective_defaults(kind))
+                               defaults=objective_defaults(kind), retired=RETIRED_DEFAULTS)
     validate(cfg, validate_paths=validate_paths)
     return cfg
 

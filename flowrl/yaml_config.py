@@ -56,6 +56,19 @@ def read_yaml(src: Path) -> DictConfig:
 _PARSED: dict[bytes, DictConfig] = {}
 
 
+def without_retired_defaults(loaded: DictConfig, retired: dict[str, Any]) -> DictConfig:
+    """`loaded` less the retired keys (`retired`: dotted key -> its last default) that hold their default, as
+    every run directory's config written before they retired does; `loaded` itself when none does (it is shared)."""
+    found = [k for k, default in retired.items() if OmegaConf.select(loaded, k, default=None) == default]
+    if not found:
+        return loaded
+    copy = OmegaConf.create(OmegaConf.to_container(loaded))
+    for key in found:
+        section, _, name = key.rpartition(".")
+        del (OmegaConf.select(copy, section) if section else copy)[name]
+    return copy
+
+
 def refuse_moved_keys(loaded: DictConfig, overrides: list[str], moved: dict[str, str], source: str) -> None:
     """A key that has moved (`moved`: old name -> new name), in the file or an override, is refused
     with one sentence naming its new name."""
@@ -67,10 +80,13 @@ def refuse_moved_keys(loaded: DictConfig, overrides: list[str], moved: dict[str,
 
 
 def merge_config(schema: type, loaded: DictConfig, source: str, overrides: list[str] | None, replaced_mappings=(),
-                 moved: dict[str, str] | None = None, defaults: dict[str, Any] | None = None) -> Any:
+                 moved: dict[str, str] | None = None, defaults: dict[str, Any] | None = None,
+                 retired: dict[str, Any] | None = None) -> Any:
     """`loaded` (a YAML file's mapping) over the dataclass `schema`'s defaults (with `defaults`,
     {dotted key: value}, in place of the schema's own), then `key=value` overrides; a key of `moved`
-    is refused naming its new name; any mistake is one sentence naming the key."""
+    is refused naming its new name, unless it is a `retired` key at its last default (left out); any
+    mistake is one sentence naming the key."""
+    loaded = without_retired_defaults(loaded, retired or {})
     refuse_moved_keys(loaded, overrides or [], moved or {}, source)
     try:
         merged = merge_replacing(schema_config(schema, defaults), loaded, replaced_mappings)

@@ -17,6 +17,7 @@ class Stream:
     SELECTION = 777_767  # two-stage exploration: ties and the random selection
     GROUP_SIGMAS = 999_961  # group objectives (DGPO, GDRO): the training sigmas of an iteration
     TIE_BREAK = 999_953  # GDRO: the seeded order of tied rewards
+    DGPO_ANCHOR = 999_917  # DGPO's anchor_beta: the anchored sigmas and their noise
 
 
 def sample_seed(base: int, iteration: int, index: int) -> int:

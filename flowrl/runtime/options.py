@@ -112,6 +112,9 @@ RANGES: dict[str, str | tuple[str, str]] = {
 CLUSTERS = ("local", "ray")
 # run.producer_port and `flowrl produce` were retired for Ray's workers
 RETIRED_KEYS = {"run.producer_port": "run.ray.address", "run.producer_wait_minutes": "run.ray.address"}
+# the retired keys' last defaults: a run directory's config.yaml written before they retired holds every key, these
+# among them, and still loads (`flowrl eval --run`, --resume); only a value a user set is refused
+RETIRED_DEFAULTS = {"run.producer_port": 0, "run.producer_wait_minutes": 10.0}
 
 
 def check_ranges(cfg, ranges: dict[str, str | tuple[str, str]]) -> None:

@@ -13,7 +13,7 @@ from flowrl.allocator_config import AllocatorConfig
 from flowrl.core.advantages import ADVANTAGE_KINDS
 from flowrl.core.allocation import ALLOCATOR_KINDS
 from flowrl.errors import ConfigError, check_choice, check_producers
-from flowrl.runtime.options import RETIRED_KEYS, RunOptions, TrainerOptions, validate_runtime
+from flowrl.runtime.options import RETIRED_DEFAULTS, RETIRED_KEYS, RunOptions, TrainerOptions, validate_runtime
 from flowrl.text.objective import TEXT_OBJECTIVES, TextLossConfig
 from flowrl.yaml_config import merge_config, preset_path, read_yaml
 
@@ -131,7 +131,8 @@ def is_text_config(path: str | Path | None) -> bool:
 
 def load_text_config(path: str | Path, overrides: list[str] | None = None) -> TextConfig:
     src = preset_path(str(path))
-    cfg: TextConfig = merge_config(TextConfig, read_yaml(src), str(src), overrides, ("reward.weights",), moved=TEXT_MOVED_KEYS)
+    cfg: TextConfig = merge_config(TextConfig, read_yaml(src), str(src), overrides, ("reward.weights",), moved=TEXT_MOVED_KEYS,
+                                 retired=RETIRED_DEFAULTS)
     validate_text(cfg)
     return cfg
 

@@ -175,6 +175,18 @@ def test_moved_keys_are_refused_with_their_new_name(tmp_path, old, new, capsys):
     assert f"has moved to '{new}'" in capsys.readouterr().err
 
 
+def test_a_run_directorys_config_from_before_a_key_retired_still_loads(tmp_path):
+    """A run's config.yaml holds every key: the retired ones at their last defaults load (flowrl eval --run, --resume);
+    a value a user set is refused with the key's new home."""
+    run_config = tmp_path / "config.yaml"
+    text = load_config("tiny_jpeg").to_yaml().replace("run:\n", "run:\n  producer_port: 0\n  producer_wait_minutes: 10.0\n", 1)
+    run_config.write_text(text)
+    assert load_config(run_config).run.cluster == "local"
+    run_config.write_text(text.replace("producer_port: 0", "producer_port: 29600"))
+    with pytest.raises(ConfigError, match="^config key 'run.producer_port' in .* has moved to 'run.ray.address'; rename it$"):
+        load_config(run_config)
+
+
 def test_config_show_describes_the_keys_asked_for(capsys):
     # the descriptions are the schema's field comments (flowrl/config_help.py)
     assert main(["config", "show", "model.quantize", "model.attention_backend"]) == 0

@@ -24,6 +24,7 @@ TESTS = Path(__file__).resolve().parents[1]
 # ---- which test runs each script -----------------------------------------------------------------
 # script -> the test in this file that runs its smoke mode
 SMOKE_TESTS = {
+    "artefact_curve": "test_artefact_curve_scores_the_base_and_every_checkpoint",
     "bench_allocation": "test_bench_allocation_asserts_the_capped_budgets_and_reports_the_uncapped_spending",
     "bench_async": "test_bench_async_trains_a_part_in_a_fresh_process_and_judges_it",
     "bench_granular": "test_bench_granular_trains_both_methods_and_writes_its_results",
@@ -116,6 +117,23 @@ def ratio(text: str, pattern: str) -> float:
 
 
 # ---- the smoke runs ----------------------------------------------------------------------------------
+def test_artefact_curve_scores_the_base_and_every_checkpoint(tmp_path, capsys):
+    curve = load_script("artefact_curve")
+    mean, se, n = curve.mean_and_se([1.0, 2.0, 3.0, float("nan")])  # NaN: a measure undefined on that image
+    assert (mean, n) == (2.0, 3) and se == pytest.approx((1.0 / 3) ** 0.5)
+    out = tmp_path / "points.jsonl"
+    assert curve.main(["--smoke", "--out", str(out), "--image", str(tmp_path / "curve.png")]) == 0
+    points = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [p["iteration"] for p in points] == [0, 1, 2] and points[0]["run"].startswith("base:")
+    assert all(p[m]["n"] >= 1 for p in points for m in ("strict", "patch energy"))  # 4 images, one per category
+    assert 0.0 <= points[2]["strict"]["mean"] <= 1.0 and points[1]["minutes"] > 0
+    table = capsys.readouterr().out
+    assert "| run base | 0 | 0 |" in table and "background impurity" in table and (tmp_path / "curve.png").stat().st_size > 0
+    assert curve.main(["--smoke", "--gaps"]) == 0
+    gaps = capsys.readouterr().out
+    assert gaps.count("\n| 0.") + gaps.count("\n| 1.") == 3  # one row per step of the tiny run's 3-step grid
+
+
 def test_bench_allocation_asserts_the_capped_budgets_and_reports_the_uncapped_spending(capsys):
     assert load_script("bench_allocation").main(["--smoke"]) == 0
     out = capsys.readouterr().out

@@ -7,7 +7,9 @@ reference's settings and flowrl's named variants."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -108,6 +110,59 @@ def test_dgpo_trains_distinct_sigmas_from_the_head_of_its_sampling_grid(tiny_sd3
         assert sigmas == obj.training_sigmas(it, 0)  # keyed by (seed, iteration, epoch): a resume draws the same
         seen.update(sigmas)
     assert len(seen) == 5
+
+
+def test_dgpo_anchor_is_the_guided_velocity_gap_at_an_untrained_grid_sigma(tiny_sd3_dir, policy, monkeypatch):
+    """objective.dgpo.anchor_beta (a flowrl variant): beta_a x mean((v_cfg - v_cfg_ref)^2) on the micro-batch's first
+    anchor_samples samples, at one sigma of the sampling grid below the trained head, fresh noise; both drawn from
+    the iteration's own stream, so a resumed run draws the same."""
+    from flowrl.core.seeds import Stream, sample_seed
+
+    obj = _objective(DGPO, tiny_sd3_dir, policy, ["objective.kind=dgpo", "objective.dgpo.anchor_beta=2.5",
+                                                  "objective.dgpo.anchor_samples=4"])
+    DGPO.__init__(obj, obj.ctx)
+    monkeypatch.setattr(policy.cfg, "guidance_scale", 3.0)  # the sampled velocity: both branches
+    s = obj.ctx.cfg.sampling
+    tail = policy.sigmas(s.num_steps, s.schedule, s.shift)[5:-1].tolist()  # the steps below DGPO's first 5 (not the final 0)
+    x0, _, groups, prompts = _batch(policy, seed=4)
+    batch = GroupBatch(x0, prompts, groups, torch.arange(6), 1.0)
+    for iteration in (3, 3, 7):  # the second call of iteration 3 draws the stream's next sigma and noise
+        ours = obj.anchor(dataclasses.replace(_experience(torch.zeros(6)), iteration=iteration), batch, x0)
+    gen = torch.Generator().manual_seed(sample_seed(obj.ctx.cfg.trainer.seed, 7, Stream.DGPO_ANCHOR))
+    sigma = tail[int(torch.randint(len(tail), (), generator=gen))]
+    eps = torch.randn(x0[:4].shape, generator=gen)
+    t = torch.tensor(sigma)
+    x_t, cond = (1 - t) * x0[:4] + t * eps, policy.encode(prompts[:4])
+    with policy.guidance(3.0):
+        v = policy.velocity(x_t, sigma, cond)
+        with torch.no_grad(), policy.reference():
+            v_ref = policy.velocity(x_t, sigma, cond)
+    ref = 2.5 * ((v - v_ref) ** 2).mean()
+    assert_close_relative(ours.detach(), ref.detach())
+    assert_close_relative(lora_grads(ours, policy), lora_grads(ref, policy))
+    assert obj.anchor_iteration == 7
+
+
+@pytest.mark.parametrize("overrides, gate_below, message", [
+    (["objective.dgpo.anchor_beta=1", "objective.dgpo.grid_points=10"], None, "grid_points trains all 10 of them"),
+    (["objective.dgpo.anchor_beta=1", "objective.dgpo.sigma_draw=stratified"], None, "needs objective.dgpo.sigma_draw grid"),
+    ([], 4, "trains (or anchors) the grid's sigmas {} outside lora.sigma_range"),  # the trained head's last point
+    (["objective.dgpo.anchor_beta=1"], 8, "the grid's sigmas {} outside"),  # the anchored steps' last two
+])
+def test_dgpo_refuses_an_anchor_or_a_grid_it_cannot_train(tiny_sd3_dir, policy, monkeypatch, overrides, gate_below, message):
+    from flowrl.errors import ConfigError
+
+    if gate_below is None:  # the config's own check
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            _objective(DGPO, tiny_sd3_dir, policy, ["objective.kind=dgpo", *overrides])
+        return
+    obj = _objective(DGPO, tiny_sd3_dir, policy, ["objective.kind=dgpo", *overrides])
+    s = obj.ctx.cfg.sampling  # the adapter acts from between grid points gate_below - 1 and gate_below up
+    grid = policy.sigmas(s.num_steps, s.schedule, s.shift).tolist()[: s.num_steps]
+    monkeypatch.setattr(policy, "lora_sigma_range", ((grid[gate_below] + grid[gate_below - 1]) / 2, 1.0))
+    message = message.format([round(x, 4) for x in grid[gate_below:(None if overrides else gate_below + 1)]])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        DGPO.__init__(obj, obj.ctx)
 
 
 # ---- GDRO -----------------------------------------------------------------------------------

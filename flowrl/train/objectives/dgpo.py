@@ -94,6 +94,12 @@ class DGPOOptions:
     # the trained velocity's guidance: 1, the conditional velocity alone (DGPO's code); > 1 or null
     # (model.guidance_scale) trains the CFG-combined velocity through both branches (flowrl variant)
     guidance_scale: Optional[float] = 1.0
+    # flowrl variant: > 0 adds anchor_beta x the mean squared gap between the sampled velocity (model.guidance_scale,
+    # both branches) and the base network's at one sigma of the sampling grid below the trained grid_points, drawn once
+    # per optimizer step, so the adapter leaves the low-noise steps, where fine texture is drawn, to the base network
+    # (docs/monitor.md, "Where the artefacts come from"); 0: off, the reference's
+    anchor_beta: float = 0.0
+    anchor_samples: int = 4  # anchor_beta: the first this many samples of the step's micro-batch are anchored
 
 
 @register_objective
@@ -108,6 +114,17 @@ class DGPO(ImplicitRewardObjective):
         o = self.opts
         self.old = EMA(ctx.params, 0.0) if o.clip_range > 0 or o.sample_with_old_after > 0 else None
         self.steps = 0  # optimizer steps so far (the EMA's decay and the sampling switch count them)
+        self.anchor_draws, self.anchor_iteration = torch.Generator(), -1  # anchor_beta: this iteration's sigmas and noise
+        if o.sigma_draw == "grid":
+            s = ctx.cfg.sampling
+            grid = ctx.policy.sigmas(s.num_steps, s.schedule, s.shift).tolist()[: s.num_steps]  # the steps' sigmas, not the final 0
+            trained, untrained = grid[: grid_points(o, s.num_steps)], grid[grid_points(o, s.num_steps):]
+            outside = [round(x, 4) for x in trained + (untrained if o.anchor_beta > 0 else []) if not ctx.policy.adapter_acts_at(x)]
+            if outside:
+                raise ConfigError(f"objective.dgpo.sigma_draw grid trains (or anchors) the grid's sigmas {outside} outside "
+                                  f"lora.sigma_range {list(ctx.cfg.lora.sigma_range)}, where the adapter does not act: widen "
+                                  "lora.sigma_range, lower objective.dgpo.grid_points, or use sigma_draw stratified inside it")
+            self.untrained_sigmas = untrained
 
     @staticmethod
     def draws_stratified(opts) -> bool:
@@ -135,9 +152,15 @@ class DGPO(ImplicitRewardObjective):
             if o.grid_points is not None and not o.timesteps <= o.grid_points <= steps:
                 raise ConfigError(f"objective.dgpo.grid_points must be between objective.dgpo.timesteps ({o.timesteps}) and "
                                   f"sampling.num_steps ({steps}), or null (the first half of the grid); got {o.grid_points}")
-            if tuple(cfg.lora.sigma_range) != (0.0, 1.0):
-                raise ConfigError("objective.dgpo.sigma_draw grid needs lora.sigma_range [0, 1] (every grid sigma trained); "
-                                  f"got {list(cfg.lora.sigma_range)}: use sigma_draw stratified inside it")
+            if o.anchor_beta > 0 and grid_points(o, steps) >= steps:
+                raise ConfigError("objective.dgpo.anchor_beta > 0 anchors the sampling grid's untrained sigmas, but "
+                                  f"objective.dgpo.grid_points trains all {steps} of them: set grid_points below "
+                                  "sampling.num_steps, or anchor_beta=0")
+        elif o.anchor_beta > 0:
+            raise ConfigError("objective.dgpo.anchor_beta > 0 anchors the sampling grid's untrained sigmas, which needs "
+                              f"objective.dgpo.sigma_draw grid; got {o.sigma_draw}")
+        check_positive("objective.dgpo.anchor_beta", o.anchor_beta, strict=False)
+        check_positive("objective.dgpo.anchor_samples", o.anchor_samples)
 
     @property
     def stepping(self) -> str:
@@ -170,6 +193,23 @@ class DGPO(ImplicitRewardObjective):
     def prepare(self, experience: Experience) -> None:
         if self.old is not None and self.opts.clip_old == "sampling":
             self.old.update(self.ctx.params, decay=0.0)  # a copy of the weights that sampled this iteration
+
+    def anchor(self, experience: Experience, batch, x0: torch.Tensor) -> torch.Tensor | None:
+        """anchor_beta x the mean squared gap between the guided velocity (model.guidance_scale) and the base
+        network's on the micro-batch's first anchor_samples samples, at one of the sampling grid's untrained
+        sigmas with fresh noise, both drawn from this iteration's anchor stream; None when anchor_beta is 0."""
+        o = self.opts
+        if o.anchor_beta <= 0:
+            return None
+        if self.anchor_iteration != experience.iteration:
+            seed = sample_seed(self.ctx.cfg.trainer.seed, experience.iteration, Stream.DGPO_ANCHOR)
+            self.anchor_draws, self.anchor_iteration = torch.Generator().manual_seed(seed), experience.iteration
+        sigma = self.untrained_sigmas[int(torch.randint(len(self.untrained_sigmas), (), generator=self.anchor_draws))]
+        x0 = x0[: o.anchor_samples]
+        eps = torch.randn(x0.shape, generator=self.anchor_draws).to(x0.device)
+        with self.ctx.policy.guidance(None):
+            errors = flow_errors(self.ctx.policy, x0, eps, sigma, self.ctx.policy.encode(batch.prompts[: o.anchor_samples]))
+        return o.anchor_beta * ((errors.v - errors.v_ref) ** 2).mean()
 
     def after_optimizer_step(self) -> None:
         if self.old is not None and self.opts.clip_old == "ema":  # the steps before this one set the decay, as in the code

@@ -211,6 +211,10 @@ class ImplicitRewardObjective(Objective):
         return draw_sigmas(self.ctx.cfg.trainer.seed, iteration * self.ctx.cfg.trainer.inner_epochs + epoch, o.timesteps,
                            o.sigma_range, o.sigma_shift)
 
+    def anchor(self, experience: Experience, batch: GroupBatch, x0: torch.Tensor) -> torch.Tensor | None:
+        """A regulariser added once per optimizer step, with the step's last pair (default: none)."""
+        return None
+
     def after_optimizer_step(self) -> None:
         """Anything to do after each optimizer step (default: nothing)."""
 
@@ -256,7 +260,11 @@ class ImplicitRewardObjective(Objective):
                                 kl = ((errors.v - errors.v_ref) ** 2).mean()
                                 own["kl"] = kl.item()
                                 loss = loss + t.kl_beta * kl
-                            acc.backward(batch.weight * loss / share)
+                            # once per optimizer step, at its full weight after the step's mean over its pairs
+                            anchor = self.anchor(experience, batch, x0) if steps_now else None
+                            if anchor is not None:
+                                stats["anchor"].append(anchor.item())
+                            acc.backward(batch.weight * (loss if anchor is None else loss + share * anchor) / share)
                         for key, value in {"loss": loss.item(), **own}.items():
                             stats[key].append(value)
                         bar.update(1)
