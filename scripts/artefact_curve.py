@@ -165,13 +165,15 @@ def plot(runs: dict[str, tuple[dict, list[dict]]], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(MEASURES), figsize=(4.2 * len(MEASURES), 3.8))
     for ax, name in zip(axes, MEASURES):
+        banded = set()
         for k, (run, (base, points)) in enumerate(runs.items()):
-            colour = f"C{k}"
             xs = [0] + [p["iteration"] for p in points]
             ys = [base[name]["mean"]] + [p[name]["mean"] for p in points]
-            ax.plot(xs, ys, marker="o", ms=3, color=colour, label=Path(run).name)
-            band = 2 * base[name]["se"]
-            ax.axhspan(base[name]["mean"] - band, base[name]["mean"] + band, color=colour, alpha=0.12)
+            ax.plot(xs, ys, marker="o", ms=3, color=f"C{k}", label=Path(run).name)
+            if base["run"] not in banded:  # runs of one base model share its band
+                banded.add(base["run"])
+                band = 2 * base[name]["se"]
+                ax.axhspan(base[name]["mean"] - band, base[name]["mean"] + band, color="grey", alpha=0.2)
         ax.set_title(name + (" (higher is better)" if name == "strict" else " (lower is cleaner)"), fontsize=9)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
