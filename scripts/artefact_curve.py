@@ -23,10 +23,14 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the arena's pieces
+from arena_curve import checkpoint_minutes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "experiments" / "artefact-curve.jsonl"
@@ -35,13 +39,11 @@ MEASURES = ("strict", "background impurity", "fill nonuniformity", "patch energy
 
 def per_image(policy, cfg, reward, prompts: list[str], seed: int) -> dict[str, list[float]]:
     """One ODE image per prompt (seed + j): each measure per image (NaN where it is undefined)."""
-    from flowrl.train.images import ode_images
+    from flowrl.runs import ode_samples
     from flowrl.train.monitor.image_stats import patch_energies
     from rewards.shapes import background_impurity_batch, fill_nonuniformity_batch
 
-    s = cfg.sampling
-    images = ode_images(policy, prompts, [seed + j for j in range(len(prompts))],
-                        policy.sigmas(s.eval_num_steps, s.schedule, s.shift), s.batch_size)
+    images = ode_samples(cfg, policy, prompts, [seed + j for j in range(len(prompts))])
     strict = reward(images, prompts)[:, reward.channel_names.index("shapes/strict")]
     values = {"strict": strict, "background impurity": background_impurity_batch(images),
               "fill nonuniformity": fill_nonuniformity_batch(images), "patch energy": patch_energies(images, policy.pixel_patch)}
@@ -51,12 +53,9 @@ def per_image(policy, cfg, reward, prompts: list[str], seed: int) -> dict[str, l
 def mean_and_se(values: list[float]) -> tuple[float, float, int]:
     """The mean, its standard error (sample std / sqrt(n)) and n, over the finite values."""
     xs = [v for v in values if math.isfinite(v)]
-    n = len(xs)
-    if n == 0:
+    if not xs:
         return math.nan, math.nan, 0
-    mean = sum(xs) / n
-    var = sum((x - mean) ** 2 for x in xs) / (n - 1) if n > 1 else 0.0
-    return mean, math.sqrt(var / n), n
+    return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0) / math.sqrt(len(xs)), len(xs)
 
 
 def point(run: str, iteration: int, key: dict, values: dict[str, list[float]], minutes: float | None) -> dict:
@@ -69,17 +68,6 @@ def point(run: str, iteration: int, key: dict, values: dict[str, list[float]], m
 
 def read_points(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
-
-
-def checkpoint_minutes(run_dir: Path) -> dict[int, float]:
-    """Training minutes before each checkpoint: the sum of the iteration times logged before it."""
-    from flowrl.runtime.run_dir import RunDir
-
-    total, out = 0.0, {0: 0.0}
-    for row in sorted(RunDir(run_dir).read_metrics(), key=lambda r: r["iteration"]):
-        total += row.get("time_iteration", 0.0)
-        out[row["iteration"] + 1] = total / 60
-    return out
 
 
 def score_runs(args) -> list[dict]:
@@ -192,9 +180,8 @@ def velocity_gaps(run: Path, overrides: list[str], per_category: int, seed: int)
     trained weights)."""
     import torch
 
-    from flowrl.runs import load_run_policy
-    from flowrl.sampling.steps import flow_matching_target, forward_noise
-    from flowrl.train.images import ode_images
+    from flowrl.runs import load_run_policy, ode_samples
+    from flowrl.train.objectives.implicit import flow_errors
     from flowrl.train.prompts import builtin_prompts
 
     cfg, policy, ckpt = load_run_policy(run, ["run.progress=false", *overrides], None, weights="live")
@@ -203,19 +190,16 @@ def velocity_gaps(run: Path, overrides: list[str], per_category: int, seed: int)
     rows = []
     with torch.no_grad():
         with policy.reference():
-            images = ode_images(policy, prompts, [seed + j for j in range(len(prompts))],
-                                policy.sigmas(s.eval_num_steps, s.schedule, s.shift), s.batch_size)
+            images = ode_samples(cfg, policy, prompts, [seed + j for j in range(len(prompts))])
         x0, cond = policy.encode_images(images), policy.encode(prompts)
         eps = torch.randn(x0.shape, generator=torch.Generator().manual_seed(seed))
         for sigma in policy.sigmas(s.num_steps, s.schedule, s.shift).tolist()[: s.num_steps]:
-            x_t, row = forward_noise(x0, eps, sigma), {"sigma": sigma}
+            row = {"sigma": sigma}
             for name, scale in (("conditional", 1.0), ("guided", None)):
                 with policy.guidance(scale):
-                    v = policy.velocity(x_t, sigma, cond)
-                    with policy.reference():
-                        v_ref = policy.velocity(x_t, sigma, cond)
-                row[f"{name} gap"] = ((v - v_ref) ** 2).mean().item()
-                row[f"{name} base error"] = ((v_ref - flow_matching_target(x0, eps)) ** 2).mean().item()
+                    errors = flow_errors(policy, x0, eps, sigma, cond)
+                row[f"{name} gap"] = ((errors.v - errors.v_ref) ** 2).mean().item()
+                row[f"{name} base error"] = errors.err_ref.mean().item()
             rows.append(row)
     print(f"{run} ({ckpt.name}): mean squared velocity gap to the base network per sampling sigma")
     print("| sigma | conditional gap | base's error | guided gap | base's error |\n|---|---|---|---|---|")
@@ -260,7 +244,6 @@ def main(argv=None) -> int:
     silence_known_messages()
     with tempfile.TemporaryDirectory(prefix="artefact_curve-smoke-") as tmp:
         if args.smoke:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
             args.runs, args.per_category = [str(smoke_run(Path(tmp)))], 1
             args.overrides = [*args.overrides, "model.compile=none"]
             if args.out == str(OUT):

@@ -101,6 +101,7 @@ def test_dgpo_loss_and_gradient_are_the_reference_codes(tiny_sd3_dir, policy, cl
 
 def test_dgpo_trains_distinct_sigmas_from_the_head_of_its_sampling_grid(tiny_sd3_dir, policy):
     obj = _objective(DGPO, tiny_sd3_dir, policy, ["objective.kind=dgpo", "sampling.num_steps=10"])
+    DGPO.__init__(obj, obj.ctx)  # the grid is read once, when the objective is built
     s = obj.ctx.cfg.sampling
     head = policy.sigmas(s.num_steps, s.schedule, s.shift)[:5].tolist()  # DGPO's trunc_steps 4: the first 5 points
     seen = set()

@@ -115,16 +115,16 @@ class DGPO(ImplicitRewardObjective):
         self.old = EMA(ctx.params, 0.0) if o.clip_range > 0 or o.sample_with_old_after > 0 else None
         self.steps = 0  # optimizer steps so far (the EMA's decay and the sampling switch count them)
         self.anchor_draws, self.anchor_iteration = torch.Generator(), -1  # anchor_beta: this iteration's sigmas and noise
-        if o.sigma_draw == "grid":
+        if o.sigma_draw == "grid":  # the sampling grid's steps (not its final 0): the first grid_points trained, the rest not
             s = ctx.cfg.sampling
-            grid = ctx.policy.sigmas(s.num_steps, s.schedule, s.shift).tolist()[: s.num_steps]  # the steps' sigmas, not the final 0
-            trained, untrained = grid[: grid_points(o, s.num_steps)], grid[grid_points(o, s.num_steps):]
-            outside = [round(x, 4) for x in trained + (untrained if o.anchor_beta > 0 else []) if not ctx.policy.adapter_acts_at(x)]
+            grid = ctx.policy.sigmas(s.num_steps, s.schedule, s.shift).tolist()[: s.num_steps]
+            self.trained_grid, self.untrained_sigmas = grid[: grid_points(o, s.num_steps)], grid[grid_points(o, s.num_steps):]
+            drawn = self.trained_grid + (self.untrained_sigmas if o.anchor_beta > 0 else [])
+            outside = [round(x, 4) for x in drawn if not ctx.policy.adapter_acts_at(x)]
             if outside:
                 raise ConfigError(f"objective.dgpo.sigma_draw grid trains (or anchors) the grid's sigmas {outside} outside "
                                   f"lora.sigma_range {list(ctx.cfg.lora.sigma_range)}, where the adapter does not act: widen "
                                   "lora.sigma_range, lower objective.dgpo.grid_points, or use sigma_draw stratified inside it")
-            self.untrained_sigmas = untrained
 
     @staticmethod
     def draws_stratified(opts) -> bool:
@@ -176,12 +176,10 @@ class DGPO(ImplicitRewardObjective):
         o, cfg = self.opts, self.ctx.cfg
         if o.sigma_draw == "stratified":
             return super().training_sigmas(iteration, epoch)
-        s = cfg.sampling
-        points = grid_points(o, s.num_steps)
-        grid = self.ctx.policy.sigmas(s.num_steps, s.schedule, s.shift)[:points]
         gen = torch.Generator().manual_seed(sample_seed(cfg.trainer.seed, iteration * cfg.trainer.inner_epochs + epoch,
                                                         Stream.GROUP_SIGMAS))
-        return [float(grid[i]) for i in torch.randperm(points, generator=gen)[: o.timesteps].tolist()]
+        grid = self.trained_grid
+        return [float(grid[i]) for i in torch.randperm(len(grid), generator=gen)[: o.timesteps].tolist()]
 
     def behaviour_weights(self):
         """After `sample_with_old_after` optimizer steps the ema "old" weights sample (DGPO's switch_ema_ref)."""
