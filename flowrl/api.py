@@ -300,16 +300,17 @@ def sample(prompts: list[str], run=None, config=None, n: int = 1, seed: int = 0,
 
 
 def evaluate(prompts=None, run=None, config=None, n: int = 1, seed: int = 0, checkpoint: int | None = None,
-             per_category: int = 150, judge: str | None = None, overrides: list[str] = ()):
+             per_category: int = 150, judge: str | bool | None = None, overrides: list[str] = ()):
     """`flowrl eval`: the mean reward per channel of one ODE sample per prompt and seed (N per
     prompt) of `run` or `config`'s base model (neither: the default preset's). `prompts` is a list,
-    a prompt file or builtin:NAME (None: the shapes reward's held-out set). Returns the EvalResult:
+    a prompt file or builtin:NAME (None: the shapes reward's held-out set); `judge` (a reward name, or True:
+    the config's reward.judge) adds its scores and GDRO's corrected score. Returns the EvalResult:
     `.means()`, `.category_table()` (the shapes reward's categories), `.scores` [images, channels]."""
     from flowrl.cli import evaluate_policy
     from flowrl.train.prompts import read_prompt_file
 
     with _one_sentence(), _command("eval", run, config, checkpoint, "-n", str(n), "--seed", str(seed),
-                                   "--per-category", str(per_category), *([f"--judge={judge}"] if judge else [])) as args:
+                                   "--per-category", str(per_category), *(["--judge"] if judge is True else [f"--judge={judge}"] if judge else [])) as args:
         args.overrides = list(overrides)
         if isinstance(prompts, (str, Path)):
             prompts, source = read_prompt_file(prompts, field="prompts", per_category=per_category), str(prompts)

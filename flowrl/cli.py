@@ -117,8 +117,9 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
                    "are printed beside the base's, the adapter disabled, on the same prompts and seeds, and the change)")
     e.add_argument("--per-category", type=_int(1), default=150, help="built-in prompt sets: images per category (default 150)")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--judge", metavar="REWARD", help="an auxiliary judge reward for GDRO's corrected score next to each channel "
-                   "(default: reward.judge); its scores map from reward.judge_range onto 1-5")
+    e.add_argument("--judge", metavar="REWARD", nargs="?", const="", help="an auxiliary judge reward (alone: the config's "
+                   "reward.judge): its mean, and GDRO's corrected score next to each channel, its scores mapped from "
+                   "reward.judge_range onto 1-5")
     _search_arguments(e)
     e.add_argument("overrides", nargs="*", help="dot-list overrides of the config (model.guidance_scale=3.0 ...)")
 
@@ -225,6 +226,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     overrides = [a for a in extra if "=" in a and not a.startswith("-")]
     if len(overrides) < len(extra) or (overrides and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if getattr(args, "judge", None) and "=" in args.judge:  # a bare --judge, then an override it took for its value
+        overrides, args.judge = [args.judge, *overrides], ""
     if overrides:
         args.overrides = [*args.overrides, *overrides]
     return args
@@ -436,8 +439,8 @@ def _print_snippet(cfg, policy, out: Path, merged: bool) -> None:
     (out / SNIPPET).write_text(code)
     note = ""
     if not merged and policy.lora_sigma_range is not None:
-        note = (f" (the run's adapter acts only at sigmas in lora.sigma_range {list(policy.lora_sigma_range)}; diffusers applies "
-                "it at every step, so its images differ from flowrl sample's)")
+        note = (f" (the run's adapter acts only at sigmas in lora.sigma_range {list(policy.lora_sigma_range)}: gate_adapter turns it "
+                "on and off between the pipeline's steps)")
     print(f"\nIn plain diffusers, flowrl sample --prompt {prompt!r} --seed 0 (also in {out / SNIPPET}){note}:\n\n{code}")
 
 
@@ -459,7 +462,7 @@ def cmd_eval(args) -> int:
         from flowrl.text import cli as text
 
         return text.evaluate(args.run, args.config, list(args.overrides), args.checkpoint, base=not args.no_base)
-    from flowrl.train.evaluate import ARTEFACT_LEGEND, format_category_table, format_comparison
+    from flowrl.train.evaluate import ARTEFACT_LEGEND, JUDGE_LEGEND, format_category_table, format_comparison
     from flowrl.train.prompts import read_prompt_file
 
     prompts = read_prompt_file(args.prompts, field="--prompts", per_category=args.per_category) if args.prompts else None
@@ -472,6 +475,8 @@ def cmd_eval(args) -> int:
             print(f"{name:<{width}}  {value:.4f}")
     else:
         print(format_comparison(base.means(), result.means()))
+    if result.judge is not None:
+        print(JUDGE_LEGEND.format(judge=args.judge, low=result.judge_range[0], high=result.judge_range[1]))
     if result.artefacts:
         print(ARTEFACT_LEGEND)
     table = result.category_table()
@@ -500,17 +505,17 @@ def _evaluate(args, prompts: list[str] | None, source: str | None, with_base: bo
     search = _search_overrides(args)
     cfg, policy, what, _ = policy_for(args.run, args.checkpoint, args.config, list(args.overrides) + search)
     reward = MultiReward.from_config(cfg.reward)
-    judge_name = args.judge or cfg.reward.judge
     judge = None
-    if judge_name:
-        if args.judge:
-            from flowrl.config import validate
+    if args.judge is not None:  # only when asked: its rows come with the one line of legend that says what they are
+        from flowrl.config import validate
 
-            cfg.reward.judge = args.judge
-            validate(cfg, validate_paths=False)  # one sentence for an unknown judge
-        judge = MultiReward.single(judge_name, cfg.reward)
+        if not (args.judge or cfg.reward.judge):
+            raise UserError("--judge alone scores with the config's reward.judge, which is unset; give --judge REWARD")
+        args.judge = cfg.reward.judge = args.judge or cfg.reward.judge
+        validate(cfg, validate_paths=False)  # one sentence for an unknown judge
+        judge = MultiReward.single(args.judge, cfg.reward)
         if len(judge.channel_names) != 1:
-            raise UserError(f"reward.judge '{judge_name}' returns {len(judge.channel_names)} channels; a judge must return one")
+            raise UserError(f"--judge '{args.judge}' returns {len(judge.channel_names)} channels; a judge must return one")
     if prompts is None:
         if "shapes" not in reward.channels:
             raise UserError("--prompts is required unless the config's reward is shapes (then builtin:shapes-heldout is the default)")

@@ -149,6 +149,27 @@ def check_model_path(path: str) -> None:
                           f"({', '.join(BUILTIN_PREFIX + b for b in BUILTIN_MODELS)})")
 
 
+def _resolve_acts_at(cfg: Config) -> None:
+    """lora.acts_at trained: lora.sigma_range from the sigmas the objective trains (its trained_sigma_range), so
+    that the adapter leaves the others to the base network, where the config gives the grid (shifted_linear); a
+    pipeline's own grid is read when the model loads (registry.add_adapter). A saved run's config holds the range."""
+    lora, s = cfg.lora, cfg.sampling
+    check_choice("lora.acts_at", lora.acts_at, ("all", "trained"))
+    if lora.acts_at == "all" or not lora.enabled:
+        return
+    if resolve_schedule(s.schedule, cfg.model.path) != "shifted_linear":
+        if list(lora.sigma_range) != [0.0, 1.0]:
+            raise ConfigError(f"lora.acts_at trained sets the adapter's range from the objective's trained sigmas; leave "
+                              f"lora.sigma_range at [0.0, 1.0] or set lora.acts_at all to keep {list(lora.sigma_range)}")
+        return
+    trained = objective_class(cfg.objective.kind).trained_sigma_range(cfg, shifted_sigmas(s.num_steps, s.shift).tolist()[: s.num_steps])
+    derived = [0.0, 1.0] if trained is None else [float(trained[0]), float(trained[1])]
+    if list(lora.sigma_range) not in ([0.0, 1.0], derived):
+        raise ConfigError(f"lora.acts_at trained sets lora.sigma_range from the objective's trained sigmas ({derived}); "
+                          f"leave lora.sigma_range at [0.0, 1.0] or set lora.acts_at all to keep {list(lora.sigma_range)}")
+    lora.sigma_range = derived
+
+
 def _validate_sigma_range(cfg: Config) -> None:
     """A restricted adapter must act at every step that is trained, or those steps carry no gradient."""
     r = cfg.lora.sigma_range
@@ -157,7 +178,8 @@ def _validate_sigma_range(cfg: Config) -> None:
     if list(r) == [0.0, 1.0]:
         return
     if not cfg.lora.enabled:
-        raise ConfigError("lora.sigma_range restricts the adapter, so it needs lora.enabled=true")
+        raise ConfigError(f"lora.sigma_range {list(r)} restricts the adapter, so it needs lora.enabled=true "
+                          "(or lora.sigma_range=[0.0, 1.0])")
 
     if objective_class(cfg.objective.kind).needs == SAMPLES:
         return  # flow-matching objectives draw their training sigmas inside the range (flowrl/train/objectives/nft.py)
@@ -165,7 +187,8 @@ def _validate_sigma_range(cfg: Config) -> None:
     if FIXED_STEPS not in rollout_class(cfg.rollout.kind).provides(cfg):
         raise ConfigError(f"lora.sigma_range other than [0, 1] needs {DATA_KINDS[FIXED_STEPS]} (a rollout that provides them, "
                           f"with sampling.window.strategy fixed), which rollout.kind '{cfg.rollout.kind}' with window "
-                          f"'{w.strategy}' does not provide; rollout.kind flat does with a fixed window")
+                          f"'{w.strategy}' does not provide; rollout.kind flat does with a fixed window, and "
+                          "lora.sigma_range=[0.0, 1.0] lets the adapter act at every sigma")
     if resolve_schedule(s.schedule, cfg.model.path) == "shifted_linear":  # the pipeline's grid is checked once it is loaded
         check_trained_sigmas(cfg, shifted_sigmas(s.num_steps, s.shift))
 
@@ -280,6 +303,7 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
         raise ConfigError(f"sampling.initial_noise per_group draws a flat group's chains from one noise; rollout.kind "
                           f"'{cfg.rollout.kind}' keys its own noise (trees and G2RPO share a root already): set "
                           "sampling.initial_noise: per_sample")
+    _resolve_acts_at(cfg)
     check_compatible(cfg)  # each part's own checks, and the objective's data from the rollout
     _validate_sigma_range(cfg)
     _validate_data(cfg, rollout, validate_paths)

@@ -42,6 +42,7 @@ def load_run_policy(run: Path, overrides=(), iteration: int | str | None = None,
     from flowrl.models import load_policy
     from flowrl.runtime.checkpoint import find_checkpoint
     from flowrl.runtime.run_dir import CONFIG_FILE, RunDir
+    from flowrl.train.registry import add_adapter
 
     if weights not in ("ema", "live"):
         raise ValueError(f"weights must be 'ema' or 'live', not {weights!r}")
@@ -51,7 +52,7 @@ def load_run_policy(run: Path, overrides=(), iteration: int | str | None = None,
     ckpt = find_checkpoint(RunDir(run).checkpoints, iteration, run)
     policy = load_policy(cfg.model)
     if cfg.lora.enabled:
-        policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
+        add_adapter(policy, cfg)
         policy.load_lora(ckpt / ("ema_lora" if weights == "ema" and (ckpt / "ema_lora").is_dir() else "lora"))
     else:
         names = ("ema_transformer", "transformer") if weights == "ema" else ("transformer",)

@@ -64,6 +64,9 @@ class LoraConfig:
     # SDE window, updates driven by the window's steps then cannot change the untrained steps
     # (BENCHMARKS.md, "collateral damage"); [0, 1]: everywhere
     sigma_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    # trained: sigma_range set from the sigmas the objective trains (DGPO's grid: down to the midpoint below its last
+    # trained sigma), the base network elsewhere; [0, 1] for an objective that trains every sigma. all: sigma_range as set
+    acts_at: str = "all"
 
 
 @dataclass
@@ -150,7 +153,7 @@ class RewardConfig:
     # reward.ray.workers Ray actors of its own, scoring each batch as soon as it is decoded (rewards/placement.py)
     placement: str = "inline"
     ray: RewardRayOptions = field(default_factory=RewardRayOptions)
-    # an auxiliary judge for GDRO's corrected score in `flowrl eval` (r * (u - 3) + 0.2, u the judge's
+    # an auxiliary judge for GDRO's corrected score in `flowrl eval --judge` (r * (u - 3) + 0.2, u the judge's
     # score mapped from judge_range onto [1, 5]); never trained on. Options under reward.options.NAME.
     judge: Optional[str] = None
     judge_range: list[float] = field(default_factory=lambda: [0.0, 1.0])

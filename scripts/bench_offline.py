@@ -30,7 +30,8 @@ import torch
 from flowrl.runtime.budget import machine_name
 
 # each method: the overrides of the default preset that make it (docs/algorithms.md section 10)
-DGPO = ["objective.kind=dgpo", "trainer.iterations=90", "trainer.budget_fill=false", "trainer.kl_beta=0.02"]
+# DGPO's adapter at every sigma, as the recorded comparison ran it (the default preset gates it since issue 88)
+DGPO = ["objective.kind=dgpo", "trainer.iterations=90", "trainer.budget_fill=false", "trainer.kl_beta=0.02", "lora.acts_at=all"]
 GDRO = ["objective.kind=gdro", "rollout.kind=offline", "trainer.iterations=150", "trainer.budget_fill=false", "trainer.kl_beta=0"]
 
 

@@ -428,14 +428,15 @@ class FlowPolicy:
 
     # ---- the family's own diffusers pipeline (flowrl/models/pipeline_call.py) ------------------------
     def diffusers_call(self, pipe, latents: torch.Tensor, prompts: list[str], num_steps: int, schedule: str = "pipeline",
-                       shift: float = 3.0) -> torch.Tensor:
+                       shift: float = 3.0, gated: bool = False) -> torch.Tensor:
         """flowrl's `num_steps`-step ODE sample on sampling.schedule `schedule` (sampling.shift `shift`), drawn
         by `pipe`, the family's own diffusers pipeline, from flowrl's initial noise `latents` [B, *latent_shape]
         (seeded_noise(seeds, INITIAL, ...)): images [B, 3, H, W] (videos [B, 3, F, H, W]) in [0, 1], which
-        equal `decode` of flowrl's ODE sample up to float rounding."""
+        equal `decode` of flowrl's ODE sample up to float rounding. `gated`: `pipe`'s loaded adapter acts only
+        inside this policy's lora.sigma_range, as flowrl's does."""
         from flowrl.models.pipeline_call import draw
 
-        return draw(self, pipe, latents, prompts, num_steps, resolve_schedule(schedule, self.cfg.path) == "pipeline", shift)
+        return draw(self, pipe, latents, prompts, num_steps, resolve_schedule(schedule, self.cfg.path) == "pipeline", shift, gated)
 
     def pipeline_arguments(self) -> dict[str, Any]:
         """The keyword arguments of the pipeline's __call__ that make it sample as flowrl does, besides

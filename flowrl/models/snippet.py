@@ -3,15 +3,17 @@ export`): the pipeline class and the components saved as none (the pixel-space s
 VAE and no T5), the adapter where only it was exported, the sample's initial noise as a seeded
 torch.randn in the pipeline's latent layout, and the family's own call of its pipeline
 (flowrl/models/pipeline_call.py: the scheduler and grid flowrl samples with, guidance, size, the
-family's arguments), printed from the same `PipelineCall` that `FlowPolicy.diffusers_call` runs; for a
-model without a VAE, the pixels from the latents."""
+family's arguments), printed from the same `PipelineCall` that `FlowPolicy.diffusers_call` runs, with its
+step-end callback where the adapter is gated to lora.sigma_range; for a model without a VAE, the pixels
+from the latents."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 from flowrl.models.base import absent_components, resolve_model_path, resolve_schedule
-from flowrl.models.pipeline_call import pipeline_call
+from flowrl.models.pipeline_call import gate_adapter, pipeline_call
 from flowrl.sampling.noise import initial_noise_seed
 
 
@@ -24,7 +26,7 @@ def diffusers_snippet(policy, cfg, out: Path, prompt: str, seed: int = 0, merged
     """Python source that loads the export in `out` with diffusers alone and draws the first image
     of `flowrl sample --prompt PROMPT --seed SEED` on it (the same noise, grid and guidance)."""
     cls, s, m = policy.pipeline_name, cfg.sampling, cfg.model
-    call = pipeline_call(policy, s.eval_num_steps, resolve_schedule(s.schedule, m.path) == "pipeline", s.shift)
+    call = pipeline_call(policy, s.eval_num_steps, resolve_schedule(s.schedule, m.path) == "pipeline", s.shift, gated=not merged)
     source = out if merged else Path(resolve_model_path(m.path))
     optional = set(getattr(policy.pipeline_class, "_optional_components", ()))  # diffusers fills these with None itself
     absent = "".join(f", {name}=None" for name in absent_components(str(source)) if name not in optional)
@@ -32,11 +34,15 @@ def diffusers_snippet(policy, cfg, out: Path, prompt: str, seed: int = 0, merged
     lines = ["import torch", f"from diffusers import {', '.join(imports)}"]
     if policy.video:
         lines.append("from diffusers.utils import export_to_video")
-    if call.scheduler_sigmas is not None:
+    if call.scheduler_sigmas is not None or call.adapter_range is not None:
         lines.insert(0, "import functools")
+    if call.adapter_range is not None:
+        lines += ["", "", inspect.getsource(gate_adapter).rstrip(), ""]
     lines += ["", f"pipe = {cls}.from_pretrained({str(source)!r}{absent}, torch_dtype=torch.{_dtype_name(policy)})"]
     if not merged:
         lines.append(f"pipe.load_lora_weights({str(out)!r})")
+    if call.adapter_range is not None and not call.adapter_at_first_step:
+        lines.append(f"pipe.disable_lora()  # the run's adapter acts only at sigmas in {list(call.adapter_range)}, not the first step's")
     lines += _scheduler_lines(call, cls)
     lines += [f"# flowrl sample --seed {seed}: its initial noise, then the run's {s.eval_num_steps}-step ODE",
               f"latents = torch.randn({(1, *policy.latent_shape())}, generator=torch.Generator().manual_seed({initial_noise_seed(seed)}))"]
@@ -59,7 +65,12 @@ def _scheduler_lines(call, cls: str) -> list[str]:
 def _call_lines(policy, call, prompt: str) -> list[str]:
     """The pipeline's call and the saving of its output: images [1, H, W, 3] (frames [1, F, H, W, 3])
     in [0, 1] as numpy arrays, `flowrl sample`'s sample before it is rounded into a file."""
-    args = ", ".join([f"prompt={prompt!r}", "latents=latents.to(pipe.dtype)", *(f"{k}={v!r}" for k, v in call.arguments.items())])
+    gate = []
+    if call.adapter_range is not None:  # the run's lora.sigma_range: the base network outside it
+        low, high = call.adapter_range
+        gate = [f"callback_on_step_end=functools.partial(gate_adapter, low={low!r}, high={high!r})"]
+    args = ", ".join([f"prompt={prompt!r}", "latents=latents.to(pipe.dtype)", *(f"{k}={v!r}" for k, v in call.arguments.items()),
+                      *gate])
     if policy.video:
         return [f"frames = pipe({args}, output_type='np').frames  # [1, F, H, W, 3] in [0, 1]",
                 "export_to_video(frames[0], 'sample.mp4', fps=16)"]

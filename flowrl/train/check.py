@@ -7,7 +7,8 @@
 (b) the pipeline: flowrl's ODE sample (`flowrl sample`'s) equals the family's own diffusers pipeline
     `__call__` from the same seed (`FlowPolicy.diffusers_call`).
 (c) the adapter: a one-step change of the LoRA, saved with `save_lora` and loaded into the pipeline with
-    `load_lora_weights`, draws in plain diffusers what flowrl draws with it.
+    `load_lora_weights`, draws in plain diffusers what flowrl draws with it (an adapter gated to
+    lora.sigma_range turned on and off between the pipeline's steps, flowrl/models/pipeline_call.py).
 
 The adapter is changed once, before (a): with a fresh adapter (lora_B = 0) its branch adds nothing, and
 neither a training-mode difference inside it (dropout) nor an error in its saved keys or scale could show.
@@ -34,6 +35,7 @@ from flowrl.sampling.precision import autocast_precision
 from flowrl.sampling.rollout import rollout
 from flowrl.train.images import ode_images
 from flowrl.train.prompts import load_prompts
+from flowrl.train.registry import add_adapter
 from flowrl.train.rollouts.common import recompute_transition, training_spec
 
 RATIO_TOLERANCE = 1e-5  # |ratio - 1|: 0 up to float error, a tenth of Flow-GRPO's clip range
@@ -79,7 +81,7 @@ def _policy(cfg, model_cfg):
     policy = load_policy(model_cfg)
     policy.pipe.set_progress_bar_config(disable=True)
     if cfg.lora.enabled:
-        policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
+        add_adapter(policy, cfg)
         change_adapter(policy, ADAPTER_SEED)
     else:
         policy.enable_full_finetune()
@@ -201,9 +203,6 @@ def check_adapter_replay(cfg, policy, prompts, seeds, base: torch.Tensor) -> Out
     name = "(c) LoRA step replayed in diffusers"
     if not policy.has_lora:
         return Outcome(name, None, note="lora.enabled is false: no adapter to replay")
-    if policy.lora_sigma_range is not None:
-        return Outcome(name, None, note=f"lora.sigma_range {list(policy.lora_sigma_range)}: diffusers applies an adapter at "
-                                        "every step, so its samples differ from flowrl's by design")
     with tempfile.TemporaryDirectory() as directory:
         policy.save_lora(directory)
         s = cfg.sampling
@@ -211,7 +210,7 @@ def check_adapter_replay(cfg, policy, prompts, seeds, base: torch.Tensor) -> Out
         policy.transformer.unload_lora()  # flowrl's adapter out: the pipeline's transformer is the base model again
         policy.pipe.load_lora_weights(directory)
         theirs = policy.diffusers_call(policy.pipe, seeded_noise(seeds, INITIAL, policy.latent_shape()), prompts,
-                                       s.eval_num_steps, s.schedule, s.shift)
+                                       s.eval_num_steps, s.schedule, s.shift, gated=True)  # lora.sigma_range as flowrl's
     difference, moved = largest_difference(ours, theirs), largest_difference(ours, base)
     note = f"the change moved flowrl's sample by {moved:.3g}"
     if moved <= IMAGE_TOLERANCE:

@@ -64,6 +64,9 @@ def score_images(cfg, reward, images: torch.Tensor, prompts: list[str], judge=No
                       tuple(cfg.reward.judge_range), reward.breakdown(prompts, scores), artefact_means(images, prompts, patch))
 
 
+JUDGE_LEGEND = ("judge = the mean of {judge}, which the run did not train on; corrected CHANNEL = GDRO's corrected score, the "
+                "channel x (u - 3) + 0.2 with u the judge mapped from reward.judge_range [{low}, {high}] onto 1-5: a score "
+                "gained on images the judge rates below 3 counts against the model, so it can exceed 1 or fall while the channel rises")
 ARTEFACT_LEGEND = ("artefacts, lower is cleaner: background impurity = mean RGB distance (0-255) of the background pixels "
                    "from white; fill nonuniformity = mean RGB distance of an object's pixels from its mean colour; patch "
                    "energy = share of the luminance spectrum's power on the transformer patch's lattice (white noise: "

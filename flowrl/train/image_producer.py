@@ -18,7 +18,7 @@ from flowrl.schema import Config
 from flowrl.train.parts import TrainContext
 from flowrl.train.monitor.watch import held_out_prompts
 from flowrl.train.prompts import load_prompts, prompt_set
-from flowrl.train.registry import objective_class, rollout_class
+from flowrl.train.registry import add_adapter, objective_class, rollout_class
 from rewards import AsyncRewardRunner, MultiReward
 
 
@@ -57,7 +57,7 @@ def image_producer(cfg: Config, allocator_state: dict, rewards: dict | None = No
     prompts = load_prompts(cfg.data)
     policy = load_policy(cfg.model, device=acc.device, prompts=prompt_set(cfg.data, prompts, held_out_prompts(cfg)))  # model.text_encoders cached: the trainer's file
     if cfg.lora.enabled:
-        policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
+        add_adapter(policy, cfg)
     else:
         policy.enable_full_finetune()
     policy.net = acc.prepare_model(policy.transformer)  # trainer.mixed_precision's autocast, as the trainer's forwards

@@ -37,7 +37,7 @@ from flowrl.train.metrics import iteration_row
 from flowrl.train.monitor.watch import Monitor, held_out_prompts, monitor_evaluate, monitor_saved, monitor_start
 from flowrl.train.parts import TrainContext
 from flowrl.train.prompts import eval_prompts, load_prompts, prompt_set
-from flowrl.train.registry import check_async_processes, objective_class, rollout_class
+from flowrl.train.registry import add_adapter, check_async_processes, objective_class, rollout_class
 from flowrl.train.sharding import launch_image_run, reference_copy
 from flowrl.train.trainer_state import restore_trainer, save_trainer
 from rewards import AsyncRewardRunner, MultiReward
@@ -85,7 +85,7 @@ class Trainer(RunManager):
         # model.text_encoders cached: the prompts and eval prompts encoded once, the encoders then off the GPU
         self.policy = load_policy(cfg.model, device=acc.device, prompts=prompt_set(cfg.data, self.prompts, held_out_prompts(cfg)))
         if cfg.lora.enabled:
-            self.policy.add_lora(cfg.lora, seed=t.seed)
+            add_adapter(self.policy, cfg)
         else:
             if t.kl_beta > 0:  # no adapter to disable: the KL's reference is a frozen copy of the network as loaded
                 self.policy.set_reference_network(reference_copy(self.policy.transformer))

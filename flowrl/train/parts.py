@@ -123,6 +123,12 @@ class Objective(runtime_parts.Objective):
     ctx: TrainContext
 
     @classmethod
+    def trained_sigma_range(cls, cfg: "Config", grid: list[float]) -> tuple[float, float] | None:
+        """(low, high): the sigmas this objective trains under `cfg` on the sampling grid `grid` (its steps, from
+        the noisiest), where lora.acts_at trained lets the adapter act (low < sigma <= high); None: every sigma."""
+        return None
+
+    @classmethod
     def requires(cls, cfg: "Config") -> dict[str, str]:
         """Data beyond `needs` that its options call for under `cfg`: {data kind: the option that
         needs it} (experience.DATA_KINDS), checked against what the rollout provides."""

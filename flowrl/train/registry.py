@@ -19,6 +19,17 @@ def objective_class(kind: str) -> type[Objective]:
     return OBJECTIVES.get(kind)
 
 
+def add_adapter(policy, cfg: "Config") -> None:
+    """The run's LoRA (cfg.lora) on `policy`, acting where lora.sigma_range says or, with lora.acts_at trained, at the
+    sigmas the objective trains on the loaded model's own sampling grid (a pipeline's grid is known only here)."""
+    policy.add_lora(cfg.lora, seed=cfg.trainer.seed)
+    if cfg.lora.acts_at == "trained":
+        s = cfg.sampling
+        grid = policy.sigmas(s.num_steps, s.schedule, s.shift).tolist()[: s.num_steps]
+        trained = objective_class(cfg.objective.kind).trained_sigma_range(cfg, grid)
+        policy.lora_sigma_range = None if trained is None else (float(trained[0]), float(trained[1]))
+
+
 def check_async_processes(cfg: "Config", processes: int) -> None:
     """run.async_rollouts beside `processes` trainer processes (run.cpu_processes when the config is
     read, the launch's count when the trainer starts): more than one needs a rollout that splits."""

@@ -92,6 +92,34 @@ def test_mixed_precision_no_survives_yaml_reading_it_as_false(tmp_path):
         load_config("tiny_jpeg", ["trainer.mixed_precision=fp8"])
 
 
+def test_acts_at_trained_gates_the_adapter_to_the_sigmas_dgpo_trains(tmp_path):
+    # the default preset: DGPO trains its 10-step grid's first 5 sigmas (1.0-0.6): the gate is the midpoint below them
+    cfg = load_config(None)
+    assert cfg.lora.acts_at == "trained" and cfg.lora.sigma_range == [0.55, 1.0]
+    # 20 steps: the first 10 of 1, 0.95, ..., 0.05 are trained, 0.55 is, 0.5 is not
+    assert load_config(None, ["sampling.num_steps=20"]).lora.sigma_range == [0.525, 1.0]
+    # every sigma trained (4 steps, grid_points at least timesteps 4), or trained by the anchor, or by an objective that
+    # draws over all of (0, 1]: the adapter acts everywhere
+    for overrides in (["sampling.num_steps=4"], ["objective.dgpo.anchor_beta=1"], ["objective.kind=nft"],
+                      ["objective.kind=nft", "lora.enabled=false"], ["lora.acts_at=all"]):
+        assert load_config(None, overrides).lora.sigma_range == [0.0, 1.0], overrides
+    assert load_config(None, ["objective.dgpo.sigma_draw=stratified"]).lora.sigma_range == [0.5, 1.0]
+    # a run directory's config holds the range it resolved, and loads again
+    saved = tmp_path / "config.yaml"
+    saved.write_text(cfg.to_yaml())
+    assert load_config(saved).lora.sigma_range == [0.55, 1.0]
+    with pytest.raises(ConfigError, match=r"^lora\.acts_at trained sets lora\.sigma_range from the objective's trained sigmas "
+                                          r"\(\[0\.55, 1\.0\]\); leave lora\.sigma_range at \[0\.0, 1\.0\] or set lora\.acts_at all"):
+        load_config(None, ["lora.sigma_range=[0.7, 1.0]"])
+    with pytest.raises(ConfigError, match=r"^lora\.acts_at must be one of all, trained; got 'some'"):
+        load_config(None, ["lora.acts_at=some"])
+    # a pipeline's own grid is known once the model loads (tests/models/test_models.py): not here, and no range by hand
+    assert load_config(None, ["sampling.schedule=pipeline"]).lora.sigma_range == [0.0, 1.0]
+    with pytest.raises(ConfigError, match=r"^lora\.acts_at trained sets the adapter's range from the objective's trained "
+                                          r"sigmas; leave lora\.sigma_range at \[0\.0, 1\.0\]"):
+        load_config(None, ["sampling.schedule=pipeline", "lora.sigma_range=[0.7, 1.0]"])
+
+
 def test_sigma_range_holding_the_window_is_accepted():
     cfg = load_config("tiny_jpeg", ["lora.sigma_range=[0.5, 1.0]", "sampling.window.strategy=fixed", "sampling.window.size=2"])
     assert cfg.lora.sigma_range == [0.5, 1.0]

@@ -119,6 +119,23 @@ def test_adapter_sigma_range_leaves_other_sigmas_to_the_base_network(model_dir):
         assert not torch.allclose(policy.velocity(x, 0.8, cond), base.velocity(x, 0.8, base_cond))
 
 
+def test_acts_at_trained_reads_a_pipelines_own_grid_when_the_model_loads(tiny_flux_dir):
+    # the default preset's lora.acts_at trained on a model whose grid is its pipeline's (FLUX's dynamic shifting): the
+    # config cannot know it, so the adapter's range is set from the loaded grid, DGPO's first 5 of 10 steps trained
+    from flowrl.config import load_config
+    from flowrl.train.registry import add_adapter
+
+    cfg = load_config(None, ["model.kind=flux", f"model.path={tiny_flux_dir}", "model.height=64", "model.width=64",
+                             "model.max_sequence_length=32", "lora.target_modules=[to_q,to_k,to_v,to_out.0]"])
+    assert cfg.sampling.schedule == "auto" and cfg.lora.sigma_range == [0.0, 1.0]
+    policy = load_policy(cfg.model, device="cpu")
+    add_adapter(policy, cfg)
+    grid = policy.sigmas(10, cfg.sampling.schedule, cfg.sampling.shift).tolist()
+    assert not torch.allclose(torch.tensor(grid[:10]), shifted_sigmas(10, cfg.sampling.shift)[:10])  # not the config's grid
+    assert policy.lora_sigma_range == (round((grid[4] + grid[5]) / 2, 6), 1.0)
+    assert policy.adapter_acts_at(grid[4]) and not policy.adapter_acts_at(grid[5])
+
+
 def test_prompt_embeddings_are_cached(tiny_sd3_dir):
     policy = _policy("sd3", tiny_sd3_dir)
     a = policy.encode(["a red circle", "a cat"])

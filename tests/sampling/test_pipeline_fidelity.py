@@ -102,6 +102,29 @@ def test_the_printed_export_snippet_draws_flowrl_samples_image_of_the_pixel_spac
     assert (merged / "sample_with_diffusers.py").read_text().startswith("import torch")
 
 
+def test_an_adapter_gated_to_a_sigma_range_replays_in_diffusers_through_the_printed_step_callback(tmp_path, capsys, monkeypatch):
+    # lora.sigma_range [0.55, 1] (the default preset's gate): flowrl samples the eval grid's steps at 1 and 0.75 with
+    # the adapter and those at 0.5 and 0.25 with the base network; the printed code's step-end callback does the same
+    monkeypatch.chdir(tmp_path)
+    run, lora = tmp_path / "run", tmp_path / "lora"
+    assert main(["train", "tiny_jpeg", "model.path=builtin:shapes", "model.height=32", "model.width=32", "sampling.num_steps=3",
+                 "sampling.eval_num_steps=4", "data.group_size=4", "sampling.batch_size=4", "data.prompts_per_iteration=1",
+                 "lora.rank=4", "lora.alpha=8", "lora.sigma_range=[0.55, 1.0]", "sampling.window.strategy=fixed",
+                 "sampling.window.size=1", "trainer.iterations=1", "trainer.ema=false", "run.tracker=none", "run.progress=false",
+                 "run.sample_every=0", "--run-dir", str(run)]) == 0
+    assert main(["export", "--run", str(run), "--merge", "-o", str(tmp_path / "merged")]) == 2  # a fused adapter acts everywhere
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), "-o", str(lora)]) == 0
+    theirs = _printed_snippet(capsys)
+    cfg, policy, _ = load_run_policy(run)
+    prompt = [snippet_prompt(cfg)]
+    ours = ode_samples(cfg, policy, prompt, [0])
+    assert (theirs - ours).abs().max() <= 1e-5
+    # the control: the adapter at every step (what diffusers does without the callback) draws something else
+    monkeypatch.setattr(policy, "lora_sigma_range", None)
+    assert (ode_samples(cfg, policy, prompt, [0]) - ours).abs().max() > 1e-4
+
+
 def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp_path, tiny_flux_dir, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the printed code saves sample.png here
     run = tmp_path / "run"

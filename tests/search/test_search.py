@@ -203,6 +203,13 @@ def test_eval_with_search_prints_the_held_out_table(capsys):
     out = capsys.readouterr().out
     assert "bon search on shapes_quality" in out and "10 network evaluations" in out and "overall" in out
     assert "background impurity" in out and "patch energy" in out  # the searched images' artefact measures
+    # the default preset names a judge (reward.judge, GDRO's), but eval scores with it only when --judge asks;
+    # a bare --judge is the config's, and the override after it stays an override
+    assert not any(line.startswith(("judge", "corrected")) for line in out.splitlines())
+    assert main([*argv[:-1], "--judge", "search.num_steps=5"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("judge ") for line in lines) and any(line.startswith("corrected shapes/strict ") for line in lines)
+    assert any(line.startswith("judge = the mean of shapes_clean, which") for line in lines)
 
 
 @pytest.mark.parametrize("argv, fragment", [

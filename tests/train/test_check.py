@@ -40,6 +40,18 @@ def test_the_default_preset_passes_with_the_ratio_skipped(capsys):
     assert "sampling.sampler ode draws no log-probabilities" in out
 
 
+def test_the_default_presets_gated_adapter_fails_the_replay_without_the_step_callback(monkeypatch, capsys):
+    # lora.sigma_range [0.55, 1]: the 4-step eval grid's last two steps are the base network's; a pipeline that
+    # leaves the loaded adapter on at every step draws something else
+    import flowrl.models.pipeline_call as pipeline_call
+
+    monkeypatch.setattr(pipeline_call, "gate_adapter", lambda pipe, step, timestep, tensors, low, high: tensors)
+    assert main(["check", "sampling.eval_num_steps=4"]) == 1
+    out = capsys.readouterr().out
+    table = _table(out)
+    assert table["(b)"][0] == "pass" and table["(c)"][0] == "FAIL" and float(table["(c)"][1]) > 1e-3, out
+
+
 def test_bf16_compares_the_pipeline_in_fp32(capsys):
     assert main(["check", *SHORT, "model.dtype=bf16"]) == 0
     out = capsys.readouterr().out

@@ -285,6 +285,8 @@ def test_eval_prints_the_corrected_score_next_to_each_channel(tmp_path, tiny_sd3
     lines = capsys.readouterr().out.splitlines()
     assert any(line.startswith("judge ") for line in lines)
     assert any(line.startswith("corrected jpeg_compressibility ") for line in lines)
+    assert any(line.startswith("judge = the mean of brightness, which the run did not train on; corrected CHANNEL = GDRO's")
+               for line in lines)
     # shapes-world prompts: the artefact measures (docs/monitor.md), patch energy on the tiny SD3's 16-pixel tokens
     for row in ("background impurity ", "fill nonuniformity ", "patch energy "):
         assert any(line.startswith(row) for line in lines), row

@@ -126,6 +126,19 @@ class DGPO(ImplicitRewardObjective):
                                   f"lora.sigma_range {list(ctx.cfg.lora.sigma_range)}, where the adapter does not act: widen "
                                   "lora.sigma_range, lower objective.dgpo.grid_points, or use sigma_draw stratified inside it")
 
+    @classmethod
+    def trained_sigma_range(cls, cfg, grid: list[float]) -> tuple[float, float] | None:
+        """lora.acts_at trained: the grid's trained sigmas and none of the others, (the midpoint between the last
+        trained grid sigma and the first untrained one, 1] (the 10-step default's (0.55, 1]); sigma_draw stratified:
+        its sigma_range. None (every sigma) when nothing is left untrained, or when anchor_beta trains the rest."""
+        o = cfg.objective.dgpo
+        if o.sigma_draw == "stratified":
+            return None if list(o.sigma_range) == [0.0, 1.0] else (float(o.sigma_range[0]), float(o.sigma_range[1]))
+        n = grid_points(o, len(grid))
+        if n >= len(grid) or o.anchor_beta > 0:
+            return None
+        return round((grid[n - 1] + grid[n]) / 2, 6), 1.0
+
     @staticmethod
     def draws_stratified(opts) -> bool:
         return opts.sigma_draw == "stratified"

@@ -181,7 +181,8 @@ class TwoStageRollout(Rollout):
         check_positive("rollout.two_stage.first_block_cache", ts.first_block_cache, strict=False)
         check_positive("rollout.two_stage.fidelity_every", ts.fidelity_every, strict=False)
         if list(cfg.lora.sigma_range) != [0.0, 1.0]:  # the exploration copy merges the adapter in at every sigma
-            raise ConfigError(f"lora.sigma_range must be [0, 1] when rollout.kind is two_stage; got {list(cfg.lora.sigma_range)}")
+            raise ConfigError(f"lora.sigma_range must be [0, 1] when rollout.kind is two_stage; got {list(cfg.lora.sigma_range)}"
+                              + (" (from lora.acts_at trained: set lora.acts_at all)" if cfg.lora.acts_at == "trained" else ""))
         if cfg.model.quantize != "none":  # the exploration copy merges the adapter into the base's weights, dequantised
             raise ConfigError(f"rollout.kind two_stage builds its exploration copy from the transformer's full-precision weights, "
                               f"which model.quantize {cfg.model.quantize} does not keep; set model.quantize: none or another "
