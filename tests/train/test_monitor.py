@@ -285,6 +285,8 @@ def test_the_gpu_image_presets_watch_and_the_cheap_ones_do_not():
     assert not load_config("tiny_jpeg").monitor.enabled
     default = load_config(None, validate_paths=False).monitor
     assert not default.enabled and default.gold == ["shapes/strict"] and default.prompt_file == "builtin:shapes-heldout"
+    # the schema's statistics thresholds kept, and two artefact measures added (docs/monitor.md)
+    assert default.drift == {**MonitorConfig().drift, "background_impurity": 1.0, "fill_nonuniformity": 2.0}
 
 
 def test_a_stop_ends_the_run_with_a_checkpoint_and_says_so(tiny_sd3_dir, tmp_path):
