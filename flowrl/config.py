@@ -157,17 +157,17 @@ def _resolve_acts_at(cfg: Config) -> None:
     check_choice("lora.acts_at", lora.acts_at, ("all", "trained"))
     if lora.acts_at == "all" or not lora.enabled:
         return
-    if resolve_schedule(s.schedule, cfg.model.path) != "shifted_linear":
-        if list(lora.sigma_range) != [0.0, 1.0]:
-            raise ConfigError(f"lora.acts_at trained sets the adapter's range from the objective's trained sigmas; leave "
-                              f"lora.sigma_range at [0.0, 1.0] or set lora.acts_at all to keep {list(lora.sigma_range)}")
-        return
-    trained = objective_class(cfg.objective.kind).trained_sigma_range(cfg, shifted_sigmas(s.num_steps, s.shift).tolist()[: s.num_steps])
-    derived = [0.0, 1.0] if trained is None else [float(trained[0]), float(trained[1])]
+    derived = None
+    if resolve_schedule(s.schedule, cfg.model.path) == "shifted_linear":
+        grid = shifted_sigmas(s.num_steps, s.shift).tolist()[: s.num_steps]
+        trained = objective_class(cfg.objective.kind).trained_sigma_range(cfg, grid)
+        derived = [0.0, 1.0] if trained is None else [float(trained[0]), float(trained[1])]
     if list(lora.sigma_range) not in ([0.0, 1.0], derived):
-        raise ConfigError(f"lora.acts_at trained sets lora.sigma_range from the objective's trained sigmas ({derived}); "
-                          f"leave lora.sigma_range at [0.0, 1.0] or set lora.acts_at all to keep {list(lora.sigma_range)}")
-    lora.sigma_range = derived
+        raise ConfigError(f"lora.acts_at trained sets lora.sigma_range from the objective's trained sigmas"
+                          f"{f' ({derived})' if derived else ' once the model loads'}; leave lora.sigma_range at [0.0, 1.0] "
+                          f"or set lora.acts_at all to keep {list(lora.sigma_range)}")
+    if derived is not None:
+        lora.sigma_range = derived
 
 
 def _validate_sigma_range(cfg: Config) -> None:

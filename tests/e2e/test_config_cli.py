@@ -115,8 +115,8 @@ def test_acts_at_trained_gates_the_adapter_to_the_sigmas_dgpo_trains(tmp_path):
         load_config(None, ["lora.acts_at=some"])
     # a pipeline's own grid is known once the model loads (tests/models/test_models.py): not here, and no range by hand
     assert load_config(None, ["sampling.schedule=pipeline"]).lora.sigma_range == [0.0, 1.0]
-    with pytest.raises(ConfigError, match=r"^lora\.acts_at trained sets the adapter's range from the objective's trained "
-                                          r"sigmas; leave lora\.sigma_range at \[0\.0, 1\.0\]"):
+    with pytest.raises(ConfigError, match=r"^lora\.acts_at trained sets lora\.sigma_range from the objective's trained "
+                                          r"sigmas once the model loads; leave lora\.sigma_range at \[0\.0, 1\.0\]"):
         load_config(None, ["sampling.schedule=pipeline", "lora.sigma_range=[0.7, 1.0]"])
 
 
