@@ -66,6 +66,18 @@ def save_grid(images: torch.Tensor, path: str | Path, columns: int | None = None
     return path
 
 
+def log_grid(accelerator, tracker: str, path: Path, step: int, tag: str = "samples") -> None:
+    """The sample grid at `path` (a video grid's PNG frame strip) to run.tracker `tracker` at `step`, beside the
+    curves: tensorboard takes an [N, H, W, C] array, wandb a list of images (accelerate's trackers)."""
+    if tracker == "none":
+        return
+    image = Image.open(path).convert("RGB")
+    if tracker == "tensorboard":
+        accelerator.get_tracker(tracker, unwrap=False).log_images({tag: np.asarray(image)[None]}, step=step, dataformats="NHWC")
+    else:
+        accelerator.get_tracker(tracker, unwrap=False).log_images({tag: [image]}, step=step)
+
+
 STRIP_FRAMES = 8  # frames per video in a frame strip, evenly spaced from the first to the last
 FPS = 16  # Wan2.1's frame rate
 

@@ -32,7 +32,7 @@ from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.schema import Config
 from flowrl.train.experience import Experience
 from flowrl.train.image_producer import image_producer
-from flowrl.train.images import save_grid
+from flowrl.train.images import log_grid, save_grid
 from flowrl.train.metrics import iteration_row
 from flowrl.train.monitor.watch import Monitor, held_out_prompts, monitor_evaluate, monitor_saved, monitor_start
 from flowrl.train.parts import TrainContext
@@ -219,7 +219,9 @@ class Trainer(RunManager):
                 return None
             traj = rollout(self.policy, prompts, seeds, self.eval_spec(), self.cfg.sampling.batch_size)
             images = self.policy.decode(traj.final)
-        return save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2, captions=prompts)
+        path = save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2, captions=prompts)
+        log_grid(self.accelerator, self.cfg.run.tracker, path, self.iteration)  # the tracker's pictures beside its curves
+        return path
 
     def save(self) -> Path | None:
         """A checkpoint of everything a resume needs, with the user-facing exports

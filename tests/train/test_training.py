@@ -235,6 +235,15 @@ def test_run_directory_contents(tmp_path, tiny_sd3_dir, capsys):
     assert (run / "reward_curve.png").stat().st_size > 0
     assert {p.name for p in (run / "samples").iterdir()} >= {"iter_000000_before.png", "iter_000001.png", "iter_000002.png"}
     assert any((run / "tracker").rglob("events.out.tfevents*"))
+    # the sample grids reach the tracker too, each at its iteration, as the PNG in samples/ has it
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((run / "tracker").rglob("events.out.tfevents*")).parent), size_guidance={"images": 0})
+    events.Reload()
+    pictures = events.Images("samples")
+    assert [e.step for e in pictures] == [0, 1, 2]
+    assert (pictures[-1].width, pictures[-1].height) == Image.open(run / "samples" / "iter_000002.png").size
     ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
     assert ckpt.name == "iter_000002"
     for name in ("trainable.safetensors", "optimizer.safetensors", "ema.safetensors", "rng.safetensors", "state.json", "allocator.safetensors",
