@@ -117,8 +117,8 @@ class DGPO(ImplicitRewardObjective):
         self.anchor_draws, self.anchor_iteration = torch.Generator(), -1  # anchor_beta: this iteration's sigmas and noise
         if o.sigma_draw == "grid":  # the sampling grid's steps (not its final 0): the first grid_points trained, the rest not
             s = ctx.cfg.sampling
-            grid = ctx.policy.sigmas(s.num_steps, s.schedule, s.shift).tolist()[: s.num_steps]
-            self.trained_grid, self.untrained_sigmas = grid[: grid_points(o, s.num_steps)], grid[grid_points(o, s.num_steps):]
+            grid, n = ctx.policy.sigmas(s.num_steps, s.schedule, s.shift).tolist()[: s.num_steps], grid_points(o, s.num_steps)
+            self.trained_grid, self.untrained_sigmas = grid[:n], grid[n:]
             drawn = self.trained_grid + (self.untrained_sigmas if o.anchor_beta > 0 else [])
             outside = [round(x, 4) for x in drawn if not ctx.policy.adapter_acts_at(x)]
             if outside:
