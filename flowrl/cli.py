@@ -183,7 +183,7 @@ def _serve_reward_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _search_arguments(p: argparse.ArgumentParser) -> None:
-    from flowrl.schema import SEARCH_METHOD_NAMES  # not flowrl.search: `flowrl --help` need not load torch
+    from flowrl.search.options import SEARCH_METHOD_NAMES  # torch-free: `flowrl --help` need not load it
 
     p.add_argument("--search", choices=SEARCH_METHOD_NAMES, help="inference-time search (search.method): best-of-N, SMC "
                    "steering, tree sampling or greedy tree search, on search.num_steps SDE steps (docs/search.md)")

@@ -7,7 +7,6 @@ run against the registered parts (rollouts, objectives, rewards), so this module
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
@@ -16,12 +15,13 @@ from pathlib import Path
 
 from omegaconf import ListConfig, OmegaConf
 
-from flowrl.core.advantages import ADVANTAGE_KINDS
-from flowrl.core.allocation import KEEP_ALL_KINDS
+from flowrl.allocator_config import MOVED_DEFAULTS as MOVED_ALLOCATOR_DEFAULTS, MOVED_KEYS as MOVED_ALLOCATOR_KEYS, allocator_section
+from flowrl.core.advantages import ADVANTAGES
+from flowrl.core.allocation import ALLOCATORS
 from flowrl.core.search import BACKUPS, POTENTIALS, RESAMPLINGS
-from flowrl.core.selection import SELECTION_KINDS
+from flowrl.core.selection import SELECTIONS
 from flowrl.devices import DTYPES
-from flowrl.errors import ConfigError, check_choice, check_producers
+from flowrl.errors import ConfigError, check_choice, check_fields, check_producers
 from flowrl.models import FAMILIES
 from flowrl.models.base import BUILTIN_MODELS, BUILTIN_PREFIX, SCHEDULES, resolve_schedule
 from flowrl.models.attention import check_backend_name
@@ -31,13 +31,15 @@ from flowrl.models.text_cache import TEXT_ENCODER_MODES
 from flowrl.sampling.noise import INITIAL_NOISES
 from flowrl.sampling.schedules import WINDOW_ENDS, WINDOW_STRATEGIES, shifted_sigmas
 from flowrl.sampling.steps import CPS_LOGPROBS, LOGPROB_REDUCTIONS, SAMPLERS
-from flowrl.registry import load_plugins
+from flowrl.registry import deepcopy_fields, load_plugins
 from flowrl.runtime.optimizers import check_optimizer
-from flowrl.runtime.options import RETIRED_DEFAULTS, RETIRED_KEYS, check_ranges, validate_runtime
+from flowrl.runtime.options import RETIRED_DEFAULTS, RETIRED_KEYS, validate_runtime
 from flowrl.runtime.ray_cluster import REWARD_PLACEMENTS, check_resources
 from flowrl.schema import Config, ObjectiveSection, RolloutSection
-from flowrl.search import SEARCH_METHODS
+from flowrl.search.options import SearchConfig
+from flowrl.search.run import SEARCH_METHODS
 from flowrl.train.experience import DATA_KINDS, FIXED_STEPS, SAMPLES
+from flowrl.train.monitor.options import MonitorConfig
 from flowrl.train.monitor.validate import validate_monitor
 from flowrl.train.prompts import BUILTIN_PROMPT_SETS
 from flowrl.train.parts import OBJECTIVES, ROLLOUTS
@@ -56,7 +58,7 @@ MOVED_KEYS = {"trainer.objective": "objective.kind", "trainer.clip_range": "obje
               **{f"trainer.nft_{k}": f"objective.nft.{k}" for k in ("timesteps", "beta", "sigma_shift", "old_policy", "old_decay",
                                                                    "old_decay_rate", "adaptive_weight", "negatives", "r_scale",
                                                                    "guidance_scale")},
-              **RETIRED_KEYS}
+              **MOVED_ALLOCATOR_KEYS, **RETIRED_KEYS}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -70,7 +72,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     kinds = [o.partition("=")[2] for o in overrides or [] if o.startswith("objective.kind=")]
     kind = kinds[-1] if kinds else OmegaConf.select(loaded, "objective.kind", default=None)
     cfg: Config = merge_config(schema, loaded, str(src), overrides, REPLACED_MAPPINGS, moved=MOVED_KEYS,
-                               defaults=objective_defaults(kind), retired=RETIRED_DEFAULTS)
+                               defaults=objective_defaults(kind), retired={**RETIRED_DEFAULTS, **MOVED_ALLOCATOR_DEFAULTS})
     validate(cfg, validate_paths=validate_paths)
     return cfg
 
@@ -84,37 +86,28 @@ def objective_defaults(kind: str | None) -> dict:
 
 # ---- the schema, with a section per registered part that has options ------------------------------
 def config_class(plugins=()) -> type[Config]:
-    """The schema of a run: flowrl/schema.py's sections, and a rollout.<name> and objective.<name>
-    section for each registered rollout and objective with options, each typed by the part's own
-    dataclass. `plugins` (module paths) are imported first, so the parts they register count."""
+    """The schema of a run: flowrl/schema.py's sections, the search's and the monitor's, and a rollout.<name>,
+    objective.<name> and allocator.<name> section for each registered rollout, objective and allocator with
+    options, each typed by the part's own dataclass. `plugins` (module paths) are imported first, so the parts
+    they register count."""
     if isinstance(plugins, ListConfig):
         plugins = OmegaConf.to_container(plugins)
     if not isinstance(plugins, (list, tuple)) or not all(isinstance(m, str) for m in plugins):
         raise ConfigError(f"plugins must be a list of module import paths, such as [my_package.my_objective]; got {plugins!r}")
     load_plugins(list(plugins))
-    key = (ROLLOUTS.names(), OBJECTIVES.names())
+    key = (ROLLOUTS.names(), OBJECTIVES.names(), ALLOCATORS.names())
     if key not in _CLASSES:
-        rollout = _section("RolloutConfig", RolloutSection, ROLLOUTS)
-        objective = _section("ObjectiveConfig", ObjectiveSection, OBJECTIVES)
+        sections = [("rollout", ROLLOUTS.section("RolloutConfig", RolloutSection)),
+                    ("objective", OBJECTIVES.section("ObjectiveConfig", ObjectiveSection)),
+                    ("allocator", allocator_section()), ("search", SearchConfig), ("monitor", MonitorConfig)]
         _CLASSES[key] = dataclasses.make_dataclass(
-            "Config", [("rollout", rollout, dataclasses.field(default_factory=rollout)),
-                       ("objective", objective, dataclasses.field(default_factory=objective))],
-            bases=(Config,), namespace={"__doc__": Config.__doc__, "__reduce__": _reduce_config, "__deepcopy__": _deepcopy,
+            "Config", [(name, section, dataclasses.field(default_factory=section)) for name, section in sections],
+            bases=(Config,), namespace={"__doc__": Config.__doc__, "__reduce__": _reduce_config, "__deepcopy__": deepcopy_fields,
                                         "__module__": __name__})
     return _CLASSES[key]
 
 
 _CLASSES: dict[tuple, type[Config]] = {}
-
-
-def _section(name: str, base: type, registry) -> type:
-    parts = [(n, part.options, dataclasses.field(default_factory=part.options)) for n, part in registry.items() if part.options]
-    return dataclasses.make_dataclass(name, parts, bases=(base,), namespace={"__doc__": base.__doc__, "__deepcopy__": _deepcopy,
-                                                                              "__module__": __name__})
-
-
-def _deepcopy(self, memo):
-    return type(self)(**{f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self)})
 
 
 def _reduce_config(self):
@@ -194,45 +187,6 @@ def _validate_sigma_range(cfg: Config) -> None:
 
 
 
-# The range of every numeric field with one, declared once: "> 0", ">= 2", "[0, 1)", "(0, 1]", and
-# optionally why. `check_numbers` checks them all, and that every float anywhere in the config (lists
-# and mappings too) is finite. A part's own section (objective.nft, rollout.tree, ...) is checked by
-# the part's validate.
-RANGES: dict[str, str | tuple[str, str]] = {
-    "reward.ray.workers": ">= 1",
-    "reward.ray.max_restarts": ">= 0",
-    "model.guidance_scale": (">= 0", "0 turns guidance off for Z-Image; SD3 then samples unconditionally"),
-    "model.max_sequence_length": ">= 0",
-    "lora.rank": ">= 1",
-    "lora.alpha": "> 0",
-    "sampling.noise_level": "> 0",
-    "sampling.num_steps": ">= 2",
-    "sampling.eval_num_steps": ">= 1",
-    "sampling.shift": "> 0",
-    "sampling.batch_size": ">= 1",
-    "sampling.window.shift_every": ">= 1",
-    "sampling.window.stride": ">= 0",
-    "data.group_size": (">= 2", "GRPO compares samples within a group"),
-    "data.prompts_per_iteration": ">= 1",
-    "reward.batch_size": ">= 1",
-    "reward.frame_stride": ">= 1",
-    "advantage.eps": "> 0",
-    "advantage.clip": "> 0",
-    "trainer.gradient_accumulation_steps": ">= 1",
-    "trainer.ema_decay": "[0, 1)",
-    "run.sample_every": ">= 0",
-    "rollout.granular.clip": "> 0",
-    "search.budget": ">= 0",
-    "search.num_steps": ">= 0",
-    "search.noise_level": "> 0",
-    "search.lam": ">= 0",
-    "search.resample_every": ">= 1",
-    "search.branch_every": ">= 1",
-    "search.width_c": "> 0",
-    "search.width_alpha": ">= 0",
-    "search.uct_c": ">= 0",
-    "search.in_flight": ">= 1",
-}
 def _floats(node, key: str = ""):
     """(dotted key, value) of every float in the config: fields, list items and mapping values."""
     if dataclasses.is_dataclass(node):
@@ -249,13 +203,14 @@ def _floats(node, key: str = ""):
 
 
 def check_numbers(cfg: Config) -> None:
-    """Every float finite, every field of RANGES (and of the runtime's) in its range: one sentence
+    """Every float finite (lists and mappings too), every field in the RANGES and CHOICES its section declares
+    (flowrl.errors.check_fields; a part's own section likewise), and the runtime's options: one sentence
     naming the first that is not."""
     for key, value in _floats(cfg):
         if not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number; got {value}")
+    check_fields(cfg)
     validate_runtime(cfg)
-    check_ranges(cfg, RANGES)
 
 
 def _validate_search(cfg: Config) -> None:
@@ -310,10 +265,10 @@ def validate(cfg: Config, validate_paths: bool = True) -> None:
     _validate_text_encoders(cfg, rollout)
     _validate_search(cfg)  # before the rewards' check, so that an unknown search.reward is named as such
     _validate_rewards(cfg, rollout, validate_paths)
-    check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
+    check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGES)
     check_choice("advantage.std", cfg.advantage.std, ("group", "global"))
-    cfg.allocator.validate(cfg.data.group_size, KEEP_ALL_KINDS)  # the image rollouts train on every sample drawn
-    check_choice("selection.kind", cfg.selection.kind, SELECTION_KINDS)
+    cfg.allocator.validate(cfg, subsets=False)  # the image rollouts train on every sample drawn
+    check_choice("selection.kind", cfg.selection.kind, SELECTIONS)
     _validate_run(cfg)
     validate_monitor(cfg, validate_paths)  # reward hacking caught while it happens (docs/monitor.md)
 

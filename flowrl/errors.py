@@ -1,6 +1,7 @@
 """User-facing errors: one sentence naming the field and what is allowed. The CLI prints
 them without a traceback and exits 2."""
 
+import dataclasses
 import math
 import re
 
@@ -41,6 +42,23 @@ def check_range(key: str, value, spec: str, why: str = "") -> None:
     if not in_range(value, spec):
         shown = f"a finite number {spec}" if spec[0] == ">" else f"in {spec}"
         raise ConfigError(f"{key} must be {shown}" + (f" ({why})" if why else "") + f"; got {value}")
+
+
+def check_fields(node, key: str = "") -> None:
+    """Every field of the dataclass `node` (a config or one of its sections, `key` its dotted name) and of its
+    sub-sections, checked against what the dataclasses declare beside their fields: `RANGES` (field -> "> 0",
+    "[0, 1)", ..., or (range, why)) and `CHOICES` (field -> the allowed values). One sentence for the first
+    field that is outside them. This is the one place ranges and choices are checked."""
+    for cls in type(node).__mro__:  # a section that extends another (the runtime's trainer options) declares its own
+        for name, spec in vars(cls).get("RANGES", {}).items():
+            spec, why = (spec, "") if isinstance(spec, str) else spec
+            check_range(f"{key}.{name}" if key else name, getattr(node, name), spec, why)
+        for name, allowed in vars(cls).get("CHOICES", {}).items():
+            check_choice(f"{key}.{name}" if key else name, getattr(node, name), allowed)
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            check_fields(value, f"{key}.{f.name}" if key else f.name)
 
 
 def check_positive(key: str, value, strict: bool = True) -> None:

@@ -1,9 +1,11 @@
 """One registry type for every kind of part a config chooses by name (objective.kind,
-rollout.kind, ...): a decorator that registers a part under its name, lazy entries imported on
-first use (so `--help` stays light), the choices that `config show` and the error sentence list,
-and parts from outside the package: a module named in the config's `plugins` list, or one that
-an installed package declares under the `flowrl.parts` entry point group, registers its parts
-when imported.
+rollout.kind, allocator.kind, advantage.kind, selection.kind, the rewards of reward.weights, ...):
+a decorator that registers a part under its name, lazy entries imported on first use (so `--help`
+stays light), the choices that `config show` and the error sentence list, the config section of
+the parts' options (`section`: a part whose `options` is a dataclass gets a sub-section under its
+name), and parts from outside the package: a module named in the config's `plugins` list, or one
+that an installed package declares under the `flowrl.parts` entry point group, registers its
+parts when imported. `Registry.all()` lists every kind (the documentation's parts page).
 
     OBJECTIVES = Registry("objective.kind")
 
@@ -14,8 +16,10 @@ when imported.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from importlib import import_module
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 from flowrl.errors import ConfigError
 
@@ -24,10 +28,19 @@ _ENTRY_POINTS_LOADED: list[bool] = []
 
 
 class Registry:
-    def __init__(self, key: str):
+    _ALL: ClassVar[list["Registry"]] = []
+
+    def __init__(self, key: str, what: str = ""):
         self.key = key  # the config field that chooses among the parts, for the error sentence
+        self.what = what or key  # what the parts are, in a few words (the documentation's heading)
         self._parts: dict[str, Any] = {}
         self._lazy: dict[str, str] = {}  # name -> "module:attribute", imported on first lookup
+        Registry._ALL.append(self)
+
+    @classmethod
+    def all(cls) -> list["Registry"]:
+        """Every registry made so far (each module that defines one must have been imported)."""
+        return list(cls._ALL)
 
     def register(self, part: Any = None, *, name: str | None = None) -> Any:
         """Register `part` under `name` (default: its `name` attribute); usable as a decorator."""
@@ -75,6 +88,20 @@ class Registry:
     def where(self, test: Callable[[Any], bool]) -> list[str]:
         """The names of the parts for which `test(part)` holds (for 'X can do it' sentences)."""
         return [n for n, part in self.items() if test(part)]
+
+    def section(self, name: str, base: type) -> type:
+        """The config section `base` (a dataclass: the kind and the options every part shares) with a
+        sub-section per registered part whose `options` is a dataclass, under the part's name and typed
+        by it (objective.nft, allocator.vade, ...)."""
+        parts = [(n, part.options, dataclasses.field(default_factory=part.options)) for n, part in self.items()
+                 if getattr(part, "options", None)]
+        return dataclasses.make_dataclass(name, parts, bases=(base,), namespace={
+            "__doc__": base.__doc__, "__deepcopy__": deepcopy_fields, "__module__": base.__module__})
+
+
+def deepcopy_fields(self, memo):
+    """A dataclass's deep copy field by field (a made dataclass has no module attribute to pickle by)."""
+    return type(self)(**{f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self)})
 
 
 def load_plugins(modules: list[str] | tuple[str, ...] = (), entry_points: bool = True) -> None:

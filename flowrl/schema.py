@@ -1,26 +1,25 @@
 """The config's schema: one dataclass per section of a run's YAML file (model, lora, sampling,
-rollout, data, reward, advantage, allocator, selection, objective, trainer, run, search, monitor), with
-each field's default and, in a comment beside or above it, its meaning (what `flowrl config show`
-prints). Sections defined elsewhere: the allocator's (flowrl/allocator_config.py, shared
-with the text config), the runtime's run and trainer options that the sections here extend
-(flowrl/runtime/options.py), and each rollout's and objective's options, in the part's own file
-(flowrl/config.py's `config_class` adds them from the registries). Nothing here loads or checks a
-file: flowrl/yaml_config.py reads and merges YAML over these defaults, flowrl/config.py validates
-a run against the registered parts. Below the parts that take their sections (models, sampling,
-training), so they import it freely.
+rollout, data, reward, advantage, allocator, selection, objective, trainer, run), with each field's
+default and, in a comment beside or above it, its meaning (what `flowrl config show` prints), and
+beside the fields their RANGES and CHOICES (checked by flowrl.errors.check_fields). Sections
+defined elsewhere: the allocator's (flowrl/allocator_config.py, shared with the text config), the
+runtime's run and trainer options that the sections here extend (flowrl/runtime/options.py), the
+search's and the monitor's (flowrl/search/options.py, flowrl/train/monitor/options.py), and each
+registered part's options, in the part's own file; flowrl/config.py's `config_class` adds them.
+Nothing here loads or checks a file: flowrl/yaml_config.py reads and merges YAML over these
+defaults. Below the parts that take their sections (models, sampling, training).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from omegaconf import OmegaConf
 
 from flowrl.allocator_config import AllocatorConfig
 from flowrl.runtime.options import RunOptions, TrainerOptions
 from flowrl.runtime.ray_cluster import RewardRayOptions
-
 
 
 @dataclass
@@ -53,6 +52,9 @@ class ModelConfig:
     text_encoders: str = "device"
     text_cache_dir: Optional[str] = None  # model.text_encoders cached: where the files go; null: $FLOWRL_CACHE/text_embeddings
 
+    RANGES: ClassVar[dict] = {"guidance_scale": (">= 0", "0 turns guidance off for Z-Image; SD3 then samples unconditionally"),
+                              "max_sequence_length": ">= 0"}
+
 
 @dataclass
 class LoraConfig:
@@ -67,6 +69,8 @@ class LoraConfig:
     # trained: sigma_range set from the sigmas the objective trains (DGPO's grid: down to the midpoint below its last
     # trained sigma), the base network elsewhere; [0, 1] for an objective that trains every sigma. all: sigma_range as set
     acts_at: str = "all"
+
+    RANGES: ClassVar[dict] = {"rank": ">= 1", "alpha": "> 0"}
 
 
 @dataclass
@@ -90,6 +94,8 @@ class WindowConfig:
     # trained (Flow-GRPO's timestep_fraction 0.99: 9 of 10 steps, the last never); 1.0: every step (flowrl's earlier
     # rule). Trees and G2RPO's branches choose their own trained steps
     trained_fraction: float = 0.99
+
+    RANGES: ClassVar[dict] = {"shift_every": ">= 1", "stride": ">= 0"}
 
 
 @dataclass
@@ -115,17 +121,15 @@ class SamplingConfig:
     # differ only by the SDE steps' noise, the part the policy gradient can credit)
     initial_noise: str = "per_sample"
 
+    RANGES: ClassVar[dict] = {"noise_level": "> 0", "num_steps": ">= 2", "eval_num_steps": ">= 1", "shift": "> 0", "batch_size": ">= 1"}
+
 
 @dataclass
 class RolloutSection:
     """How an iteration's samples are drawn (flowrl/train/rollouts): kind picks a registered rollout,
     and each one with options has them under its own name (rollout.tree, rollout.two_stage, ...)."""
 
-    # flat: G independent chains per prompt | tree: BranchGRPO trees (rollout.tree) |
-    # two_stage: low-precision exploration, selection, regeneration (rollout.two_stage) |
-    # granular: G2RPO's singular branches with multi-granularity tails (rollout.granular) | offline: a group store |
-    # warm_start: a group store's iterations, then flat (rollout.warm_start)
-    kind: str = "flat"
+    kind: str = "flat"  # a registered rollout (`flowrl config show` lists them; each one's options under its name)
 
 
 @dataclass
@@ -136,6 +140,8 @@ class DataConfig:
     group_size: int = 8
     eval_prompts: list[str] = field(default_factory=list)  # sample grids; defaults to the first 4 prompts
     offline: Optional[str] = None  # rollout.kind offline or warm_start: a group store directory (`flowrl offline build`)
+
+    RANGES: ClassVar[dict] = {"group_size": (">= 2", "GRPO compares samples within a group"), "prompts_per_iteration": ">= 1"}
 
 
 @dataclass
@@ -158,20 +164,24 @@ class RewardConfig:
     judge: Optional[str] = None
     judge_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
 
+    RANGES: ClassVar[dict] = {"batch_size": ">= 1", "frame_stride": ">= 1"}
+
 
 @dataclass
 class AdvantageConfig:
-    kind: str = "grpo"  # grpo | mc_grpo | gdpo | rank | reinforce_ada
+    kind: str = "grpo"  # a registered advantage estimator (flowrl/core/advantages.py)
     std: str = "group"  # group | global
     eps: float = 1e-4
     clip: float = 5.0  # |A| <= clip (Flow-GRPO: 5)
 
+    RANGES: ClassVar[dict] = {"eps": "> 0", "clip": "> 0"}
+
 
 @dataclass
 class SelectionConfig:
-    """Candidate selection (used by two-stage exploration): best_worst | max_variance | mean_deviation | random."""
+    """Candidate selection (used by two-stage exploration)."""
 
-    kind: str = "best_worst"
+    kind: str = "best_worst"  # a registered selection (flowrl/core/selection.py)
 
 
 @dataclass
@@ -179,7 +189,7 @@ class ObjectiveSection:
     """What the loop optimises (flowrl/train/objectives): kind picks a registered objective, and
     each one has its options under its own name (objective.grpo, objective.nft, ...)."""
 
-    kind: str = "grpo"  # grpo | nft | dgpo | gdro, or any registered objective
+    kind: str = "grpo"  # a registered objective (`flowrl config show` lists them; each one's options under its name)
 
 
 @dataclass
@@ -190,6 +200,8 @@ class TrainerConfig(TrainerOptions):
     ema: bool = True
     ema_decay: float = 0.9
     mixed_precision: str = "no"  # accelerate autocast: no | bf16 | fp16 | auto (bf16 where the device computes it natively)
+
+    RANGES: ClassVar[dict] = {"gradient_accumulation_steps": ">= 1", "ema_decay": "[0, 1)"}
 
     def __post_init__(self):
         if self.mixed_precision == "False":  # YAML reads a bare `no` (accelerate's word) as false
@@ -209,72 +221,15 @@ class RunConfig(RunOptions):
     # gradients all-reduced) | fsdp2 (weights, gradients, optimizer state and EMA sharded per transformer block)
     distributed: str = "ddp"
 
-
-@dataclass
-class MonitorConfig:
-    """Reward hacking caught while it happens (docs/monitor.md): every `every` iterations, ODE samples on
-    fixed prompts and seeds (EMA weights where the run keeps them), scored by gold rewards the run does not
-    train on and measured by image statistics against the base model's on the same prompts and seeds."""
-
-    enabled: bool = False
-    every: int = 20  # iterations between evaluations
-    prompts: list[str] = field(default_factory=list)  # held-out prompts; empty: prompt_file, else data.eval_prompts
-    prompt_file: Optional[str] = None  # one prompt per line, or builtin:shapes-heldout
-    num_prompts: int = 8  # prompts taken at an even stride through the list
-    seeds: int = 4  # fixed seeds per prompt: a group, for the diversity within it
-    # gold channels, REWARD or REWARD/CHANNEL (shapes/strict), scored on the monitor's images and never trained on
-    # there; options under reward.options.REWARD. The first is the one the `best` checkpoint follows
-    gold: list[str] = field(default_factory=list)
-    divergence_evals: int = 3  # gold_divergence: K evaluations in a row with the training reward up and a gold down
-    divergence_min_drop: float = 0.0  # by more than this
-    # stat_drift: statistic -> the largest |value - base| allowed (docs/monitor.md: the statistics' formulas)
-    drift: dict[str, float] = field(default_factory=lambda: {
-        "brightness": 0.15, "saturation": 0.2, "dark_fraction": 0.25, "bright_fraction": 0.25, "colour_entropy": 1.0,
-        "edge_density": 0.1})
-    diversity_floor: float = 0.5  # diversity_collapse: within-group diversity below this fraction of the base model's
-    # each rule's action: warn (a line, and the closing line) | stop (a checkpoint, then the run ends) | rollback (the
-    # `best` checkpoint's weights, optimizer, EMA and objective state restored; training goes on)
-    on_gold_divergence: str = "stop"
-    on_drift: str = "warn"
-    on_diversity: str = "warn"
-    max_rollbacks: int = 2  # a rule asking for one more rollback than this stops the run instead
-
-
-SEARCH_METHOD_NAMES = ("bon", "smc", "dts", "dts_star")  # flowrl.search.SEARCH_METHODS, named without importing torch
-
-
-@dataclass
-class SearchConfig:
-    """Inference-time search (`flowrl sample --search`, `flowrl eval --search`; docs/search.md): samples of
-    the model tilted by exp(lam x reward), found without training. Every method stops at `budget`."""
-
-    method: str = "bon"  # bon (best-of-N) | smc (FK steering) | dts (tree sampling) | dts_star (tree search, greedy)
-    budget: int = 0  # network evaluations per prompt, one per sample per step; 0: four samples' worth (4 x num_steps)
-    reward: str = ""  # the searched reward, a registered name; "": reward.weights (their weighted channel sum)
-    num_steps: int = 0  # denoising steps of one sample; 0: sampling.num_steps
-    sampler: str = "flow_grpo"  # the proposal p_theta(x' | x): an SDE of sampling.sampler's list (ode: bon only)
-    noise_level: float = 0.7
-    lam: float = 10.0  # the tilt: weights and values are exp(lam x reward); 0 samples the base model
-    potential: str = "max"  # smc: max | add | diff | rt (docs/algorithms.md section 11)
-    resample: str = "every"  # smc: every (after each potential) | adaptive (when the effective sample size < k / 2)
-    resample_every: int = 2  # steps between potentials (each scores the particles' predicted x0)
-    resampling: str = "systematic"  # systematic | multinomial
-    final: str = "best"  # smc: best (the highest-reward particle) | sample (one drawn by the final weights)
-    # dts, dts_star: a branch level every `branch_every` steps; a node may have ceil(width_c x visits^width_alpha) children
-    branch_every: int = 2
-    width_c: float = 1.0
-    width_alpha: float = 0.5
-    uct_c: float = 0.1  # dts_star: the UCT exploration weight, in reward units
-    backup: str = "soft"  # soft ((1/lam) log mean exp(lam v)) | max
-    in_flight: int = 2  # iterations per tree rolled out together (prompts searched together share batches too)
+    RANGES: ClassVar[dict] = {"sample_every": ">= 0"}
 
 
 @dataclass
 class Config:
-    """A run's config. flowrl/config.py extends it with a section per registered rollout and
-    objective that has options (`config_class`), so build one with load_config, not directly."""
+    """A run's config. flowrl/config.py extends it with the parts' sections, the search's and the monitor's
+    (`config_class`), so build one with load_config, not directly."""
 
-    # modules imported before the config is read, so that the rollouts, objectives and rewards they register
+    # modules imported before the config is read, so that the parts they register (rollouts, objectives, rewards, ...)
     # (with their options) can be chosen here: a user's own parts, by import path (my_package.my_objective)
     plugins: list[str] = field(default_factory=list)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -289,8 +244,6 @@ class Config:
     objective: ObjectiveSection = field(default_factory=ObjectiveSection)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    search: SearchConfig = field(default_factory=SearchConfig)
-    monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def to_yaml(self) -> str:
         return OmegaConf.to_yaml(OmegaConf.structured(self))

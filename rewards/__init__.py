@@ -4,15 +4,15 @@ A reward is any callable `fn(images, prompts, metadata) -> scores` where `images
 tensor [N, 3, H, W] in [0, 1] (videos [N, 3, F, H, W] are scored frame by frame, rewards/video.py), `prompts` a list of N strings, `metadata` a list of N dicts
 (or None), and `scores` a float tensor [N] (one channel) or [N, K] (K named channels). A plain
 function is a reward, of `(images, prompts)` too; `register` puts it in the registry by name, from
-flowrl's own modules, a module named in a config's `plugins`, or an installed package's
-`flowrl.rewards` entry point (rewards/registry.py). Model-backed rewards are
+flowrl's own modules, a module named in a config's `plugins`, or one an installed package declares
+under the `flowrl.parts` entry point group (rewards/registry.py). Model-backed rewards are
 registered as factories whose keyword arguments are their options (reward.options.NAME); they
 import their heavy packages only when built.
 """
 
 from __future__ import annotations
 
-from rewards.registry import RewardSpec, available_rewards, describe_rewards, get_reward, register
+from rewards.registry import REWARDS, RewardSpec, available_rewards, describe_rewards, get_reward, register
 from rewards.multi import MultiReward, check_scores
 from rewards.options import check_reward_config
 from rewards.runner import AsyncRewardRunner
@@ -31,6 +31,7 @@ from rewards import shapes as _shapes  # noqa: F401,E402  (shapes: the verifiabl
 from rewards import video as _video  # noqa: F401,E402  (temporal_consistency; image rewards score videos by frame)
 
 __all__ = [
+    "REWARDS",
     "RewardSpec",
     "available_rewards",
     "describe_rewards",

@@ -1,9 +1,9 @@
-"""Name -> reward factory. Factories are called lazily, so heavy models load only when used.
+"""Name -> reward factory (`REWARDS`, a flowrl.registry.Registry like every other kind of part).
+Factories are called lazily, so heavy models load only when used.
 
-Rewards of other packages join without an edit here: a module that calls `register` when imported
-(named in a config's `plugins` list), or an installed package's entry point in the group
-`flowrl.rewards` (`sharpness = "my_package.rewards:sharpness"` in its pyproject.toml), registered
-under the entry point's name unless its module registers it itself."""
+Rewards of other packages join as every part does: a module that calls `register` when imported,
+named in a config's `plugins` list or declared by an installed package under the `flowrl.parts`
+entry point group (flowrl/registry.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from flowrl.errors import UserError
+from flowrl.registry import Registry, load_plugins
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class RewardSpec:
 REQUIRED = object()  # marks a factory option without a default
 
 
-_REGISTRY: dict[str, RewardSpec] = {}
+REWARDS = Registry("reward.weights", "rewards: a score per finished sample, one or several channels")
 
 
 def register(name: str, description: str, channels: tuple[str, ...] = (), factory: bool = False,
@@ -55,7 +56,7 @@ def register(name: str, description: str, channels: tuple[str, ...] = (), factor
         else:
             reward = as_reward(name, obj)
             make = lambda: reward  # noqa: E731
-        _REGISTRY[name] = RewardSpec(name, description, make, channels or (name,), breakdown, bucket, video)
+        REWARDS.register(RewardSpec(name, description, make, channels or (name,), breakdown, bucket, video))
         return obj
 
     return wrap
@@ -88,52 +89,18 @@ def _binds(signature: inspect.Signature, positional: int) -> bool:
     return True
 
 
-ENTRY_POINT_GROUP = "flowrl.rewards"
-_ENTRY_POINTS_LOADED: list[bool] = []
-
-
-def load_entry_points() -> None:
-    """Register the rewards of installed packages' `flowrl.rewards` entry points, once per process
-    (reading every package's metadata is slow). An entry point that does not import, or whose name
-    a built-in reward has, is one sentence, again at every look-up until it is mended."""
-    if _ENTRY_POINTS_LOADED:
-        return
-    from importlib.metadata import entry_points
-
-    _ENTRY_POINTS_LOADED.append(True)  # before the imports: a plug-in that looks rewards up does not come back here
-    try:
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            _register_entry_point(ep)
-    except Exception:
-        _ENTRY_POINTS_LOADED.clear()
-        raise
-
-
-def _register_entry_point(ep) -> None:
-    where = f"the '{ep.name}' entry point of group {ENTRY_POINT_GROUP} ({ep.value})"
-    if ep.name in _REGISTRY:
-        raise UserError(f"{where} names the reward '{ep.name}', which flowrl already has; rename the entry point")
-    try:
-        obj = ep.load()
-    except Exception as exc:  # a missing module, or the module's own error
-        raise UserError(f"{where} does not import ({type(exc).__name__}: {exc})") from None
-    if ep.name not in _REGISTRY:  # its module did not register it on import: the object is the reward (or its class)
-        doc = (inspect.getdoc(obj) or "").strip().splitlines()
-        register(ep.name, doc[0] if doc else f"from {ep.value}")(obj)
-
-
 def available_rewards() -> list[str]:
-    load_entry_points()
-    return sorted(_REGISTRY)
+    load_plugins()  # the installed packages' parts, rewards among them
+    return list(REWARDS.names())
 
 
 def describe_rewards() -> list[tuple[str, str]]:
-    return [(n, _REGISTRY[n].description) for n in available_rewards()]
+    return [(n, REWARDS.get(n).description) for n in available_rewards()]
 
 
 def get_reward(name: str) -> RewardSpec:
-    if name not in _REGISTRY:
-        load_entry_points()
-    if name not in _REGISTRY:
+    if name not in REWARDS:
+        load_plugins()
+    if name not in REWARDS:
         raise UserError(f"unknown reward '{name}'; available: {', '.join(available_rewards())}")
-    return _REGISTRY[name]
+    return REWARDS.get(name)

@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the image arena's helpers
 from arena import ROOT, arena_lock, config_hash, describe_identity, fmt, pm, recorded, run_each, run_identity  # noqa: E402
+from flowrl.core.allocation import ALLOCATORS  # noqa: E402
 
 OUT = ROOT / "docs" / "experiments" / "arena.jsonl"
 DOC = ROOT / "docs" / "arena.md"
@@ -50,7 +51,7 @@ LOSSES = {
     "gspo": ["loss.ratio_level=sequence", "loss.aggregation=seq_mean_token_mean", "loss.clip_low=0.0003",
              "loss.clip_high=0.0004", "advantage.std=group"],
 }
-ALLOCATORS = ("uniform", "vade", "xrpo", "dars", "dars_budget", "successive_elimination", "reinforce_ada", "sqrt", "prompt_gdro")
+ALLOCATOR_NAMES = ALLOCATORS.names()  # every registered allocator
 ALLOCATOR_EXTRA = {"reinforce_ada": ["advantage.kind=reinforce_ada"]}  # the authors' baseline over every sample drawn
 BUDGET = 5.0
 BACKSTOP = 1 / 24  # trainer.max_minutes = budget x (1 + BACKSTOP)
@@ -251,7 +252,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pools", nargs="+", default=["add"], choices=sorted(POOLS), help="add (the default) or wide (1-7 digits)")
     ap.add_argument("--losses", nargs="+", default=["grpo"], choices=sorted(LOSSES))
-    ap.add_argument("--allocators", nargs="+", default=["uniform"], choices=ALLOCATORS)
+    ap.add_argument("--allocators", nargs="+", default=["uniform"], choices=ALLOCATOR_NAMES)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
     ap.add_argument("--budget-minutes", type=float, default=None, help=f"wall-clock minutes per run (default {BUDGET:g}; "
                                                                        f"--smoke: {SMOKE_BUDGET})")

@@ -10,7 +10,7 @@ outcomes come from its own generator seeded identically, so every allocator face
 pool and the same noise stream.
 
 Every iteration has a budget of --per-iteration x --group rollouts (default 16 x 8 = 128).
-Each allocator in ALLOCATOR_KINDS (flowrl.core.allocation.make_allocator) runs through
+Each allocator in ALLOCATORS (flowrl.core.allocation.make_allocator) runs through
 run_stages with the simulated outcome and learns from allocator.observe. The allocators whose
 authors cap the budget (`exact_budget`: uniform, vade, dars_budget, successive_elimination, ...)
 must spend exactly it every iteration; dars and reinforce_ada run as their authors run them,
@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowrl.core.allocation import ALLOCATOR_KINDS, make_allocator, run_stages  # noqa: E402
+from flowrl.core.allocation import ALLOCATORS, make_allocator, run_stages  # noqa: E402
 
 GOAL_KINDS = ("vade", "successive_elimination")
 GOAL_RATIO = 0.5
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
           f"end mean {p_end.mean():.3f} (min {p_end.min():.3f}, max {p_end.max():.3f})")
 
     results = {}
-    for kind in ALLOCATOR_KINDS:
+    for kind in ALLOCATORS:
         t0 = time.perf_counter()
         results[kind] = simulate(kind, logits, budget, args.per_iteration, args.seed)
         r = results[kind]
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
               f"groups/iteration {r['groups_per_iteration']:.1f}  rollouts/iteration {spending}  ({time.perf_counter() - t0:.1f} s)")
 
     base = results["uniform"]
-    for kind in ALLOCATOR_KINDS:
+    for kind in ALLOCATORS:
         r = results[kind]
         print(f"{kind} degenerate {r['degenerate'] / base['degenerate']:.2f}x uniform")
         print(f"{kind} informative {r['informative'] / base['informative']:.2f}x uniform")

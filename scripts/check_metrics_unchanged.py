@@ -53,7 +53,7 @@ RUNS = {
     "two_stage": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "rollout.kind=two_stage", "rollout.two_stage.candidates=8",
                   "rollout.two_stage.explore_precision=nvfp4", "rollout.two_stage.fidelity_every=2",
                   *BEFORE_ISSUE_90],
-    "tiny_allocated": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "allocator.kind=dars_budget", "allocator.round_size=2",
+    "tiny_allocated": ["tiny_jpeg", "trainer.iterations=3", *SMALL, "allocator.kind=dars_budget", "allocator.dars_budget.round_size=2",
                        "trainer.gradient_accumulation_steps=2", "trainer.inner_epochs=2", *BEFORE_ISSUE_90],
     # the text default: RLVR on the shipped arithmetic model (its config has no trackers or sample grids)
     "text": ["text_add", "trainer.iterations=3"],

@@ -11,8 +11,11 @@ from typing import NamedTuple
 
 import torch
 
+from flowrl.registry import Registry
+
 STD_KINDS = ("group", "global", "none")  # what divides the centred rewards: the group std, the batch std, nothing
-ADVANTAGE_KINDS = ("grpo", "mc_grpo", "gdpo", "rank", "reinforce_ada")
+# advantage.kind -> fn(rewards, group_ids, weights, std=, eps=, clip=) -> AdvantageOutput; a new one is a registered function
+ADVANTAGES = Registry("advantage.kind", "advantage estimators: rewards of a group to advantages")
 
 
 class AdvantageOutput(NamedTuple):
@@ -108,6 +111,7 @@ def _finish(adv, degenerate, g: Groups, clip, extra_mask=None) -> AdvantageOutpu
     return AdvantageOutput(adv, mask, degenerate, g.ids)
 
 
+@ADVANTAGES.register(name="grpo")
 def grpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
     """GRPO (Shao et al., DeepSeekMath; Flow-GRPO eq. 4): A = (r - mean_group) / (std + eps),
     std per group or over the whole batch. Degenerate groups get A = 0 and no gradient."""
@@ -118,6 +122,7 @@ def grpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, cli
     return _finish(adv, group_degenerate(r, g), g, clip)
 
 
+@ADVANTAGES.register(name="mc_grpo")
 def mc_grpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
     """MC-GRPO (median-centred GRPO): the group median is the baseline, robust to one outlier
     that would drag the mean across most of the group. With G + 1 (odd) samples, exactly one is
@@ -131,6 +136,7 @@ def mc_grpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, 
     return _finish(adv, group_degenerate(r, g), g, clip, extra_mask=~pivot)
 
 
+@ADVANTAGES.register(name="gdpo")
 def gdpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
     """GDPO (group reward-decoupled normalisation): normalise every reward channel within its
     group, then take the weighted sum, then rescale by the batch std of that sum (our reading
@@ -155,6 +161,7 @@ def gdpo_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, cli
     return _finish(total, degenerate, g, clip)
 
 
+@ADVANTAGES.register(name="rank")
 def rank_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
     """Rank-based advantages: the within-group rank of each reward (ties share their mean rank),
     centred and scaled to [-1, 1]. Invariant to any increasing transform of the reward."""
@@ -174,6 +181,7 @@ def rank_advantages(rewards, group_ids, weights=None, std="group", eps=1e-4, cli
     return _finish(adv, group_degenerate(r, g), g, clip)
 
 
+@ADVANTAGES.register(name="reinforce_ada")
 def reinforce_ada_advantages(rewards, group_ids, weights=None, std=None, eps=1e-4, clip=None) -> AdvantageOutput:
     """Reinforce-Ada's global-statistics baseline (arXiv 2510.04996; the authors'
     compute_grpo_outcome_advantage with global_stat_est on, norm_adv_by_std_in_grpo off):
@@ -215,16 +223,6 @@ def multi_granularity_advantages(rewards: torch.Tensor, group_ids: torch.Tensor,
     return _finish(total, degenerate, g, clip)
 
 
-ESTIMATORS = {
-    "grpo": grpo_advantages,
-    "mc_grpo": mc_grpo_advantages,
-    "gdpo": gdpo_advantages,
-    "rank": rank_advantages,
-    "reinforce_ada": reinforce_ada_advantages,
-}
-
-
 def estimate_advantages(kind: str, rewards, group_ids, weights=None, std="group", eps=1e-4, clip=None) -> AdvantageOutput:
-    if kind not in ESTIMATORS:
-        raise ValueError(f"advantage.kind must be one of {ADVANTAGE_KINDS}, got {kind!r}")
-    return ESTIMATORS[kind](rewards, group_ids, weights, std=std, eps=eps, clip=clip)
+    """The advantages of the estimator registered as `kind`."""
+    return ADVANTAGES.get(kind)(rewards, group_ids, weights, std=std, eps=eps, clip=clip)

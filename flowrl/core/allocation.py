@@ -16,16 +16,18 @@ sampled at all gets at least `min_group` rollouts (a group of one has no baselin
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, fields
+from typing import Callable, ClassVar
 
 import torch
 
-ALLOCATOR_KINDS = ("uniform", "vade", "xrpo", "dars", "dars_budget", "successive_elimination", "reinforce_ada", "sqrt",
-                   "prompt_gdro")
-# the kinds that train on every sample they draw (the image rollouts need this); reinforce_ada and
-# dars choose which samples the loss sees (`Allocator.keep`)
-SUBSET_KINDS = ("reinforce_ada", "dars")
-KEEP_ALL_KINDS = tuple(k for k in ALLOCATOR_KINDS if k not in SUBSET_KINDS)
+from flowrl.errors import ConfigError
+from flowrl.registry import Registry
+
+# allocator.kind -> the allocator class. A class registers under its `name`; its `options` dataclass (or None)
+# is the config's allocator.<name> section and its constructor's keywords, with RANGES and CHOICES beside the
+# fields; `validate(cfg)` checks what needs the rest of the config. A new allocator is a new registered class.
+ALLOCATORS = Registry("allocator.kind", "prompt allocators: which prompts get how many rollouts")
 
 
 class PromptStats:
@@ -112,22 +114,39 @@ def largest_remainder(weights: torch.Tensor, total: int, minimum: int = 0) -> to
     return counts + minimum
 
 
+@ALLOCATORS.register
 class Allocator:
     """Base: uniform allocation. `budget` rollouts per iteration over `prompts_per_iteration`
-    prompts drawn from a pool of `num_prompts`."""
+    prompts drawn from a pool of `num_prompts`. `options`: the allocator's own keywords."""
 
-    kind = "uniform"
-    exact_budget = True  # the stages spend exactly `budget` (False: at most)
+    name: ClassVar[str] = "uniform"
+    options: ClassVar[type | None] = None  # a dataclass: the allocator's own options (allocator.<name>)
+    exact_budget: ClassVar[bool] = True  # the stages spend exactly `budget` (False: at most)
+    keeps_all: ClassVar[bool] = True  # the loss trains on every sample drawn (False: `keep` chooses a subset)
 
     def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2,
-                 prior_a: float = 1.0, prior_b: float = 1.0, fast_decay: float = 0.5, slow_decay: float = 0.95, **params):
+                 prior_a: float = 1.0, prior_b: float = 1.0, fast_decay: float = 0.5, slow_decay: float = 0.95, **options):
         if prompts_per_iteration * min_group > budget:
             raise ValueError(f"a budget of {budget} rollouts cannot give {prompts_per_iteration} prompts {min_group} rollouts each")
+        if options and self.options is None:
+            raise ValueError(f"allocator {self.name} takes no options; got {sorted(options)}")
+        self.opts = self.options(**options) if self.options else None  # an unknown keyword: TypeError
         self.num_prompts, self.budget, self.per_iteration = num_prompts, budget, prompts_per_iteration
-        self.seed, self.min_group, self.params = seed, min_group, params
+        self.seed, self.min_group = seed, min_group
         self.stats = PromptStats(num_prompts, prior_a, prior_b, fast_decay, slow_decay)
         self.iteration = 0
         self.spent = 0
+
+    @classmethod
+    def own_options(cls, kw: dict):
+        """The allocator's options from the keywords `kw` that are among them (before `__init__` has run)."""
+        names = {f.name for f in fields(cls.options)}
+        return cls.options(**{k: v for k, v in kw.items() if k in names})
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        """What the allocator's options need of the rest of the config (`cfg.data.group_size`, ...); its
+        RANGES and CHOICES are checked with the config's."""
 
     def generator(self, iteration: int, salt: int = 0) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed * 1_000_003 + iteration * 7919 + salt)
@@ -190,13 +209,14 @@ class Allocator:
         self.stats.load_state_dict(state)
 
 
+@ALLOCATORS.register
 class VADEAllocator(Allocator):
     """VADE (variance-aware dynamic sampling): Thompson-sample each prompt's success probability
     from its Beta posterior and sample the prompts whose draw is most informative, p (1 - p)
     (the Bernoulli variance: a group is degenerate with probability p^G + (1 - p)^G, smallest at
     p = 1/2). Unseen prompts have the Beta(1, 1) prior, so they are explored too."""
 
-    kind = "vade"
+    name = "vade"
 
     def choose_prompts(self, iteration: int) -> torch.Tensor:
         p = self.stats.thompson(self.generator(iteration, salt=1))
@@ -204,13 +224,14 @@ class VADEAllocator(Allocator):
         return torch.argsort(p * (1 - p), descending=True, stable=True)[:k]
 
 
+@ALLOCATORS.register
 class XRPOAllocator(Allocator):
     """XRPO-style allocation by expected uncertainty reduction: every chosen prompt gets
     `min_group` rollouts, then each further rollout goes to the prompt where one more sample
     shrinks the variance of its mean-reward estimate most, v / (n (n + 1)), with v the posterior
     predictive Bernoulli variance. (Our reading; XRPO's exact score is not in its abstract.)"""
 
-    kind = "xrpo"
+    name = "xrpo"
 
     def first_stage(self, iteration: int) -> torch.Tensor:
         self.iteration, self.spent = iteration, 0
@@ -245,28 +266,38 @@ def dars_total(accuracy: float, group: int, schedule: str = "equal") -> int:
     return group
 
 
+@dataclass
+class DARSOptions:
+    schedule: str = "equal"  # the authors' equal-treatment schedule | hardness (hardness weighted)
+
+    CHOICES: ClassVar[dict] = {"schedule": ("equal", "hardness")}
+
+
+@ALLOCATORS.register
 class DARSAllocator(Allocator):
     """DARS as its authors run it (Yang et al., "Depth-Breadth Synergy in RLVR", arXiv 2508.13755;
     yangzhch6/DARS, ray_dars_trainer.py): the iteration's prompts (uniform) get a full group of
     n = budget / prompts_per_iteration (data.group_size); a second stage brings each prompt whose
-    accuracy in it is at most 3/8 to the total its accuracy earns in `dars_schedule` (equal
+    accuracy in it is at most 3/8 to the total its accuracy earns in `schedule` (equal
     treatment, at n = 8: 32, 18, 11, 9 rollouts for accuracy 0, 1/8, 2/8, 3/8; hardness weighted:
     48, 24, 12, 9); the loss trains only on the prompts whose combined accuracy lies strictly
     between 0 and 1 (`keep`: the reference drops the rest). The iteration spends between the
     budget and 4x (equal) or 6x (hardness) it: DARS buys depth on hard prompts with more
     rollouts, which at equal wall-clock means fewer iterations."""
 
-    kind = "dars"
+    name = "dars"
+    options = DARSOptions
     exact_budget = False
+    keeps_all = False
 
     def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2, **kw):
         if prompts_per_iteration * min_group > budget:  # the first groups: group_size each
             raise ValueError(f"a budget of {budget} rollouts cannot give {prompts_per_iteration} prompts {min_group} rollouts each")
         self.group = budget // prompts_per_iteration
         self.second_stage_done = False
-        self.schedule = str(kw.get("dars_schedule", "equal"))
+        self.schedule = self.own_options(kw).schedule
         if self.schedule not in DARS_SCHEDULES:
-            raise ValueError(f"dars_schedule must be one of {tuple(DARS_SCHEDULES)}, got {self.schedule!r}")
+            raise ValueError(f"schedule must be one of {tuple(DARS_SCHEDULES)}, got {self.schedule!r}")
         most = dars_total(0.0, self.group, self.schedule)
         super().__init__(num_prompts, prompts_per_iteration * most, prompts_per_iteration, seed, min_group, **kw)
 
@@ -297,6 +328,17 @@ class DARSAllocator(Allocator):
         return kept
 
 
+@dataclass
+class DARSBudgetOptions:
+    first_fraction: float = 0.5  # share of the budget spent in the first, uniform stage
+    hard_accuracy: float = 0.5  # prompts below this success rate get top-ups...
+    target_positives: int = 2  # ...until they have this many successes
+    round_size: int = 4  # rollouts per top-up
+
+    RANGES: ClassVar[dict] = {"first_fraction": "(0, 1]", "hard_accuracy": "(0, 1]", "target_positives": ">= 1", "round_size": ">= 1"}
+
+
+@ALLOCATORS.register
 class DARSBudgetAllocator(Allocator):
     """flowrl's fixed-budget variant of DARS (`dars_budget`; the authors' rule is `dars`): a first
     uniform stage spends `first_fraction` of the budget; later stages give `round_size` more
@@ -304,10 +346,11 @@ class DARSBudgetAllocator(Allocator):
     `target_positives` successes, until the budget runs out. Budget left when no prompt is hard
     goes round-robin to all prompts. Every sample trains."""
 
-    kind = "dars_budget"
+    name = "dars_budget"
+    options = DARSBudgetOptions
 
     def stage_budget(self) -> int:
-        frac = float(self.params.get("first_fraction", 0.5))
+        frac = self.opts.first_fraction
         first = max(self.per_iteration * self.min_group, int(round(frac * self.budget)))
         return min(first, self.budget)
 
@@ -318,9 +361,9 @@ class DARSBudgetAllocator(Allocator):
             return extra
         sampled = counts > 0
         rate = successes.double() / counts.clamp_min(1).double()
-        hard = sampled & (rate < float(self.params.get("hard_accuracy", 0.5))) & (successes < int(self.params.get("target_positives", 2)))
+        hard = sampled & (rate < self.opts.hard_accuracy) & (successes < self.opts.target_positives)
         targets = hard.nonzero().squeeze(1) if hard.any() else sampled.nonzero().squeeze(1)
-        per = int(self.params.get("round_size", 2))
+        per = self.opts.round_size
         for i in targets.tolist():
             give = min(per, left)
             extra[i] += give
@@ -330,6 +373,15 @@ class DARSBudgetAllocator(Allocator):
         return self._take(extra)
 
 
+@dataclass
+class SuccessiveEliminationOptions:
+    round_size: int = 4  # rollouts per active prompt and round
+    cap: int = 0  # most rollouts per prompt (0: 2 x data.group_size)
+
+    RANGES: ClassVar[dict] = {"round_size": ">= 1", "cap": ">= 0"}
+
+
+@ALLOCATORS.register
 class SuccessiveEliminationAllocator(VADEAllocator):
     """flowrl's fixed-budget variant of Reinforce-Ada's successive elimination (the authors' rule
     is `reinforce_ada`): sample every active prompt in rounds of
@@ -338,22 +390,23 @@ class SuccessiveEliminationAllocator(VADEAllocator):
     Which prompts start and join is VADE's Thompson choice (our combination: Reinforce-Ada
     itself starts from uniformly drawn prompts, which wastes the cap on solved ones)."""
 
-    kind = "successive_elimination"
+    name = "successive_elimination"
+    options = SuccessiveEliminationOptions
 
     def _join_order(self, counts: torch.Tensor) -> list[int]:
         p = self.stats.thompson(self.generator(self.iteration, salt=1 + int(counts.sum())))
         return [i for i in torch.argsort(p * (1 - p), descending=True, stable=True).tolist() if counts[i] == 0]
 
     def stage_budget(self) -> int:
-        return min(self.budget, self.per_iteration * max(self.min_group, int(self.params.get("round_size", 4))))
+        return min(self.budget, self.per_iteration * max(self.min_group, self.opts.round_size))
 
     def next_stage(self, counts, successes, failures):
         left = self.remaining
         extra = torch.zeros(self.num_prompts, dtype=torch.long)
         if left <= 0:
             return extra
-        cap = int(self.params.get("cap", 2 * max(1, self.budget // self.per_iteration)))
-        per = max(self.min_group, int(self.params.get("round_size", 4)))
+        cap = self.opts.cap or 2 * max(1, self.budget // self.per_iteration)  # budget / prompts: the group size
+        per = max(self.min_group, self.opts.round_size)
         active = (counts > 0) & ~((successes > 0) & (failures > 0)) & (counts < cap)
         if active.any():
             for i in active.nonzero().squeeze(1).tolist():
@@ -376,30 +429,49 @@ class SuccessiveEliminationAllocator(VADEAllocator):
         return self._take(extra)
 
 
+@dataclass
+class ReinforceAdaOptions:
+    round_size: int = 8  # rollouts per prompt and round (the reference's M)
+    max_rounds: int = 4  # most rounds (R); a prompt trains on data.group_size of its samples
+    exit: str = "balanced"  # a prompt stops at group_size/2 successes and failures | positive: one success
+
+    RANGES: ClassVar[dict] = {"round_size": ">= 1", "max_rounds": ">= 1"}
+    CHOICES: ClassVar[dict] = {"exit": ("balanced", "positive")}
+
+
+@ALLOCATORS.register
 class ReinforceAdaAllocator(Allocator):
     """Reinforce-Ada as its authors run it (Xiong et al., arXiv 2510.04996; their multi-round
     adaptive downsampling): the iteration's prompts are drawn uniformly and sampled in rounds of
-    `ada_round_size` (M, reference 8). After each round a prompt leaves once it can fill a
+    `round_size` (M, reference 8). After each round a prompt leaves once it can fill a
     balanced group of n = budget / prompts_per_iteration (data.group_size): at least n // 2
-    successes and n - n // 2 failures (`ada_exit` balanced), or one success (`ada_exit`
-    positive); the others go on for at most `ada_max_rounds` (R, reference 4) rounds. The
+    successes and n - n // 2 failures (`exit` balanced), or one success (`exit`
+    positive); the others go on for at most `max_rounds` (R, reference 4) rounds. The
     iteration spends at most prompts x M x R rollouts. Every prompt then trains on n of its
     samples (`keep`): the first n // 2 successes and first failures up to n, a shortfall filled
     from the other side. The baseline is meant to use every sample drawn (advantage.kind
     reinforce_ada); the loss sees only the kept ones."""
 
-    kind = "reinforce_ada"
+    name = "reinforce_ada"
+    options = ReinforceAdaOptions
     exact_budget = False
+    keeps_all = False
+
+    @classmethod
+    def validate(cls, cfg) -> None:
+        o = cfg.allocator.reinforce_ada
+        if o.round_size * o.max_rounds < cfg.data.group_size:
+            raise ConfigError(f"allocator.reinforce_ada.max_rounds ({o.max_rounds}) rounds of allocator.reinforce_ada.round_size "
+                              f"({o.round_size}) cannot fill a group of data.group_size ({cfg.data.group_size})")
 
     def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2, **kw):
         if prompts_per_iteration * min_group > budget:  # the trained groups: group_size each
             raise ValueError(f"a budget of {budget} rollouts cannot give {prompts_per_iteration} prompts {min_group} rollouts each")
         self.group = budget // prompts_per_iteration
-        self.round_size = int(kw.get("ada_round_size", 8))
-        self.max_rounds = int(kw.get("ada_max_rounds", 4))
-        self.exit_rule = str(kw.get("ada_exit", "balanced"))
+        opts = self.own_options(kw)
+        self.round_size, self.max_rounds, self.exit_rule = opts.round_size, opts.max_rounds, opts.exit
         if self.exit_rule not in ("balanced", "positive"):
-            raise ValueError(f"ada_exit must be balanced or positive, got {self.exit_rule!r}")
+            raise ValueError(f"exit must be balanced or positive, got {self.exit_rule!r}")
         if self.round_size * self.max_rounds < self.group:
             raise ValueError(f"{self.max_rounds} rounds of {self.round_size} cannot fill groups of {self.group}")
         super().__init__(num_prompts, prompts_per_iteration * self.round_size * self.max_rounds, prompts_per_iteration,
@@ -438,11 +510,12 @@ class ReinforceAdaAllocator(Allocator):
         return kept
 
 
+@ALLOCATORS.register
 class SqrtAllocator(Allocator):
     """Budget-neutral square-root allocation (Rollout-GDRO): n_i proportional to the square root
     of a variance proxy, here the posterior Bernoulli variance p (1 - p), total conserved."""
 
-    kind = "sqrt"
+    name = "sqrt"
 
     def first_stage(self, iteration: int) -> torch.Tensor:
         self.iteration, self.spent = iteration, 0
@@ -454,30 +527,42 @@ class SqrtAllocator(Allocator):
         return counts
 
 
+@dataclass
+class PromptGDROOptions:
+    bins: int = 4  # pass@k difficulty bins (the unseen prompts form one more)
+    window: int = 4  # a prompt's pass@k averages its last this many visits
+    step: float = 1.0  # the adversary's multiplicative-weights step
+    ema: float = 0.9  # decay of each bin's error average (the debiasing)
+    uniform_mix: float = 0.1  # share of the uniform distribution mixed into the bin weights
+
+    RANGES: ClassVar[dict] = {"bins": ">= 1", "window": ">= 1", "step": ">= 0", "ema": "[0, 1)", "uniform_mix": "(0, 1]"}
+
+
+@ALLOCATORS.register
 class PromptGDROAllocator(Allocator):
     """Prompt-GDRO, the data adversary of Multi-Adversary Group DRO (Panaganti et al., arXiv
     2601.19280). There is no public code; the abstract fixes the game and the sampler, the rest
     is flowrl's reading (its constants, the error as the loss, the unseen bin). A prompt's pass@k
-    (1 when any of a visit's rollouts succeeded), averaged over its last `gdro_window` visits,
-    puts it in one of `gdro_bins` equal-width difficulty bins, with a hysteresis margin so that a
+    (1 when any of a visit's rollouts succeeded), averaged over its last `window` visits,
+    puts it in one of `bins` equal-width difficulty bins, with a hysteresis margin so that a
     prompt near an edge does not flap; prompts never sampled form one more bin. The adversary
     keeps a distribution q over the bins: after each iteration a sampled bin's score is its
     error this iteration (its rollouts' failure rate) minus the EMA of its past errors (the
-    debiasing that keeps a large easy bin from dominating), and q_b <- q_b exp(gdro_step s_b),
-    renormalised, mixed with the uniform distribution (`gdro_uniform_mix`). Prompts are drawn
+    debiasing that keeps a large easy bin from dominating), and q_b <- q_b exp(step s_b),
+    renormalised, mixed with the uniform distribution (`uniform_mix`). Prompts are drawn
     without replacement with probability q_b / |D_b| (each bin's share is q_b); the budget is
     split evenly."""
 
-    kind = "prompt_gdro"
+    name = "prompt_gdro"
+    options = PromptGDROOptions
     margin = 0.05  # hysteresis: a prompt leaves its bin once its pass@k is this far past an edge
 
     def __init__(self, num_prompts: int, budget: int, prompts_per_iteration: int, seed: int = 0, min_group: int = 2, **kw):
         super().__init__(num_prompts, budget, prompts_per_iteration, seed, min_group, **kw)
-        self.num_bins = int(kw.get("gdro_bins", 4))
-        self.step, self.ema_decay = float(kw.get("gdro_step", 1.0)), float(kw.get("gdro_ema", 0.9))
-        self.mix, self.window = float(kw.get("gdro_uniform_mix", 0.1)), int(kw.get("gdro_window", 4))
+        o = self.opts
+        self.num_bins, self.step, self.ema_decay, self.mix, self.window = o.bins, o.step, o.ema, o.uniform_mix, o.window
         if self.num_bins < 1 or self.window < 1 or not 0 <= self.mix <= 1:
-            raise ValueError("gdro_bins and gdro_window must be >= 1 and gdro_uniform_mix in [0, 1]")
+            raise ValueError("bins and window must be >= 1 and uniform_mix in [0, 1]")
         unseen = self.num_bins
         self.passes = torch.zeros(num_prompts, self.window, dtype=torch.float64)  # the last visits' pass@k, a ring
         self.visits = torch.zeros(num_prompts, dtype=torch.long)
@@ -541,23 +626,9 @@ class PromptGDROAllocator(Allocator):
             self.error_ema = torch.where(state["error_history"], self.error_ema, torch.full_like(self.error_ema, float("nan")))
 
 
-ALLOCATORS = {
-    "uniform": Allocator,
-    "vade": VADEAllocator,
-    "xrpo": XRPOAllocator,
-    "dars": DARSAllocator,
-    "dars_budget": DARSBudgetAllocator,
-    "successive_elimination": SuccessiveEliminationAllocator,
-    "reinforce_ada": ReinforceAdaAllocator,
-    "sqrt": SqrtAllocator,
-    "prompt_gdro": PromptGDROAllocator,
-}
-
-
 def make_allocator(kind: str, **kwargs) -> Allocator:
-    if kind not in ALLOCATORS:
-        raise ValueError(f"allocator.kind must be one of {ALLOCATOR_KINDS}, got {kind!r}")
-    return ALLOCATORS[kind](**kwargs)
+    """The allocator registered as `kind`, built with the shared keywords and its own options."""
+    return ALLOCATORS.get(kind)(**kwargs)
 
 
 def allocate_in_stages(alloc: Allocator, iteration: int,

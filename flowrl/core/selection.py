@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import torch
 
-SELECTION_KINDS = ("best_worst", "max_variance", "mean_deviation", "random")
+from flowrl.registry import Registry
+
+# selection.kind -> fn(rewards [M], k, generator=None) -> indices [k]; a new selection is a registered function
+SELECTIONS = Registry("selection.kind", "candidate selections: which k of M candidates a group keeps")
 
 
 def _check(rewards: torch.Tensor, k: int) -> torch.Tensor:
@@ -15,7 +18,8 @@ def _check(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return r
 
 
-def best_worst(rewards: torch.Tensor, k: int) -> torch.Tensor:
+@SELECTIONS.register(name="best_worst")
+def best_worst(rewards: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """The ceil(k/2) highest and floor(k/2) lowest rewards (Sol-RL's contrastive default)."""
     r = _check(rewards, k)
     order = torch.argsort(r, descending=True, stable=True)
@@ -24,7 +28,8 @@ def best_worst(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([top, bottom])
 
 
-def max_variance(rewards: torch.Tensor, k: int) -> torch.Tensor:
+@SELECTIONS.register(name="max_variance")
+def max_variance(rewards: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """The k-subset with the largest reward variance (D3S: maximising Var(A) bounds the policy
     gradient norm from above). A maximum-variance subset of scalars is always some j highest
     plus k - j lowest values, so checking the k + 1 splits is exact."""
@@ -39,28 +44,22 @@ def max_variance(rewards: torch.Tensor, k: int) -> torch.Tensor:
     return best
 
 
-def mean_deviation(rewards: torch.Tensor, k: int) -> torch.Tensor:
+@SELECTIONS.register(name="mean_deviation")
+def mean_deviation(rewards: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
     """The k candidates farthest from the pool mean, |r - mean(r)|."""
     r = _check(rewards, k)
     return torch.argsort((r - r.mean()).abs(), descending=True, stable=True)[:k]
 
 
+@SELECTIONS.register(name="random")
 def random_subset(rewards: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
     r = _check(rewards, k)
     return torch.randperm(r.numel(), generator=generator)[:k]
 
 
 def select(kind: str, rewards: torch.Tensor, k: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Indices [k] into `rewards` chosen by `kind`."""
-    if kind == "best_worst":
-        return best_worst(rewards, k)
-    if kind == "max_variance":
-        return max_variance(rewards, k)
-    if kind == "mean_deviation":
-        return mean_deviation(rewards, k)
-    if kind == "random":
-        return random_subset(rewards, k, generator)
-    raise ValueError(f"selection.kind must be one of {SELECTION_KINDS}, got {kind!r}")
+    """Indices [k] into `rewards` chosen by the selection registered as `kind` (`generator`: for the random ones)."""
+    return SELECTIONS.get(kind)(rewards, k, generator)
 
 
 def select_per_group(kind: str, rewards: torch.Tensor, group_ids: torch.Tensor, k: dict[int, int],

@@ -1,15 +1,15 @@
 """The `run` and `trainer` options the runtime reads, one definition for both trainers: the image
 config (flowrl/schema.py) and the text config (flowrl/text/config.py) extend these two sections
 with the few options only their trainer has. Each field's comment is its description in
-`flowrl config show`; RANGES declares the numeric ones' ranges once for both."""
+`flowrl config show`; each section's RANGES declares its numeric ones' ranges (flowrl.errors.check_fields)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import ClassVar, Optional
 
 from flowrl.core.lr_schedule import LR_SCHEDULES
-from flowrl.errors import ConfigError, check_choice, check_range
+from flowrl.errors import ConfigError, check_choice
 from flowrl.runtime.optimizers import check_optimizer
 from flowrl.runtime.ray_cluster import STRATEGIES, RayOptions, check_resources
 
@@ -54,6 +54,12 @@ class TrainerOptions:
     # run.async_rollouts half the cores each
     threads: int = 0
 
+    # each numeric option's range, with why where it helps (checked by flowrl.errors.check_fields, as every section's)
+    RANGES: ClassVar[dict] = {
+        "iterations": ">= 1", "budget_minutes": ">= 0", "budget_probe": ">= 1", "max_minutes": ">= 0", "lr": "> 0",
+        "warmup_iterations": ">= 0", "weight_decay": ">= 0", "adam_beta1": "[0, 1)", "adam_beta2": "[0, 1)", "adam_eps": "> 0",
+        "inner_epochs": ">= 1", "kl_beta": ">= 0", "max_grad_norm": "> 0", "max_skipped_steps": ">= 1", "threads": ">= 0"}
+
 
 @dataclass
 class RunOptions:
@@ -78,36 +84,13 @@ class RunOptions:
     cluster: str = "local"
     ray: RayOptions = field(default_factory=RayOptions)
 
+    RANGES: ClassVar[dict] = {"checkpoint_every": ">= 0", "cpu_processes": ">= 1", "producers": ">= 1",
+                              "max_staleness": (">= 0", "0: every batch sampled with the newest weights")}
+
     def __post_init__(self):
         if self.cluster == "ray":  # the Ray workers are the producers of asynchronous rollouts
             self.async_rollouts = True
 
-
-# each numeric option's range, with why where it helps (flowrl/errors.py `check_range`)
-RANGES: dict[str, str | tuple[str, str]] = {
-    "trainer.iterations": ">= 1",
-    "trainer.budget_minutes": ">= 0",
-    "trainer.budget_probe": ">= 1",
-    "trainer.max_minutes": ">= 0",
-    "trainer.lr": "> 0",
-    "trainer.warmup_iterations": ">= 0",
-    "trainer.weight_decay": ">= 0",
-    "trainer.adam_beta1": "[0, 1)",
-    "trainer.adam_beta2": "[0, 1)",
-    "trainer.adam_eps": "> 0",
-    "trainer.inner_epochs": ">= 1",
-    "trainer.kl_beta": ">= 0",
-    "trainer.max_grad_norm": "> 0",
-    "trainer.max_skipped_steps": ">= 1",
-    "trainer.threads": ">= 0",
-    "run.checkpoint_every": ">= 0",
-    "run.cpu_processes": ">= 1",
-    "run.max_staleness": (">= 0", "0: every batch sampled with the newest weights"),
-    "run.producers": ">= 1",
-    "run.ray.rollout_workers": ">= 1",
-    "run.ray.max_restarts": ">= 0",
-    "run.ray.cpus": (">= 0", "0: Ray's count of this machine's CPUs"),
-}
 
 CLUSTERS = ("local", "ray")
 # run.producer_port and `flowrl produce` were retired for Ray's workers
@@ -117,19 +100,8 @@ RETIRED_KEYS = {"run.producer_port": "run.ray.address", "run.producer_wait_minut
 RETIRED_DEFAULTS = {"run.producer_port": 0, "run.producer_wait_minutes": 10.0}
 
 
-def check_ranges(cfg, ranges: dict[str, str | tuple[str, str]]) -> None:
-    """Every dotted key of `ranges` in its range: one sentence naming the first that is not."""
-    for key, spec in ranges.items():
-        spec, why = (spec, "") if isinstance(spec, str) else spec
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
-        check_range(key, value, spec, why)
-
-
 def validate_runtime(cfg) -> None:
     """The `run` and `trainer` options every trainer shares (a trainer's own are checked by its config)."""
-    check_ranges(cfg, RANGES)
     check_choice("trainer.lr_schedule", cfg.trainer.lr_schedule, LR_SCHEDULES)
     check_optimizer(cfg.trainer.optimizer)
     check_cluster(cfg.run)

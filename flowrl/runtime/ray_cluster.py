@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from flowrl.errors import ConfigError, UserError
 
@@ -38,6 +39,8 @@ class RayOptions:
     max_restarts: int = 3
     cpus: int = 0  # the CPUs of a cluster the trainer starts itself (address ""); 0: Ray's count of this machine's
 
+    RANGES: ClassVar[dict] = {"rollout_workers": ">= 1", "max_restarts": ">= 0", "cpus": (">= 0", "0: Ray's count of this machine's CPUs")}
+
 
 @dataclass
 class RewardRayOptions:
@@ -45,6 +48,8 @@ class RewardRayOptions:
     # each reward worker's resources, in Ray's names: CPU, GPU, or a custom resource of the nodes that should hold them
     resources: dict[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     max_restarts: int = 3  # a killed reward worker is restarted this many times and its batch scored again
+
+    RANGES: ClassVar[dict] = {"workers": ">= 1", "max_restarts": ">= 0"}
 
 
 def loopback_only() -> None:

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from flowrl.search import run_search
+from flowrl.search.run import run_search
 from flowrl.search.problem import PolicyProblem
 from flowrl.search.result import SearchResult
 

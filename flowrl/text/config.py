@@ -9,10 +9,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from flowrl.allocator_config import AllocatorConfig
-from flowrl.core.advantages import ADVANTAGE_KINDS
-from flowrl.core.allocation import ALLOCATOR_KINDS
-from flowrl.errors import ConfigError, check_choice, check_producers
+from flowrl.allocator_config import MOVED_DEFAULTS as MOVED_ALLOCATOR_DEFAULTS, MOVED_KEYS as MOVED_ALLOCATOR_KEYS, AllocatorConfig
+from flowrl.core.advantages import ADVANTAGES
+from flowrl.errors import ConfigError, check_choice, check_fields, check_producers
 from flowrl.runtime.options import RETIRED_DEFAULTS, RETIRED_KEYS, RunOptions, TrainerOptions, validate_runtime
 from flowrl.text.objective import TEXT_OBJECTIVES, TextLossConfig
 from flowrl.yaml_config import merge_config, preset_path, read_yaml
@@ -20,7 +19,7 @@ from flowrl.yaml_config import merge_config, preset_path, read_yaml
 TASK = "text"
 # keys that moved to the image config's names for the same concept: the old name is refused with a sentence naming the new one
 TEXT_MOVED_KEYS = {"loss.kl_beta": "trainer.kl_beta", "loss.advantage": "advantage.kind", "loss.scale_rewards": "advantage.std",
-                   **RETIRED_KEYS}
+                   **MOVED_ALLOCATOR_KEYS, **RETIRED_KEYS}
 BUILTIN_TEXT_MODELS = ("add",)  # model.path builtin:NAME, shipped in the package
 
 
@@ -132,7 +131,7 @@ def is_text_config(path: str | Path | None) -> bool:
 def load_text_config(path: str | Path, overrides: list[str] | None = None) -> TextConfig:
     src = preset_path(str(path))
     cfg: TextConfig = merge_config(TextConfig, read_yaml(src), str(src), overrides, ("reward.weights",), moved=TEXT_MOVED_KEYS,
-                                 retired=RETIRED_DEFAULTS)
+                                 retired={**RETIRED_DEFAULTS, **MOVED_ALLOCATOR_DEFAULTS})
     validate_text(cfg)
     return cfg
 
@@ -161,6 +160,7 @@ def validate_text(cfg: TextConfig) -> None:
     check_choice("model.dtype", cfg.model.dtype, ("fp32", "bf16"))
     if "{prompt}" not in d.prompt_template:
         raise ConfigError(f"data.prompt_template must contain {{prompt}} (where the prompt column's text goes); got {d.prompt_template!r}")
+    check_fields(cfg)  # the ranges and choices the sections declare (the runtime's and the allocator's)
     validate_runtime(cfg)
     for key, value, low in (("data.prompts_per_iteration", d.prompts_per_iteration, 1), ("data.group_size", d.group_size, 2),
                             ("generation.max_new_tokens", g.max_new_tokens, 1), ("generation.batch_size", g.batch_size, 1),
@@ -174,9 +174,9 @@ def validate_text(cfg: TextConfig) -> None:
     check_choice("advantage.std", cfg.advantage.std, ("group", "global", "none"))
     TEXT_OBJECTIVES.get(cfg.loss.kind).validate(cfg)
     validate_off_policy(cfg)
-    check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGE_KINDS)
+    check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGES)
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
-    cfg.allocator.validate(d.group_size, ALLOCATOR_KINDS)
+    cfg.allocator.validate(cfg, subsets=True)
     from rewards.text import available_text_rewards
 
     for name in cfg.reward.weights:

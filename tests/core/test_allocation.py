@@ -13,13 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowrl.core.allocation import (
-    ALLOCATOR_KINDS,
+    ALLOCATORS,
     PromptStats,
     _gamma,
     largest_remainder,
     make_allocator,
     run_stages,
 )
+from flowrl.errors import ConfigError
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -64,7 +65,7 @@ def pools(draw):
 
 
 @FAST
-@pytest.mark.parametrize("kind", ALLOCATOR_KINDS)
+@pytest.mark.parametrize("kind", ALLOCATORS)
 @given(pool=pools(), seed=st.integers(0, 1000))
 def test_budget_exact_groups_at_least_min_and_deterministic(kind, pool, seed):
     num_prompts, per_iteration, budget, p = pool
@@ -84,10 +85,10 @@ def test_budget_exact_groups_at_least_min_and_deterministic(kind, pool, seed):
 
 
 def test_budget_too_small_for_min_group_raises():
-    for kind in ALLOCATOR_KINDS:
+    for kind in ALLOCATORS:
         with pytest.raises(ValueError, match="budget"):
             make_allocator(kind, num_prompts=10, budget=7, prompts_per_iteration=4)
-    with pytest.raises(ValueError, match="allocator.kind"):
+    with pytest.raises(ConfigError, match="allocator.kind"):
         make_allocator("greedy", num_prompts=10, budget=8, prompts_per_iteration=4)
 
 
@@ -490,7 +491,7 @@ def test_reinforce_ada_samples_and_downsamples_as_the_reference(exit_rule, seed)
     n, group, per_iteration, round_size, max_rounds = 40, 6, 10, 4, 3
     p = torch.tensor([0.0, 0.02, 0.1, 0.3, 0.5, 0.7, 0.9, 1.0] * 5, dtype=torch.float64)
     alloc = make_allocator("reinforce_ada", num_prompts=n, budget=per_iteration * group, prompts_per_iteration=per_iteration,
-                           seed=seed, ada_round_size=round_size, ada_max_rounds=max_rounds, ada_exit=exit_rule)
+                           seed=seed, round_size=round_size, max_rounds=max_rounds, exit=exit_rule)
     assert alloc.budget == per_iteration * round_size * max_rounds and not alloc.exact_budget
     outcome, log = bernoulli_outcome(p, seed)
     for it in range(3):
@@ -534,9 +535,9 @@ def test_reinforce_ada_trains_on_far_fewer_degenerate_groups_than_uniform():
 
 def test_reinforce_ada_refuses_rounds_that_cannot_fill_a_group():
     with pytest.raises(ValueError, match="cannot fill groups of 16"):
-        make_allocator("reinforce_ada", num_prompts=10, budget=64, prompts_per_iteration=4, ada_round_size=2, ada_max_rounds=4)
-    with pytest.raises(ValueError, match="ada_exit"):
-        make_allocator("reinforce_ada", num_prompts=10, budget=16, prompts_per_iteration=4, ada_exit="both")
+        make_allocator("reinforce_ada", num_prompts=10, budget=64, prompts_per_iteration=4, round_size=2, max_rounds=4)
+    with pytest.raises(ValueError, match="exit"):
+        make_allocator("reinforce_ada", num_prompts=10, budget=16, prompts_per_iteration=4, exit="both")
 
 
 # --------------------------------------------------------------------------------------
@@ -547,7 +548,7 @@ def test_reinforce_ada_refuses_rounds_that_cannot_fill_a_group():
 def test_prompt_gdro_draws_each_bin_by_its_weight_not_its_size():
     # 90 prompts in an easy bin, 10 in a hard one, equal q: each bin gets half the draws (sampling
     # in proportion to size would give the easy bin 90%)
-    alloc = make_allocator("prompt_gdro", num_prompts=100, budget=8, prompts_per_iteration=4, seed=0, gdro_bins=4)
+    alloc = make_allocator("prompt_gdro", num_prompts=100, budget=8, prompts_per_iteration=4, seed=0, bins=4)
     alloc.bins = torch.tensor([3] * 90 + [0] * 10)
     alloc.q = torch.tensor([0.25, 0.0, 0.0, 0.25, 0.0], dtype=torch.float64)  # nothing else weighted
     w = alloc.prompt_weights()
@@ -557,8 +558,8 @@ def test_prompt_gdro_draws_each_bin_by_its_weight_not_its_size():
 
 
 def test_prompt_gdro_adversary_update_by_hand():
-    alloc = make_allocator("prompt_gdro", num_prompts=6, budget=4, prompts_per_iteration=2, seed=0, gdro_bins=2,
-                           gdro_step=2.0, gdro_ema=0.5, gdro_uniform_mix=0.3)
+    alloc = make_allocator("prompt_gdro", num_prompts=6, budget=4, prompts_per_iteration=2, seed=0, bins=2,
+                           step=2.0, ema=0.5, uniform_mix=0.3)
     b = 3  # two bins and the unseen one
     # first visit of bins 0 and 1: no history, so no score; q stays uniform and the EMA starts
     alloc.update_adversary(torch.tensor([0, 0, 1, 1]), torch.tensor([1.0, 0.0, 0.0, 0.0]))
@@ -572,7 +573,7 @@ def test_prompt_gdro_adversary_update_by_hand():
 
 
 def test_prompt_gdro_bins_follow_pass_at_k_with_hysteresis():
-    alloc = make_allocator("prompt_gdro", num_prompts=3, budget=4, prompts_per_iteration=2, seed=0, gdro_bins=4, gdro_window=4)
+    alloc = make_allocator("prompt_gdro", num_prompts=3, budget=4, prompts_per_iteration=2, seed=0, bins=4, window=4)
     assert alloc.bins.tolist() == [4, 4, 4]  # unseen
     visit = lambda prompt, won: alloc.update_bins(torch.tensor([prompt, prompt]), torch.tensor([won, False]))  # noqa: E731
     visit(0, True)  # pass@k 1: the top bin
@@ -593,7 +594,7 @@ def test_prompt_gdro_shifts_weight_toward_a_bin_whose_error_rises():
     # easy ones (success 0.9 -> 0.3): the adversary moves weight to their bin
     n = 40
     p = torch.tensor([0.9] * 20 + [0.05] * 20, dtype=torch.float64)
-    alloc = make_allocator("prompt_gdro", num_prompts=n, budget=32, prompts_per_iteration=8, seed=0, gdro_bins=2)
+    alloc = make_allocator("prompt_gdro", num_prompts=n, budget=32, prompts_per_iteration=8, seed=0, bins=2)
     run_iterations(alloc, p, 30, seed=0)
     easy_bin, hard_bin = int(torch.mode(alloc.bins[:20]).values), int(torch.mode(alloc.bins[20:]).values)
     assert (easy_bin, hard_bin) == (1, 0)
@@ -617,12 +618,12 @@ def test_prompt_gdro_state_round_trip():
 
 
 def test_prompt_gdro_state_is_finite_and_restores_its_no_history_marks():
-    alloc = make_allocator("prompt_gdro", num_prompts=6, budget=4, prompts_per_iteration=2, seed=0, gdro_bins=2)
+    alloc = make_allocator("prompt_gdro", num_prompts=6, budget=4, prompts_per_iteration=2, seed=0, bins=2)
     alloc.observe(torch.tensor([0, 0, 1, 1]), torch.tensor([1.0, 0.0, 1.0, 1.0]))
     assert alloc.error_ema.isnan().any() and not alloc.error_ema.isnan().all()  # some bins seen, some not
     state = alloc.state_dict()
     assert all(torch.isfinite(v.float()).all() for v in state.values())  # a checkpoint refuses non-finite tensors
-    fresh = make_allocator("prompt_gdro", num_prompts=6, budget=4, prompts_per_iteration=2, seed=0, gdro_bins=2)
+    fresh = make_allocator("prompt_gdro", num_prompts=6, budget=4, prompts_per_iteration=2, seed=0, bins=2)
     fresh.load_state_dict(state)
     assert torch.equal(fresh.error_ema.isnan(), alloc.error_ema.isnan())
     assert torch.equal(fresh.error_ema.nan_to_num(), alloc.error_ema.nan_to_num())

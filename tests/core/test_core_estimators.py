@@ -10,7 +10,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from flowrl.core.advantages import ADVANTAGE_KINDS, estimate_advantages
+from flowrl.errors import ConfigError
+from flowrl.core.advantages import ADVANTAGES, estimate_advantages
 
 FAST = settings(max_examples=50, deadline=None)
 TINY_EPS = 1e-9  # the estimators' eps, where a test checks exact math rather than the eps guard
@@ -78,7 +79,7 @@ def test_zero_mean_per_live_group(kind, data):
 
 
 @FAST
-@pytest.mark.parametrize("kind", ADVANTAGE_KINDS)
+@pytest.mark.parametrize("kind", ADVANTAGES)
 @given(data=st.data())
 def test_permutation_equivariant(kind, data):
     r, g = data.draw(batches(channels=kind_channels(kind)))
@@ -168,7 +169,7 @@ def test_rank_invariant_to_increasing_transforms(data):
 
 
 @FAST
-@pytest.mark.parametrize("kind", ADVANTAGE_KINDS)
+@pytest.mark.parametrize("kind", ADVANTAGES)
 @given(data=st.data())
 def test_degenerate_groups_zero_and_masked(kind, data):
     live_r, live_g = data.draw(batches(channels=kind_channels(kind), live_only=True, max_groups=3))
@@ -191,7 +192,7 @@ def test_degenerate_groups_zero_and_masked(kind, data):
 
 
 @FAST
-@pytest.mark.parametrize("kind", ADVANTAGE_KINDS)
+@pytest.mark.parametrize("kind", ADVANTAGES)
 @given(data=st.data(), clip=st.floats(0.05, 3.0))
 def test_clip_bounds_advantages(kind, data, clip):
     r, g = data.draw(batches(channels=kind_channels(kind)))
@@ -203,7 +204,7 @@ def test_clip_bounds_advantages(kind, data, clip):
 
 
 @FAST
-@pytest.mark.parametrize("kind", ADVANTAGE_KINDS)
+@pytest.mark.parametrize("kind", ADVANTAGES)
 @given(data=st.data())
 def test_variable_group_sizes(kind, data):
     r, g = data.draw(batches(channels=kind_channels(kind), min_size=1, max_size=9, max_groups=6))
@@ -220,7 +221,7 @@ def test_variable_group_sizes(kind, data):
 
 
 def test_unknown_kind_raises():
-    with pytest.raises(ValueError, match="advantage.kind"):
+    with pytest.raises(ConfigError, match="advantage.kind"):
         estimate_advantages("ppo", torch.tensor([0.0, 1.0]), torch.tensor([0, 0]))
 
 

@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowrl.core.selection import SELECTION_KINDS, best_worst, max_variance, mean_deviation, random_subset, select
+from flowrl.errors import ConfigError
+from flowrl.core.selection import SELECTIONS, best_worst, max_variance, mean_deviation, random_subset, select
 
 FAST = settings(max_examples=50, deadline=None)
 
@@ -113,7 +114,7 @@ def test_random_subset_varies_with_seed():
     assert len(draws) > 1
 
 
-@pytest.mark.parametrize("kind", SELECTION_KINDS)
+@pytest.mark.parametrize("kind", SELECTIONS)
 @pytest.mark.parametrize("k", [0, -1, 6])
 def test_bad_k_raises(kind, k):
     with pytest.raises(ValueError, match="selection size"):
@@ -121,11 +122,11 @@ def test_bad_k_raises(kind, k):
 
 
 def test_unknown_kind_raises():
-    with pytest.raises(ValueError, match="selection.kind"):
+    with pytest.raises(ConfigError, match="selection.kind"):
         select("top", torch.arange(5.0), 2)
 
 
-@pytest.mark.parametrize("kind", SELECTION_KINDS)
+@pytest.mark.parametrize("kind", SELECTIONS)
 def test_select_dispatches(kind):
     r = torch.tensor([3.0, -1.0, 2.0, 8.0, 0.0, 5.0])
     fns = {"best_worst": best_worst, "max_variance": max_variance, "mean_deviation": mean_deviation}

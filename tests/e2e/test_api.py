@@ -1,7 +1,7 @@
 """flowrl.api, the CLI as Python functions: README.md's quickstart runs exactly as written and its
 lambda is what the run trains on and evaluates with; a reward function's bad output stops the run
 with one sentence naming it; rewards of a module outside flowrl join a config through `plugins`
-or a `flowrl.rewards` entry point."""
+or a module of the `flowrl.parts` entry point group."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import flowrl.registry
 import rewards.registry
 from flowrl import api
 from flowrl.cli import main
@@ -29,10 +30,10 @@ PROMPTS = ["a red circle", "two blue squares"]  # both drawn in every iteration 
 @pytest.fixture(scope="module", autouse=True)
 def _registry_restored():
     """The functions these tests register leave the reward registry as it was."""
-    registered, functions = dict(rewards.registry._REGISTRY), dict(api._FUNCTIONS)
+    registered, functions = dict(rewards.registry.REWARDS._parts), dict(api._FUNCTIONS)
     yield
-    rewards.registry._REGISTRY.clear()
-    rewards.registry._REGISTRY.update(registered)
+    rewards.registry.REWARDS._parts.clear()
+    rewards.registry.REWARDS._parts.update(registered)
     api._FUNCTIONS.clear()
     api._FUNCTIONS.update(functions)
 
@@ -91,7 +92,7 @@ def test_a_run_of_another_process_says_how_to_give_its_function_again(quickstart
     names, folder = quickstart
     monkeypatch.chdir(folder)
     path = names["run"].path
-    monkeypatch.delitem(rewards.registry._REGISTRY, "custom")  # as in a new process
+    monkeypatch.delitem(rewards.registry.REWARDS._parts, "custom")  # as in a new process
     monkeypatch.delitem(api._FUNCTIONS, "custom")
     with pytest.raises(ConfigError, match=r"trained with the reward 'custom'.*api\.Run\('.*', reward=\{'custom': fn\}\)"):
         api.Run(path).sample(["a red circle"])
@@ -174,18 +175,20 @@ def test_a_reward_of_a_module_named_in_plugins_trains_through_the_cli(tmp_path, 
     assert [r["reward/prompt_length"] for r in run_metrics(tmp_path / "run")] == [14.0]
 
 
-def test_an_installed_packages_flowrl_rewards_entry_point_is_a_reward(tmp_path, monkeypatch, capsys):
+def test_an_installed_packages_flowrl_parts_entry_point_registers_a_reward(tmp_path, monkeypatch, capsys):
     _write_module(tmp_path, "ep_rewards", '''
+        from rewards import register
+
+        @register("darkness", "one minus the mean pixel")
         def darkness(images, prompts):
-            """one minus the mean pixel"""
             return 1 - images.mean(dim=(1, 2, 3))
     ''')
     info = tmp_path / "ep_rewards-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-rewards\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[flowrl.rewards]\ndarkness = ep_rewards:darkness\n")
+    (info / "entry_points.txt").write_text("[flowrl.parts]\nrewards = ep_rewards\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(rewards.registry, "_ENTRY_POINTS_LOADED", [])
+    monkeypatch.setattr(flowrl.registry, "_ENTRY_POINTS_LOADED", [])
     cfg = api.config("tiny_jpeg", "reward.weights={darkness: 1.0}")
     scores = MultiReward.from_config(cfg.reward)(torch.full((2, 3, 4, 4), 0.25), PROMPTS)
     assert scores[:, 0].tolist() == [0.75, 0.75]

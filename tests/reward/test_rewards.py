@@ -384,7 +384,7 @@ def test_a_rewards_breakdown_reaches_metrics_and_evals_through_the_reward():
 
 
 def test_clip_rewards_lend_their_image_encoder_to_the_monitor(tiny_clip_dir):
-    from flowrl.schema import Config
+    from flowrl.config import config_class
     from flowrl.train.monitor.image_stats import group_diversity
     from flowrl.train.monitor.watch import Monitor
 
@@ -397,6 +397,7 @@ def test_clip_rewards_lend_their_image_encoder_to_the_monitor(tiny_clip_dir):
     text_emb = scorer.model.get_text_features(input_ids=text["input_ids"], attention_mask=text["attention_mask"])
     text_emb = getattr(text_emb, "pooler_output", text_emb).float()
     assert torch.allclose(scorer(images, PROMPTS[:3]), torch.nn.functional.cosine_similarity(feats, text_emb, dim=-1), atol=1e-5)
+    Config = config_class()
     cfg = Config(data=Config().data.__class__(prompts=["a"]))
     monitor = Monitor(cfg, encoders=[lambda i, p: None, scorer])
     assert monitor.encoder == scorer.image_features

@@ -9,7 +9,9 @@ import torch
 
 from flowrl.core.search import (Ledger, SearchTree, effective_sample_size, log_potential, progressive_width,
                                 resample_indices, soft_value)
-from flowrl.search import best_of_n, dts, run_search, smc
+from flowrl.search.dts import dts
+from flowrl.search.particles import best_of_n, smc
+from flowrl.search.run import run_search
 from flowrl.search.dts import branch_steps
 from flowrl.search.mixture import MixtureProblem, wasserstein_1d
 

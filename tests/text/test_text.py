@@ -346,8 +346,8 @@ def test_moved_text_keys_name_their_new_place():
 def test_reinforce_ada_trains_a_balanced_group_per_prompt_of_the_samples_it_drew(tmp_path):
     # rounds of 2 until a prompt has 2 successes and 2 failures (at most 3 rounds); each trains on 4
     run = tmp_path / "run"
-    assert main(["train", "configs/text_add.yaml", *FAST, "allocator.kind=reinforce_ada", "allocator.ada_round_size=2",
-                 "allocator.ada_max_rounds=3", "advantage.kind=reinforce_ada", "trainer.iterations=2",
+    assert main(["train", "configs/text_add.yaml", *FAST, "allocator.kind=reinforce_ada", "allocator.reinforce_ada.round_size=2",
+                 "allocator.reinforce_ada.max_rounds=3", "advantage.kind=reinforce_ada", "trainer.iterations=2",
                  "run.checkpoint_every=0", "--run-dir", str(run)]) == 0
     for row in run_metrics(run):
         assert row["samples_trained"] == 16 and row["prompts_trained"] == 4
@@ -507,9 +507,9 @@ def test_text_settings_get_one_sentence(capsys):
                           ("data.group_size=1", "data.group_size"), ("reward.weights={nope: 1.0}", "reward.weights"),
                           ("generation.top_p=0", "generation.top_p"), ("data.prompt_template=Q", "data.prompt_template"),
                           ("model.path=builtin:sub", "model.path"), ("advantage.std=max", "advantage.std"),
-                          ("trainer.lrr=1", "trainer.lrr"), ("allocator.ada_exit=both", "allocator.ada_exit"),
-                          ("allocator.ada_max_rounds=1", "allocator.ada_max_rounds")):
-        extra = ["allocator.kind=reinforce_ada", "allocator.ada_round_size=2"] if key.startswith("allocator") else []
+                          ("trainer.lrr=1", "trainer.lrr"), ("allocator.reinforce_ada.exit=both", "allocator.reinforce_ada.exit"),
+                          ("allocator.reinforce_ada.max_rounds=1", "allocator.reinforce_ada.max_rounds")):
+        extra = ["allocator.kind=reinforce_ada", "allocator.reinforce_ada.round_size=2"] if key.startswith("allocator") else []
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_text_config("configs/text_add.yaml", [*extra, override])
     with pytest.raises(ConfigError, match=r"'data\.eval_split' in the command line must be a string, got null$"):

@@ -15,7 +15,7 @@ from flowrl.config import load_config
 from flowrl.errors import ConfigError
 from flowrl.train.monitor import image_stats as st
 from flowrl.train.monitor.rules import Evaluation, check_rules, diversity_collapse, gold_divergence, stat_drift
-from flowrl.schema import MonitorConfig
+from flowrl.train.monitor.options import MonitorConfig
 
 H = W = 10
 

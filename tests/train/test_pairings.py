@@ -159,7 +159,7 @@ def test_dgpos_old_weights_sample_through_the_exploration_copy(tmp_path, tiny_sd
 # vade picks prompts, not counts: equal groups. successive_elimination (rounds of 2) and dars_budget
 # (a uniform first half, top-ups for the hard prompts) give prompts groups of different sizes
 ALLOCATORS = {"vade": ["allocator.kind=vade", "data.prompts_per_iteration=3"],
-              "successive_elimination": ["allocator.kind=successive_elimination", "allocator.round_size=2"],
+              "successive_elimination": ["allocator.kind=successive_elimination", "allocator.successive_elimination.round_size=2"],
               "dars_budget": ["allocator.kind=dars_budget"]}
 
 

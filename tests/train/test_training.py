@@ -383,7 +383,7 @@ def test_gradient_accumulation_takes_fewer_optimizer_steps(tmp_path, tiny_sd3_di
 def test_allocators_drive_the_trainer(tmp_path, tiny_sd3_dir, allocator):
     overrides = [*FAST, f"model.path={tiny_sd3_dir}", "run.sample_every=0", "run.checkpoint_every=0", "trainer.iterations=2",
                  "data.prompts_per_iteration=2", "data.group_size=6", "sampling.batch_size=4", "sampling.num_steps=2",
-                 f"allocator.kind={allocator}", "allocator.round_size=2"]
+                 f"allocator.kind={allocator}", *([f"allocator.{allocator}.round_size=2"] if allocator in ("dars_budget", "successive_elimination") else [])]
     history = Trainer(load_config("tiny_jpeg", overrides), run_dir=tmp_path / "run").train()
     for row in history:
         assert row["samples"] == 12  # the budget, exactly, whatever the stages

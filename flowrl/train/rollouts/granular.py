@@ -14,6 +14,7 @@ processes), and the branch steps are trained in increasing order, as the referen
 
 from __future__ import annotations
 
+from typing import ClassVar
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -72,6 +73,8 @@ class GranularOptions:
     # (the reference's: its image is the x0-prediction from the index before the stride's last, often sigma ~0.4)
     tail_end: str = "zero"
     clip: float = 5.0  # the multi-granularity advantage is clipped to +-clip after the sum
+
+    RANGES: ClassVar[dict] = {"clip": "> 0"}
     # true: one optimizer step per branch step, as the reference | false: one per iteration (each branch
     # step's mean loss weighing 1 / |M|, as one version of the reference's two-reward script)
     step_per_branch: bool = True
