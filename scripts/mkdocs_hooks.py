@@ -104,7 +104,8 @@ def on_files(files, config):
 
 # ---- links -------------------------------------------------------------------------------------------
 def _source(page_uri: str) -> Path:
-    """Where the page's markdown lives in the repository."""
+    """Where the page's markdown lives in the repository (a docs_dir of another place, such as the tests'
+    copy of docs/, mirrors docs/: its links are read as docs/'s are)."""
     for repo_path, site_path in ROOT_PAGES.items():
         if page_uri == site_path:
             return ROOT / repo_path
@@ -138,7 +139,7 @@ def _rewrite_links(markdown: str, page_uri: str) -> str:
             return match.group(0)
         if new == "":
             text = match.group("text")
-            return text if text.strip("`") == target else f"{text} (`{target}`)"
+            return f"`{target}`" if text.strip("`") == target else f"{text} (`{target}`)"
         return f"{match.group(1)}{new})"
 
     parts = FENCE.split(markdown)
