@@ -35,9 +35,9 @@ def presets_page() -> str:
     rows = "\n".join(f"| `{name}` | {preset_description(name).replace('|', '&#124;')} |" for name in preset_names())
     return ("# Presets\n\n"
             "A preset is a YAML file in `configs/`, named on the command line without its extension "
-            "(`flowrl train sd35_medium_dgpo_1gpu`). `flowrl config show NAME` prints one resolved, each key "
-            "with its description. Each description below is the first sentence of the preset's own header "
-            "comment.\n\n"
+            "(`flowrl train sd35_medium_dgpo_1gpu`); `flowrl config show NAME` prints its resolved config, each key "
+            "with its description ([usage](../usage.md#configuration-reference)). Each description below is the "
+            "first sentence of the comment that the preset's YAML opens with.\n\n"
             "| preset | what it runs |\n|---|---|\n" + rows + "\n")
 
 
@@ -76,8 +76,10 @@ def describe_part(name: str, part: Any, key: str | None) -> str:
 
 def parts_page(kinds: Iterable[tuple[str, Any]]) -> str:
     lines = ["# Parts", "",
-             "Every registered part, by kind: the name a config chooses it by, and what it is. A part of "
-             "your own registers the same way (docs/architecture.md, \"Adding a part\").", ""]
+             "Every registered part, by kind: the name a config chooses it by, and what it is. A part of your "
+             "own registers the same way ([adding an objective](../architecture.md#adding-an-objective), "
+             "[a rollout](../architecture.md#adding-a-rollout), [a model family](../architecture.md#adding-a-model-family), "
+             "[a reward](../architecture.md#adding-a-reward)).", ""]
     for label, registry in kinds:
         key = getattr(registry, "key", None)
         lines += [f"## {label}", "", f"Chosen by `{key}`." if key else "", "", "| name | description |", "|---|---|"]
