@@ -1,11 +1,11 @@
-# Two commands for a fresh machine: `make demo` (train on the built-in default) and `make test`.
+# Two commands for a fresh machine: `make demo` (train on the built-in default) and `make test`; `make docs` builds the site.
 # torch is pinned through a constraint file so CPU machines keep the CPU wheel.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-test demo test clean
+.PHONY: install install-test demo test docs clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,3 +24,6 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest tests -n auto --dist loadgroup  # one worker per core (pytest-xdist); a group's tests on one
+
+docs: install  # the site into site/ (mkdocs.yml; the test extra holds the docs extra); --strict: a broken link or a missing page is an error
+	$(BIN)/mkdocs build --strict

@@ -80,6 +80,8 @@ COVERED_ELSEWHERE = {
     "convert_aesthetic_head": ("reward/test_rewards.py", "test_aesthetic_converter_turns_the_original_pth_into_safetensors"),
     "convert_hps_checkpoint": ("reward/test_rewards.py", "test_hps_converter_keeps_the_state_dict"),
     "convert_imagereward_checkpoint": ("reward/test_imagereward.py", "test_converted_vision_tower_matches_blip_vit"),
+    # the documentation site's mkdocs hooks, run by a strict build of the site
+    "mkdocs_hooks": ("e2e/test_docs_site.py", "test_the_site_builds_strict_with_the_api_parts_and_presets"),
 }
 
 
