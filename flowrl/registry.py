@@ -32,7 +32,7 @@ class Registry:
 
     def __init__(self, key: str, what: str = ""):
         self.key = key  # the config field that chooses among the parts, for the error sentence
-        self.what = what or key  # what the parts are, in a few words (the documentation's heading)
+        self.what = what or key  # what the parts are, in a word or two (their heading in the documentation)
         self._parts: dict[str, Any] = {}
         self._lazy: dict[str, str] = {}  # name -> "module:attribute", imported on first lookup
         Registry._ALL.append(self)

@@ -38,7 +38,7 @@ class RewardSpec:
 REQUIRED = object()  # marks a factory option without a default
 
 
-REWARDS = Registry("reward.weights", "rewards: a score per finished sample, one or several channels")
+REWARDS = Registry("reward.weights", "Rewards")
 
 
 def register(name: str, description: str, channels: tuple[str, ...] = (), factory: bool = False,

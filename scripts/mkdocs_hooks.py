@@ -42,24 +42,13 @@ def presets_page() -> str:
 
 
 def part_kinds() -> list[tuple[str, Any]]:
-    """Each kind of registered part as (label, registry): anything with `items()` of (name, part).
-    When flowrl.registry grows a way to enumerate every Registry instance (`Registry.all()`), this
-    list comes from it; until then it names the registries that exist."""
-    import flowrl.train.registry  # noqa: F401  (registers the built-in rollouts and objectives)
-    import rewards
-    from flowrl.models import FAMILIES
-    from flowrl.text.objective import TEXT_OBJECTIVES
-    from flowrl.train.parts import OBJECTIVES, ROLLOUTS
+    """Each kind of registered part as (label, registry): every flowrl.registry.Registry, once the two
+    configs that validate against them (and so import every built-in part) are loaded."""
+    import flowrl.config  # noqa: F401  (the image config: rollouts, objectives, allocators, estimators, rewards, ...)
+    import flowrl.text.config  # noqa: F401  (the text config: the text objectives)
+    from flowrl.registry import Registry
 
-    class RewardRegistry:  # rewards keep their own registry (rewards/registry.py): (name, description)
-        key = "reward.weights"
-
-        @staticmethod
-        def items():
-            return [(name, description) for name, description in rewards.describe_rewards()]
-
-    return [("Rollouts", ROLLOUTS), ("Objectives", OBJECTIVES), ("Model families", FAMILIES),
-            ("Text objectives", TEXT_OBJECTIVES), ("Rewards", RewardRegistry)]
+    return [(registry.what, registry) for registry in Registry.all()]
 
 
 def describe_part(name: str, part: Any, key: str | None) -> str:
@@ -68,10 +57,14 @@ def describe_part(name: str, part: Any, key: str | None) -> str:
     describes one method's detail), less a leading "rollout.kind flat: "."""
     if isinstance(part, str):
         return part
-    text = getattr(part, "description", None) or sys.modules[part.__module__].__doc__ or ""
+    own_file = sum(getattr(other, "__module__", None) == part.__module__ for other in _REGISTERED.get(key, ())) <= 1
+    text = getattr(part, "description", None) or (sys.modules[part.__module__].__doc__ if own_file else part.__doc__) or ""
     text = " ".join(text.strip().split("\n\n")[0].split())
     text = re.split(r"(?<=[.!?])\s+(?=[A-Z])", text, maxsplit=1)[0]
     return re.sub(rf"^{re.escape(f'{key} {name}')}: ", "", text) if key else text
+
+
+_REGISTERED: dict[str, list] = {}  # key -> the parts of its registry: several in one file are described each by its docstring
 
 
 def parts_page(kinds: Iterable[tuple[str, Any]]) -> str:
@@ -83,6 +76,7 @@ def parts_page(kinds: Iterable[tuple[str, Any]]) -> str:
     for label, registry in kinds:
         key = getattr(registry, "key", None)
         lines += [f"## {label}", "", f"Chosen by `{key}`." if key else "", "", "| name | description |", "|---|---|"]
+        _REGISTERED[key] = [part for _, part in registry.items()]
         lines += [f"| `{name}` | {describe_part(name, part, key).replace('|', '&#124;')} |" for name, part in registry.items()]
         lines.append("")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from flowrl.registry import Registry
 
 STD_KINDS = ("group", "global", "none")  # what divides the centred rewards: the group std, the batch std, nothing
 # advantage.kind -> fn(rewards, group_ids, weights, std=, eps=, clip=) -> AdvantageOutput; a new one is a registered function
-ADVANTAGES = Registry("advantage.kind", "advantage estimators: rewards of a group to advantages")
+ADVANTAGES = Registry("advantage.kind", "Advantage estimators")
 
 
 class AdvantageOutput(NamedTuple):

@@ -27,7 +27,7 @@ from flowrl.registry import Registry
 # allocator.kind -> the allocator class. A class registers under its `name`; its `options` dataclass (or None)
 # is the config's allocator.<name> section and its constructor's keywords, with RANGES and CHOICES beside the
 # fields; `validate(cfg)` checks what needs the rest of the config. A new allocator is a new registered class.
-ALLOCATORS = Registry("allocator.kind", "prompt allocators: which prompts get how many rollouts")
+ALLOCATORS = Registry("allocator.kind", "Allocators")  # which prompts get how many rollouts
 
 
 class PromptStats:

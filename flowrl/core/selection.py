@@ -8,7 +8,7 @@ import torch
 from flowrl.registry import Registry
 
 # selection.kind -> fn(rewards [M], k, generator=None) -> indices [k]; a new selection is a registered function
-SELECTIONS = Registry("selection.kind", "candidate selections: which k of M candidates a group keeps")
+SELECTIONS = Registry("selection.kind", "Selections")  # which k of M candidates a group keeps
 
 
 def _check(rewards: torch.Tensor, k: int) -> torch.Tensor:

@@ -16,7 +16,7 @@ from flowrl.models.base import FlowPolicy
 from flowrl.registry import Registry
 from flowrl.schema import ModelConfig
 
-FAMILIES = Registry("model.kind")  # model.kind -> the family's FlowPolicy subclass
+FAMILIES = Registry("model.kind", "Model families")  # model.kind -> the family's FlowPolicy subclass
 
 
 def register_family(cls: type[FlowPolicy]) -> type[FlowPolicy]:

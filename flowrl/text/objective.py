@@ -24,7 +24,7 @@ from flowrl.registry import Registry
 from flowrl.runtime.parts import Objective
 from flowrl.text.generate import Generation
 
-TEXT_OBJECTIVES = Registry("loss.kind")
+TEXT_OBJECTIVES = Registry("loss.kind", "Text objectives")
 
 
 @dataclass

@@ -24,8 +24,8 @@ from flowrl.runtime.budget import SchedulePlan
 from flowrl.schema import Config
 from flowrl.train.experience import Experience
 
-ROLLOUTS = Registry("rollout.kind")
-OBJECTIVES = Registry("objective.kind")
+ROLLOUTS = Registry("rollout.kind", "Rollouts")
+OBJECTIVES = Registry("objective.kind", "Objectives")
 
 
 @dataclass

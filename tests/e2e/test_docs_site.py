@@ -23,12 +23,11 @@ def _build(site_dir: Path, **options) -> None:
 
 
 def test_the_site_builds_strict_with_the_api_parts_and_presets(tmp_path):
-    import rewards
+    import flowrl.config  # noqa: F401  (every image part registered)
+    import flowrl.text.config  # noqa: F401  (the text objectives)
     from flowrl import api
-    from flowrl.models import FAMILIES
     from flowrl.presets import preset_description, preset_names
-    from flowrl.text.objective import TEXT_OBJECTIVES
-    from flowrl.train.parts import OBJECTIVES, ROLLOUTS
+    from flowrl.registry import Registry
 
     _build(tmp_path)  # raises Abort on any warning
 
@@ -44,8 +43,9 @@ def test_the_site_builds_strict_with_the_api_parts_and_presets(tmp_path):
     assert not missing, f"the API page does not document flowrl.api's {missing}"
 
     page = (tmp_path / "reference" / "parts" / "index.html").read_text()
-    kinds = {"Rollouts": ROLLOUTS.names(), "Objectives": OBJECTIVES.names(), "Model families": FAMILIES.names(),
-             "Text objectives": TEXT_OBJECTIVES.names(), "Rewards": rewards.available_rewards()}
+    kinds = {registry.what: registry.names() for registry in Registry.all()}
+    assert {"Rollouts", "Objectives", "Model families", "Rewards", "Allocators", "Advantage estimators", "Selections",
+            "Text objectives"} <= set(kinds)
     for label, names in kinds.items():
         assert names and f">{label}<" in page, f"the parts page has no section {label}"
         section = page.split(f">{label}<", 1)[1].split("<h2", 1)[0]
