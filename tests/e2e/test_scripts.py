@@ -227,6 +227,7 @@ def test_bench_rollout_prints_the_overhead_and_runs_the_gpu_iteration_code(capsy
     out = capsys.readouterr().out
     assert ratio(out, r"^rollout overhead ([\d.]+)x bare forwards") > 0
     assert ratio(out, r"^sampling [\d.]+ s \+ training [\d.]+ s = ([\d.]+) s per iteration$") > 0
+    assert "through flowrl's Trainer" in out and "rollout.flat + objective.grpo" in out  # the library's iteration, not a copy
 
 
 def test_bench_tree_times_every_method_trains_them_and_samples_a_tree(capsys):
