@@ -330,6 +330,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-gradient-checkpointing", action="store_true")
     p.add_argument("--smoke", action="store_true", help="both code paths on tiny transformers on the CPU, in seconds (no reading)")
     args = p.parse_args(argv)
+    if args.overrides and not (args.gpu_iteration or args.smoke):
+        p.error("key=value overrides apply to --gpu-iteration's preset only")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.smoke:
