@@ -18,18 +18,22 @@ the per-repeat ratios rollout / velocity, which cancels load drift on a shared m
 also timed piece by piece, with the rollout's call counts and shapes; when the ratio is above
 --profile-threshold (or with --profile) the pieces are printed one by one.
 
---gpu-iteration: on a CUDA machine, time one GRPO-like iteration of a randomly initialised
-SD3.5-Medium-sized transformer (diffusers SD3Transformer2DModel with the SD3.5-Medium config,
-bf16, LoRA r32 on Flow-GRPO's attention projections) at 512x512 (latents 16x64x64): T sampling
-steps of a group of G (CFG doubles the batch) and one forward/backward per trained step, plus
-the optimizer step; prints seconds per iteration and torch.cuda.max_memory_allocated. Without
-CUDA it says so and exits 0.
+--gpu-iteration: on a CUDA machine, train one iteration of the Flow-GRPO SD3.5-Medium preset
+(configs/sd35_medium_pickscore_1gpu.yaml) through flowrl's Trainer, the code `flowrl train` runs:
+the registered flat rollout and grpo objective, the policy, LoRA (r32 on Flow-GRPO's attention
+projections), optimizer and EMA the trainer builds, on a pipeline whose transformer has the
+SD3.5-Medium config with random weights (scripts/random_pipeline.py; --gpu-model DIR reuses one),
+bf16, at 512x512, one prompt x --gpu-group samples in one batch (CFG doubles it), a reward without a
+model (brightness). Prints the trainer's seconds per iteration, split into sampling (the rollout's
+collect: sampling, decoding, rewards) and training (the objective's update), and
+torch.cuda.max_memory_allocated. Trailing key=value arguments override the preset (e.g.
+trainer.kl_beta=0). Without CUDA it says so and exits 0.
 
 --smoke: both code paths in seconds on the CPU, measuring nothing: the default benchmark on a
 one-layer transformer of width 32 (2 samples x 2 steps, one repeat), then the --gpu-iteration
-code on a one-layer SD3 transformer in fp32 on the CPU.
+code on a two-block random pipeline (the last block has no context output to adapt) in fp32 on the CPU.
 
-Usage:  .venv/bin/python scripts/bench_rollout.py [--repeats 5] [--gpu-iteration]
+Usage:  .venv/bin/python scripts/bench_rollout.py [--repeats 5] [--gpu-iteration [key=value ...]]
         .venv/bin/python scripts/bench_rollout.py --smoke
 """
 
@@ -48,32 +52,7 @@ import torch
 from flowrl.runtime.budget import machine_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-
-# diffusers SD3Transformer2DModel config of stabilityai/stable-diffusion-3.5-medium (transformer/config.json)
-SD35_MEDIUM = dict(
-    sample_size=128,
-    patch_size=2,
-    in_channels=16,
-    num_layers=24,
-    attention_head_dim=64,
-    num_attention_heads=24,
-    joint_attention_dim=4096,
-    caption_projection_dim=1536,
-    pooled_projection_dim=2048,
-    out_channels=16,
-    pos_embed_max_size=384,
-    dual_attention_layers=tuple(range(13)),
-    qk_norm="rms_norm",
-)
-# --smoke's stand-in for SD3.5-Medium in the --gpu-iteration code: one narrow block, 8x8 latents
-TINY_SD3 = dict(sample_size=8, patch_size=2, in_channels=16, num_layers=1, attention_head_dim=8, num_attention_heads=2,
-                joint_attention_dim=32, caption_projection_dim=16, pooled_projection_dim=32, out_channels=16, pos_embed_max_size=16,
-                qk_norm="rms_norm")
-# Flow-GRPO's scripts/train_sd3.py LoRA targets (as configs/sd35_medium_pickscore_*.yaml)
-FLOW_GRPO_TARGETS = [
-    "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-    "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-]
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # random_pipeline, the SD3.5-Medium-sized random pipeline
 
 
 def _median_time(fn, repeats: int) -> list[float]:
@@ -240,121 +219,88 @@ def print_pieces(pieces: dict[str, float], med: dict[str, float], args) -> None:
 
 # ---- --gpu-iteration -------------------------------------------------------------------------
 
+# The Flow-GRPO recipe on SD3.5-Medium for one GPU: --gpu-iteration trains one iteration of it, as `flowrl train` does
+GPU_PRESET = "sd35_medium_pickscore_1gpu"
 
-def gpu_iteration(config: dict, device: str = "cuda", dtype=torch.bfloat16, group: int = 8, steps: int = 10,
-                  latent_hw: int = 64, text_tokens: int = 205, guidance: float = 4.5, lora_rank: int = 32,
-                  gradient_checkpointing: bool = False, iterations: int = 2, warmup: int = 1) -> dict:
-    """One GRPO-like iteration on a random transformer: sampling (no grad) then one
-    forward/backward per trained step, then the optimizer step. Returns timings in seconds."""
-    from diffusers import SD3Transformer2DModel
-    from peft import LoraConfig
 
-    from flowrl.core import clipped_policy_loss
-    from flowrl.sampling.schedules import shifted_sigmas
-    from flowrl.sampling.steps import flow_grpo_step
+def gpu_overrides(model_dir: str | Path, args, device: str, smoke: bool) -> list[str]:
+    """The preset's overrides for one timed iteration: one prompt x --gpu-group samples in one batch (one optimizer
+    step), a reward without a model (nothing can be downloaded), no monitor, grids or checkpoints; then the
+    trailing key=value overrides."""
+    side = args.gpu_resolution
+    return [
+        f"model.path={model_dir}", f"model.device={device}", f"model.height={side}", f"model.width={side}",
+        f"model.guidance_scale={args.gpu_guidance}", f"model.gradient_checkpointing={str(args.gpu_gradient_checkpointing).lower()}",
+        f"sampling.num_steps={args.steps}", f"sampling.batch_size={args.gpu_group}", f"data.group_size={args.gpu_group}",
+        "data.prompts_per_iteration=1", "data.prompt_file=null", "data.prompts=[a red fox in the snow]",
+        "reward.weights={brightness: 1.0}", "trainer.gradient_accumulation_steps=1", "monitor.enabled=false",
+        "run.sample_every=0", "run.checkpoint_every=0", "run.tracker=none", "run.progress=false",
+        *(["model.dtype=fp32", "trainer.mixed_precision=no"] if smoke else []),  # the CPU computes bf16 slowly
+        *args.overrides,
+    ]
+
+
+def gpu_iteration(model_dir: str | Path, overrides: list[str], iterations: int = 2, warmup: int = 1) -> dict:
+    """Train GPU_PRESET's iterations with `overrides` through flowrl's Trainer (its registered rollout and
+    objective, the policy and LoRA it builds, its optimizer and EMA); the median of `iterations` after `warmup`,
+    split as the trainer's metrics row splits it. Returns seconds, sizes and the peak CUDA memory."""
+    from flowrl.config import load_config
+    from flowrl.train.loop import Trainer
 
     import diffusers
 
-    diffusers.utils.logging.set_verbosity_error()  # the "cast with to()" notice for a random model
-    dev = torch.device(device)
-    torch.manual_seed(0)
-    with dev:
-        net = SD3Transformer2DModel(**config)
-    net.to(dtype).requires_grad_(False)
-    net.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights="gaussian", target_modules=FLOW_GRPO_TARGETS))
-    params = [p for p in net.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()  # as FlowPolicy.add_lora: trainable weights stay fp32
-    if gradient_checkpointing:
-        net.enable_gradient_checkpointing()
-    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=1e-4)
-    use_cfg = guidance != 1.0
-    nb = 2 * group if use_cfg else group
-    c = config["in_channels"]
-    emb = torch.randn(nb, text_tokens, config["joint_attention_dim"], device=dev, dtype=dtype)
-    pooled = torch.randn(nb, config["pooled_projection_dim"], device=dev, dtype=dtype)
-    sigmas = [float(s) for s in shifted_sigmas(steps, 3.0)]
-    sigma_max = sigmas[1]
-
-    def velocity(x, sigma):
-        x_in = x.to(dtype)
-        if use_cfg:
-            x_in = torch.cat([x_in, x_in])
-        t = torch.full((nb,), sigma * 1000.0, device=dev)
-        with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-            v = net(hidden_states=x_in, timestep=t, encoder_hidden_states=emb, pooled_projections=pooled, return_dict=False)[0].float()
-        if use_cfg:
-            vu, vc = v.chunk(2)
-            v = vu + guidance * (vc - vu)
-        return v
-
-    def sync():
+    diffusers.utils.logging.set_verbosity_error()
+    cfg = load_config(GPU_PRESET, overrides)
+    with tempfile.TemporaryDirectory(prefix="bench_rollout-") as run_dir:
+        trainer = Trainer(cfg, run_dir=run_dir)
+        dev = trainer.policy.device
+        for _ in range(warmup):
+            trainer.train_iteration()
         if dev.type == "cuda":
-            torch.cuda.synchronize()
-
-    def one_iteration():
-        t0 = time.perf_counter()
-        net.eval()
-        x = torch.randn(group, c, latent_hw, latent_hw, device=dev)
-        traj, old_lp = [x], []
-        with torch.no_grad():
-            for t in range(steps):
-                out = flow_grpo_step(x, velocity(x, sigmas[t]), sigmas[t], sigmas[t + 1], noise=torch.randn_like(x),
-                                     noise_level=0.7, sigma_max=sigma_max)
-                x = out.next_x
-                traj.append(x)
-                old_lp.append(out.log_prob)
-        sync()
-        t1 = time.perf_counter()
-        net.train()
-        adv = torch.randn(group, device=dev).clamp(-5, 5)
-        for t in range(steps):
-            out = flow_grpo_step(traj[t], velocity(traj[t], sigmas[t]), sigmas[t], sigmas[t + 1], x_next=traj[t + 1],
-                                 noise_level=0.7, sigma_max=sigma_max)
-            (clipped_policy_loss(out.log_prob, old_lp[t], adv, 1e-4).loss / steps).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync()
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1
-
-    for _ in range(warmup):
-        one_iteration()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    runs = [one_iteration() for _ in range(iterations)]
+            torch.cuda.reset_peak_memory_stats(dev)
+        rows = [trainer.train_iteration() for _ in range(iterations)]
+        trainer.finish()
     res = {
-        "sampling_s": statistics.median(r[0] for r in runs),
-        "training_s": statistics.median(r[1] for r in runs),
-        "params": sum(p.numel() for p in net.parameters()),
-        "trainable": sum(p.numel() for p in params),
+        "sampling_s": statistics.median(r["time_sampling"] for r in rows),  # rollout.collect: sampling, decoding, rewards
+        "training_s": statistics.median(r["time_training"] for r in rows),  # objective.update
+        "params": sum(p.numel() for p in trainer.policy.transformer.parameters()),
+        "trainable": sum(p.numel() for p in trainer.params.values()),
+        "trained_steps": rows[-1]["trained_steps"],
+        "optimizer_steps": rows[-1]["optimizer_steps"],
         "max_memory_allocated": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0,
+        "text_tokens": trainer.policy.encode(cfg.data.prompts[:1])["embeds"].shape[1],  # CLIP's 77 + T5's
+        "cfg": cfg,
     }
     res["iteration_s"] = res["sampling_s"] + res["training_s"]
     return res
 
 
 def run_gpu_iteration(args) -> int:
-    if args.smoke:  # the code path on the CPU: a one-block transformer in fp32, one timed iteration after one warm-up
-        config, device, dtype, name, text_tokens, rank = TINY_SD3, "cpu", torch.float32, "one-block (--smoke)", 8, 2
+    from random_pipeline import build_pipeline
+
+    if args.smoke:  # the code path on the CPU: a two-block transformer in fp32, one timed iteration after one warm-up
+        device, name = "cpu", "two-block (--smoke)"
     elif not torch.cuda.is_available():
         print("--gpu-iteration needs a CUDA GPU and torch.cuda.is_available() is False here; skipping the SD3.5-Medium iteration benchmark.")
         return 0
     else:
-        config, device, dtype, name, text_tokens, rank = SD35_MEDIUM, "cuda", torch.bfloat16, "SD3.5-Medium-config", 205, 32
-    hw = args.gpu_resolution // 8
-    guidance = args.gpu_guidance
-    r = gpu_iteration(config, device, dtype, group=args.gpu_group, steps=args.steps, latent_hw=hw, text_tokens=text_tokens,
-                      guidance=guidance, lora_rank=rank, gradient_checkpointing=args.gpu_gradient_checkpointing,
-                      iterations=args.gpu_iterations)
+        device, name = "cuda", "SD3.5-Medium-config"
+    with tempfile.TemporaryDirectory(prefix="bench_rollout-model-") as tmp:
+        model_dir = args.gpu_model or build_pipeline(Path(tmp) / "sd35", tiny=args.smoke, tiny_layers=2)
+        r = gpu_iteration(model_dir, gpu_overrides(model_dir, args, device, args.smoke), iterations=args.gpu_iterations)
+    cfg = r["cfg"]
+    m, t, g = cfg.model, cfg.trainer, args.gpu_group
+    hw = m.height // 8
     where = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"gpu-iteration: {where}, torch {torch.__version__}; {name} SD3Transformer2DModel "
-          f"(random init, {r['params'] / 1e9:.2f}B params, {str(dtype).removeprefix('torch.')}), LoRA r{rank} on {len(FLOW_GRPO_TARGETS)} "
-          f"projections ({r['trainable'] / 1e6:.1f}M trainable, fp32), gradient checkpointing {'on' if args.gpu_gradient_checkpointing else 'off'}")
-    print(f"workload: {args.gpu_resolution}x{args.gpu_resolution} (latents 16x{hw}x{hw}), group {args.gpu_group}, {args.steps} flow_grpo steps, "
-          f"guidance {guidance} ({'CFG: batch ' + str(2 * args.gpu_group) if guidance != 1.0 else 'no CFG'}), {text_tokens} text tokens; "
-          f"{args.steps} sampling forwards + {args.steps} forward/backward + 1 AdamW step; median of {args.gpu_iterations} after 1 warm-up")
+    print(f"gpu-iteration: {where}, torch {torch.__version__}; {GPU_PRESET} through flowrl's Trainer on a {name} "
+          f"SD3Transformer2DModel (random init, {r['params'] / 1e9:.2f}B params, {m.dtype}), LoRA r{cfg.lora.rank} on "
+          f"{len(cfg.lora.target_modules)} projections ({r['trainable'] / 1e6:.1f}M trainable, fp32), "
+          f"gradient checkpointing {'on' if m.gradient_checkpointing else 'off'}")
+    cfg_batch = f"CFG: batch {2 * g}" if m.guidance_scale != 1.0 else "no CFG"
+    print(f"workload: {m.height}x{m.width} (latents 16x{hw}x{hw}), group {g}, {cfg.sampling.num_steps} {cfg.sampling.sampler} steps, "
+          f"guidance {m.guidance_scale} ({cfg_batch}), {r['text_tokens']} text tokens; rollout.{cfg.rollout.kind} + "
+          f"objective.{cfg.objective.kind}: {r['trained_steps']} of {cfg.sampling.num_steps} steps trained, kl_beta {t.kl_beta:g}, "
+          f"EMA {'on' if t.ema else 'off'}, {r['optimizer_steps']} optimizer step(s); median of {args.gpu_iterations} after 1 warm-up")
     print(f"sampling {r['sampling_s']:.3f} s + training {r['training_s']:.3f} s = {r['iteration_s']:.3f} s per iteration")
     print(f"torch.cuda.max_memory_allocated {r['max_memory_allocated'] / 2**30:.2f} GiB")
     return 0
@@ -362,6 +308,7 @@ def run_gpu_iteration(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="key=value overrides of the --gpu-iteration preset")
     p.add_argument("--group", type=int, default=8, help="samples G (one batch)")
     p.add_argument("--steps", type=int, default=10, help="denoising steps T")
     p.add_argument("--width", type=int, default=192, help="tiny transformer width (192 x 4 layers: ~5.07M params)")
@@ -373,7 +320,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", action="store_true", help="always break the rollout overhead down")
     p.add_argument("--profile-threshold", type=float, default=1.05)
-    p.add_argument("--gpu-iteration", action="store_true", help="time one SD3.5-Medium GRPO iteration on CUDA instead")
+    p.add_argument("--gpu-iteration", action="store_true", help="time one iteration of the SD3.5-Medium Flow-GRPO preset on CUDA instead")
+    p.add_argument("--gpu-model", default=None, metavar="DIR", help="--gpu-iteration's pipeline directory (default: a random "
+                   "SD3.5-Medium-sized one built in a temporary directory)")
     p.add_argument("--gpu-group", type=int, default=8)
     p.add_argument("--gpu-resolution", type=int, default=512)
     p.add_argument("--gpu-guidance", type=float, default=4.5, help="CFG scale; 1.0 disables CFG")
@@ -381,6 +330,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-gradient-checkpointing", action="store_true")
     p.add_argument("--smoke", action="store_true", help="both code paths on tiny transformers on the CPU, in seconds (no reading)")
     args = p.parse_args(argv)
+    if args.overrides and not (args.gpu_iteration or args.smoke):
+        p.error("key=value overrides apply to --gpu-iteration's preset only")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.smoke:

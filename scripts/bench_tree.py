@@ -52,7 +52,7 @@ import torch
 from flowrl.runtime.budget import machine_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_rollout's SD3.5-Medium config
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # bench_rollout's preset, random_pipeline
 
 
 def method_overrides(args) -> dict[str, list[str]]:
@@ -92,21 +92,13 @@ def build(args, name: str, extra: list[str], root: Path, tag: str):
 @torch.no_grad()
 def eval_reward(trainer, seeds_per_prompt: int = 2, max_prompts: int = 0) -> float:
     """Mean weighted reward of ODE samples of the training prompts (the first `max_prompts` when
-    > 0; fixed seeds, EMA weights if on)."""
-    from flowrl.sampling.rollout import SamplerSpec, rollout
-    from flowrl.sampling.schedules import shifted_sigmas
+    > 0; fixed seeds, EMA weights if on), by flowrl's evaluation (`flowrl eval`'s samples and scores)."""
+    from flowrl.train.evaluate import evaluate
 
-    cfg = trainer.cfg
-    n = cfg.sampling.eval_num_steps
-    spec = SamplerSpec(shifted_sigmas(n, cfg.sampling.shift), torch.zeros(n, dtype=torch.bool), "ode")
     prompts = [p for p in trainer.prompts[: max_prompts or None] for _ in range(seeds_per_prompt)]
-    seeds = [90_000 + j for j in range(len(prompts))]  # never used by training (sample_seed is much larger)
-    bs = cfg.sampling.batch_size
     ctx = trainer.ema.swapped_in(trainer.params) if trainer.ema is not None else contextlib.nullcontext()
-    with ctx:
-        traj = rollout(trainer.policy, prompts, seeds, spec, bs)
-        images = torch.cat([trainer.policy.decode(traj.final[i : i + bs]) for i in range(0, len(traj), bs)])
-    return (trainer.reward_fn(images, prompts) @ trainer.reward_fn.channel_weights).mean().item()
+    with ctx:  # seeds 90000 + index: never used by training (sample_seed is much larger)
+        return evaluate(trainer.cfg, trainer.policy, trainer.reward_fn, prompts, seed=90_000).means()["weighted sum"]
 
 
 def trained_edges(row: dict) -> int:
@@ -200,81 +192,61 @@ def run_in(args, root: Path) -> int:
     return 0
 
 
-class RandomTransformerPolicy:
-    """The policy interface the rollouts use (latent_shape, encode, velocity, device, dtype) over
-    a randomly initialised transformer with random text embeddings: timing only."""
-
-    def __init__(self, config: dict, latent_hw: int, text_tokens: int = 205, guidance: float = 4.5, device: str = "cuda",
-                 dtype=torch.bfloat16):
-        from diffusers import SD3Transformer2DModel
-
-        self.device, self.dtype, self.guidance = torch.device(device), dtype, guidance
-        torch.manual_seed(0)
-        with self.device:
-            self.net = SD3Transformer2DModel(**config).to(self.dtype).eval().requires_grad_(False)
-        self.shape = (config["in_channels"], latent_hw, latent_hw)
-        self.emb = torch.randn(1, text_tokens, config["joint_attention_dim"], device=self.device, dtype=self.dtype)
-        self.pooled = torch.randn(1, config["pooled_projection_dim"], device=self.device, dtype=self.dtype)
-
-    def latent_shape(self):
-        return self.shape
-
-    def encode(self, prompts):
-        return {"n": len(prompts)}
-
-    @torch.no_grad()
-    def velocity(self, x, sigma, cond):
-        b = x.shape[0]
-        x_in = torch.cat([x, x]).to(self.dtype)  # classifier-free guidance: one batch of 2b
-        t = torch.full((2 * b,), float(sigma) * 1000.0, device=self.device)
-        v = self.net(hidden_states=x_in, timestep=t, encoder_hidden_states=self.emb.expand(2 * b, -1, -1),
-                     pooled_projections=self.pooled.expand(2 * b, -1), return_dict=False)[0].float()
-        vu, vc = v.chunk(2)
-        return vu + self.guidance * (vc - vu)
-
-
 def gpu_sampling(args) -> int:
-    """Sampling time of one BranchGRPO tree against one flat group of the same number of leaves on
-    an SD3.5-Medium-sized random transformer (bf16, CFG): what the tree's shared prefixes save on a
-    GPU, where a level of few nodes does not fill a batch. With --smoke: a one-block transformer on
-    the CPU in fp32 (the code path)."""
-    from bench_rollout import SD35_MEDIUM, TINY_SD3
+    """Sampling time of one BranchGRPO tree against one flat group of the same number of leaves, each
+    drawn by its registered rollout's `sample` (sampling and scoring, as training runs it) in a Trainer
+    of the SD3.5-Medium Flow-GRPO preset (bf16, CFG, its LoRA) over a pipeline whose transformer has
+    the SD3.5-Medium config and random weights: what the tree's shared prefixes save on a GPU, where a
+    level of few nodes does not fill a batch. With --smoke: a two-block random pipeline on the CPU in
+    fp32 (the code path)."""
+    from bench_rollout import GPU_PRESET
+    from random_pipeline import build_pipeline
 
-    if args.smoke:
-        policy = RandomTransformerPolicy(TINY_SD3, args.gpu_resolution // 8, text_tokens=8, device="cpu", dtype=torch.float32)
-    elif not torch.cuda.is_available():
+    if not args.smoke and not torch.cuda.is_available():
         print("--gpu-sampling needs a CUDA GPU; skipped")
         return 0
-    else:
-        policy = RandomTransformerPolicy(SD35_MEDIUM, args.gpu_resolution // 8)
+    import diffusers
+
     from flowrl.core.tree import tree_nfe
-    from flowrl.sampling.rollout import SamplerSpec, rollout
-    from flowrl.sampling.schedules import shifted_sigmas
-    from flowrl.sampling.tree import tree_rollout
 
-    cuda = policy.device.type == "cuda"
-    splits = {t: 2 for t in args.split_steps}
-    leaves = 2 ** len(splits)
-    spec = SamplerSpec(shifted_sigmas(args.steps, 3.0), torch.ones(args.steps, dtype=torch.bool), "dance_grpo", args.noise)
+    diffusers.utils.logging.set_verbosity_error()  # the "cast with to()" notice of a random pipeline
+    cuda = not args.smoke
+    leaves = 2 ** len(args.split_steps)
+    gpu = [f"model.device={'cuda' if cuda else 'cpu'}", f"model.height={args.gpu_resolution}", f"model.width={args.gpu_resolution}",
+           f"sampling.batch_size={args.gpu_batch}", "data.prompt_file=null", "data.prompts=[a red fox in the snow]",
+           "trainer.gradient_accumulation_steps=1", "monitor.enabled=false", "advantage.std=group",  # trees normalise per group
+           *(["model.dtype=fp32", "trainer.mixed_precision=no"] if args.smoke else [])]  # the CPU computes bf16 slowly
+    with tempfile.TemporaryDirectory(prefix="bench_tree-gpu-") as tmp:
+        root = Path(tmp)
+        # two blocks at least: the last SD3 block has no context output, so one block lacks the preset's LoRA targets
+        model_dir = args.gpu_model or build_pipeline(root / "sd35", tiny=args.smoke, tiny_layers=2)
+        sized = argparse.Namespace(**{**vars(args), "model": str(model_dir), "config": GPU_PRESET, "reward": "brightness",
+                                      "prompts_per_iteration": 1, "overrides": gpu + args.overrides})
+        methods = method_overrides(sized)
+        trainers = {name: build(sized, name, methods[name], root, "gpu") for name in ("flat", "tree")}
 
-    def timed(fn):
-        fn()  # warm-up
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        def timed(rollout) -> float:
+            rollout.sample(0)  # warm-up
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            rollout.sample(1)
+            if cuda:
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
 
-    flat = timed(lambda: rollout(policy, ["p"] * leaves, list(range(leaves)), spec, args.gpu_batch))
-    tree = timed(lambda: tree_rollout(policy, ["p"], [0], spec, splits, args.gpu_batch))
-    where = f"{torch.cuda.get_device_name()}, SD3.5-Medium-sized" if cuda else "cpu, one-block (--smoke)"
-    print(f"gpu: {where} transformer (random, {str(policy.dtype).removeprefix('torch.')}, CFG), "
-          f"{args.gpu_resolution}x{args.gpu_resolution}, {args.steps} steps, batch {args.gpu_batch}, {leaves} leaves per prompt")
-    print(f"  flat  {leaves * args.steps} NFE  {flat:.2f} s")
-    print(f"  tree  {tree_nfe(args.steps, splits, 1)} NFE  {tree:.2f} s  (splits at {sorted(splits)})")
-    print(f"tree sampling {tree / flat:.2f}x flat")
+        seconds = {name: timed(t.rollout) for name, t in trainers.items()}
+        cfg = trainers["tree"].cfg
+        for t in trainers.values():
+            t.finish()
+    splits = cfg.rollout.tree.splits()
+    where = f"{torch.cuda.get_device_name()}, SD3.5-Medium-sized" if cuda else "cpu, two-block (--smoke)"
+    print(f"gpu: {where} transformer (random, {cfg.model.dtype}, CFG {cfg.model.guidance_scale:g}, LoRA r{cfg.lora.rank}; "
+          f"{GPU_PRESET}'s Trainer, the registered flat and tree rollouts), {args.gpu_resolution}x{args.gpu_resolution}, "
+          f"{args.steps} steps, batch {args.gpu_batch}, {leaves} leaves per prompt")
+    print(f"  flat  {leaves * args.steps} NFE  {seconds['flat']:.2f} s")
+    print(f"  tree  {tree_nfe(args.steps, splits, 1)} NFE  {seconds['tree']:.2f} s  (splits at {sorted(splits)})")
+    print(f"tree sampling {seconds['tree'] / seconds['flat']:.2f}x flat")
     return 0
 
 
@@ -302,11 +274,13 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a smoke run: 8 steps, splits 0-3, 1 timed iteration")
     p.add_argument("--gpu-sampling", action="store_true", help="time tree against flat sampling on an SD3.5-Medium-sized "
                    "random transformer on CUDA instead (sampling only)")
+    p.add_argument("--gpu-model", default=None, metavar="DIR", help="--gpu-sampling's pipeline directory (default: a random "
+                   "SD3.5-Medium-sized one built in a temporary directory)")
     p.add_argument("--gpu-resolution", type=int, default=512)
     p.add_argument("--gpu-batch", type=int, default=16, help="sampling batch (nodes per forward) on the GPU")
     p.add_argument("--smoke", action="store_true", help="every code path in seconds, measuring nothing: 4 steps, splits 0-1 "
                    "(4 leaves), one timed iteration, one training iteration and a one-prompt eval per method for --reward-budget, "
-                   "then --gpu-sampling's code on a one-block transformer on the CPU")
+                   "then --gpu-sampling's code on a two-block random pipeline on the CPU")
     args = p.parse_args(argv)
     if args.smoke:
         args.steps, args.split_steps, args.prune_depths, args.mix_window, args.warmup, args.iterations = 4, [0, 1], [2], 2, 0, 1

@@ -20,11 +20,14 @@ Three parts:
    emulated (fake quantisation costs more than fp32), so wall time there is not what FP4
    kernels would give; compare the forwards.
 
-3. --gpu: explore throughput of a randomly initialised SD3.5-medium-sized transformer
-   (SD3Transformer2DModel, 24 layers x 24 heads x 64, 1024x1024 -> 128x128 latents, batch
-   --gpu-batch with classifier-free guidance) in BF16, FP8 (torchao kernels; sm89+) and NVFP4
-   (torchao kernels; sm100+ only), and the resync seconds of each copy. Printed: images/s and
-   `fp8 vs bf16 explore throughput X.XXx`. Skipped with a message when there is no CUDA device.
+3. --gpu: explore throughput of the velocity two-stage's stage 1 calls, on the SD3.5-Medium
+   preset's policy (built as the Trainer builds it, with its LoRA r32) over a randomly
+   initialised SD3.5-medium-sized transformer (scripts/random_pipeline.py; 1024x1024 -> 128x128
+   latents, batch --gpu-batch with the policy's classifier-free guidance): the policy itself
+   in BF16, and its ExplorationCopy in FP8 (torchao kernels; sm89+) and NVFP4 (torchao kernels;
+   sm100+ only), with the resync seconds of each copy. Printed: images/s and `fp8 vs bf16 explore
+   throughput X.XXx`. Skipped with a message when there is no CUDA device; with --smoke, its
+   code path on a narrow random pipeline on the CPU.
 
 Usage:
   .venv/bin/python scripts/bench_two_stage.py --model builtin:tiny-sd3 --reward jpeg_compressibility --quick
@@ -32,6 +35,7 @@ Usage:
   .venv/bin/python scripts/bench_two_stage.py --iterations 6 --eval-every 3
   .venv/bin/python scripts/bench_two_stage.py --gpu --fidelity-prompts 0  # GPU throughput only
   .venv/bin/python scripts/bench_two_stage.py --smoke                     # parts 1 and 2 in seconds on builtin:tiny-sd3
+  .venv/bin/python scripts/bench_two_stage.py --smoke --gpu               # and part 3's code on the CPU
 Trailing key=value arguments override the config (e.g. sampling.num_steps=10).
 """
 
@@ -49,6 +53,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # random_pipeline, for --gpu
 
 
 def base_overrides(args) -> list[str]:
@@ -89,8 +94,8 @@ def fidelity(args) -> None:
     from flowrl.models import load_policy
     from flowrl.sampling.precision import ExplorationCopy
     from flowrl.sampling.rollout import SamplerSpec
-    from flowrl.sampling.schedules import shifted_sigmas, window_mask
     from flowrl.train.prompts import load_prompts
+    from flowrl.train.rollouts.common import training_spec
     from rewards import MultiReward
 
     cfg = load(args)
@@ -108,23 +113,13 @@ def fidelity(args) -> None:
           f"{'+'.join(f'{w:g} x {c}' for c, w in zip(reward.channel_names, weights.tolist()))}, device {policy.device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()} "
           f"with {os.cpu_count()} CPUs")
-    specs = {}
-    for p in args.preview_steps:
-        if p:
-            specs[f"{p}-step ODE preview"] = SamplerSpec(shifted_sigmas(p, s.shift), torch.zeros(p, dtype=torch.bool), "ode")
-        else:
-            w = s.window
-            mask = window_mask(w.strategy, s.num_steps, w.size, w.start, 0, cfg.trainer.seed, w.shift_every, None, w.stride, w.at_end)
-            kind = "ODE" if s.sampler == "ode" else f"{s.sampler} SDE"
-            specs[f"{s.num_steps}-step {kind} (training sampler)"] = SamplerSpec(
-                shifted_sigmas(s.num_steps, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction)
-    full_spec = next(iter(specs.values())) if 0 in args.preview_steps else None
+    # the samplers the two-stage rollout runs: the training sampler of iteration 0, and its preview (explore_spec)
+    full_spec = training_spec(cfg, 0, policy)
+    kind = "ODE" if s.sampler == "ode" else f"{s.sampler} SDE"
+    specs = {f"{p}-step ODE preview" if p else f"{s.num_steps}-step {kind} (training sampler)":
+             SamplerSpec.ode(policy.sigmas(p, s.schedule, s.shift)) if p else full_spec for p in args.preview_steps}
     t0 = time.perf_counter()
     # the reference: full precision, full quality (the training sampler)
-    if full_spec is None:
-        w = s.window
-        mask = window_mask(w.strategy, s.num_steps, w.size, w.start, 0, cfg.trainer.seed, w.shift_every, None, w.stride, w.at_end)
-        full_spec = SamplerSpec(shifted_sigmas(s.num_steps, s.shift), mask, s.sampler, s.noise_level, s.logprob_reduction)
     ref_channels = sample_rewards(policy, cfg, reward, pool_prompts, seeds, full_spec)
     ref = ref_channels @ weights
     ref_s = time.perf_counter() - t0
@@ -213,54 +208,61 @@ def training(args) -> None:
 
 
 # ---- 3. GPU throughput -----------------------------------------------------------------
-SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
-                   joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
-                   pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
-
-
 def gpu(args) -> None:
-    if not torch.cuda.is_available():
+    """Explore throughput of the velocity two-stage's stage 1 calls: ExplorationCopy's policy over the SD3.5-Medium
+    preset's policy with its LoRA, built as the Trainer builds it (load_policy, add_adapter) from a pipeline whose
+    transformer has the SD3.5-Medium config and random weights (scripts/random_pipeline.py): the policy's own CFG on
+    the prompt's embeddings; the copies compiled as the rollout compiles them (flowrl.models.compile). With --smoke:
+    a narrow random pipeline on the CPU in fp32, 64x64 (the code path)."""
+    if not args.smoke and not torch.cuda.is_available():
         print("gpu: skipped (no CUDA device on this machine)")
         return
-    from types import SimpleNamespace
+    import diffusers
+    from random_pipeline import build_pipeline
 
-    from diffusers import SD3Transformer2DModel
-
+    from flowrl.config import load_config
+    from flowrl.models import load_policy
+    from flowrl.models.compile import compile_network
+    from flowrl.sampling.noise import INITIAL, seeded_noise
     from flowrl.sampling.precision import ExplorationCopy, real_kernels_available
+    from flowrl.train.registry import add_adapter
 
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    net = SD3Transformer2DModel(**SD35_MEDIUM).to(dev, torch.bfloat16).eval().requires_grad_(False)
-    n_params = sum(p.numel() for p in net.parameters())
-    # a policy stand-in: ExplorationCopy needs the transformer, its device and the training dtype
-    source = SimpleNamespace(transformer=net, device=dev, dtype=torch.bfloat16, net=net)
-    b = 2 * args.gpu_batch  # classifier-free guidance doubles the batch
-    gen = torch.Generator(device=dev).manual_seed(0)
-    inputs = dict(hidden_states=torch.randn(b, 16, 128, 128, device=dev, dtype=torch.bfloat16, generator=gen),
-                  encoder_hidden_states=torch.randn(b, 333, 4096, device=dev, dtype=torch.bfloat16, generator=gen),
-                  pooled_projections=torch.randn(b, 2048, device=dev, dtype=torch.bfloat16, generator=gen),
-                  timestep=torch.full((b,), 500.0, device=dev), return_dict=False)
-    print(f"gpu: {torch.cuda.get_device_name(dev)} (sm{''.join(map(str, torch.cuda.get_device_capability(dev)))}), "
-          f"SD3.5-medium-sized transformer ({n_params / 1e9:.2f}B params, random init), 1024x1024, batch {args.gpu_batch} x 2 (CFG), "
-          f"{args.gpu_steps} steps per image, torch.compile {'regional (per block)' if args.compile else 'off'}")
+    diffusers.utils.logging.set_verbosity_error()  # the "cast with to()" notice of a random pipeline
+    cuda, side = not args.smoke, 64 if args.smoke else 1024
+    with tempfile.TemporaryDirectory(prefix="bench_two_stage-gpu-") as tmp:
+        model_dir = build_pipeline(Path(tmp) / "sd35", tiny=args.smoke)
+        # the SD3.5-Medium preset's model (CFG 4.5) at 1024x1024 with 256 T5 tokens (SD3's pipeline default) after CLIP's 77
+        cfg = load_config("sd35_medium_pickscore_1gpu", [
+            f"model.path={model_dir}", f"model.device={'cuda' if cuda else 'cpu'}", f"model.height={side}", f"model.width={side}",
+            "model.max_sequence_length=256", "data.prompt_file=null", "data.prompts=[a red fox in the snow]",
+            *(["model.dtype=fp32", "trainer.mixed_precision=no"] if args.smoke else [])])
+        policy = load_policy(cfg.model)  # as the Trainer builds it: its LoRA, which each copy merges (resync)
+        add_adapter(policy, cfg)
+    mode = "blocks" if args.compile else "none"
+    policy.compile(mode, args.gpu_batch)  # as the Trainer compiles the policy (model.compile), lazily: on the first call
+    n_params = sum(p.numel() for p in policy.transformer.parameters())
+    dev = policy.device
+    x = seeded_noise(list(range(args.gpu_batch)), INITIAL, policy.latent_shape(), dev)
+    cond = policy.encode(["a red fox in the snow"] * args.gpu_batch)
+    where = f"{torch.cuda.get_device_name(dev)} (sm{''.join(map(str, torch.cuda.get_device_capability(dev)))})" if cuda else "cpu (--smoke)"
+    print(f"gpu: {where}, SD3.5-medium-sized transformer ({n_params / 1e9:.2f}B params, random init), {side}x{side}, "
+          f"batch {args.gpu_batch} x 2 (CFG), {args.gpu_steps} steps per image, torch.compile {'regional (per block)' if args.compile else 'off'}")
 
-    def images_per_s(module) -> float:
-        # Regional compilation: each transformer block is compiled on its own, and blocks of one structure share
-        # their compiled graph, so compiling takes a fraction of a whole-model compile with the same kernels.
-        if args.compile:
-            for block in module.transformer_blocks:
-                block.compile()
-        fn = module
-        with torch.no_grad():
-            for call in range(3):  # warm-up (and compilation), each call timed so that a time limit still tells which one was slow
-                t0 = time.perf_counter()
-                fn(**inputs)
-                torch.cuda.synchronize()
-                print(f"    warm-up{' and compilation' if args.compile else ''} call {call + 1}: {time.perf_counter() - t0:.1f} s", flush=True)
-            t0 = time.perf_counter()
-            for _ in range(args.gpu_steps):
-                fn(**inputs)
+    def sync():
+        if cuda:
             torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def images_per_s(explorer) -> float:
+        for call in range(3):  # warm-up (and compilation), each call timed so that a time limit still tells which one was slow
+            t0 = time.perf_counter()
+            explorer.velocity(x, 0.5, cond)
+            sync()
+            print(f"    warm-up{' and compilation' if args.compile else ''} call {call + 1}: {time.perf_counter() - t0:.1f} s", flush=True)
+        t0 = time.perf_counter()
+        for _ in range(args.gpu_steps):
+            explorer.velocity(x, 0.5, cond)
+        sync()
         return args.gpu_batch / (time.perf_counter() - t0)
 
     # The low-precision copies go first: their compilation is the slow part, and BF16's compiled rate is known
@@ -268,18 +270,20 @@ def gpu(args) -> None:
     rates = {}
     for precision in ("fp8", "nvfp4"):
         if not real_kernels_available(precision, dev):
-            print(f"  {precision}: skipped (no {precision} kernels on this GPU; NVFP4 needs sm100+, FP8 sm89+)")
+            print(f"  {precision}: skipped (no {precision} kernels on this device; NVFP4 needs sm100+, FP8 sm89+)")
             continue
         t0 = time.perf_counter()
-        copy = ExplorationCopy(source, precision, backend="torchao")
+        copy = ExplorationCopy(policy, precision, backend="torchao")
+        compile_network(copy.net, mode)  # as the two-stage rollout's explorer
         print(f"    {precision} copy built in {time.perf_counter() - t0:.1f} s", flush=True)
         resync = copy.resync()
-        rates[precision] = images_per_s(copy.net)
+        rates[precision] = images_per_s(copy.policy)
         print(f"  {precision:<5} (torchao kernels)     {rates[precision]:.3f} images/s, resync {resync:.2f} s")
         del copy
-        torch.cuda.empty_cache()
-    rates["bf16"] = images_per_s(net)
-    print(f"  bf16 (training precision)  {rates['bf16']:.3f} images/s")
+        if cuda:
+            torch.cuda.empty_cache()
+    rates["bf16"] = images_per_s(policy)
+    print(f"  {str(policy.dtype).removeprefix('torch.')} (training precision, the policy and its LoRA)  {rates['bf16']:.3f} images/s")
     for precision in ("fp8", "nvfp4"):
         if precision in rates:
             print(f"{precision} vs bf16 explore throughput {rates[precision] / rates['bf16']:.2f}x")
@@ -313,12 +317,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--quick", action="store_true", help="a short run: 4 prompts x 4 seeds, 2 training iterations")
     p.add_argument("--smoke", action="store_true", help="the code path of parts 1 and 2 in seconds, measuring nothing: "
-                   "builtin:tiny-sd3 with the jpeg reward, 2 prompts x 2 seeds, one training iteration of one prompt x 2 per method")
+                   "builtin:tiny-sd3 with the jpeg reward, 2 prompts x 2 seeds, one training iteration of one prompt x 2 per method; "
+                   "with --gpu, part 3's code on a narrow random pipeline on the CPU (2 steps)")
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.reward, args.fidelity_prompts, args.fidelity_seeds = "builtin:tiny-sd3", "jpeg_compressibility", 2, 2
         args.iterations, args.eval_every, args.eval_prompts, args.group_size, args.candidates_factor = 1, 1, 2, 2, 2
-        args.prompts_per_iteration = 1
+        args.prompts_per_iteration, args.gpu_steps = 1, 2
     if args.quick:
         args.fidelity_prompts, args.fidelity_seeds, args.iterations, args.eval_every, args.eval_prompts = 4, 4, 2, 1, 4
         args.group_size, args.prompts_per_iteration = 4, 2

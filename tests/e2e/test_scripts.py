@@ -35,7 +35,7 @@ SMOKE_TESTS = {
     "bench_shapes": "test_screen_shapes_smoke_runs_bench_shapes_smoke_with_the_command_it_builds",
     "bench_text": "test_bench_text_runs_rl_sft_and_the_allocators",
     "bench_tree": "test_bench_tree_times_every_method_trains_them_and_samples_a_tree",
-    "bench_two_stage": "test_bench_two_stage_measures_fidelity_and_trains_both_methods",
+    "bench_two_stage": "test_bench_two_stage_measures_fidelity_trains_both_methods_and_runs_the_gpu_code",
     "check_metrics_unchanged": "test_check_metrics_unchanged_compares_a_fresh_run_with_the_record",
     "pretrain_text": "test_pretrain_text_exports_a_model",
     "probe_relations": "test_probe_relations_prints_both_measures",
@@ -229,6 +229,7 @@ def test_bench_rollout_prints_the_overhead_and_runs_the_gpu_iteration_code(capsy
     out = capsys.readouterr().out
     assert ratio(out, r"^rollout overhead ([\d.]+)x bare forwards") > 0
     assert ratio(out, r"^sampling [\d.]+ s \+ training [\d.]+ s = ([\d.]+) s per iteration$") > 0
+    assert "through flowrl's Trainer" in out and "rollout.flat + objective.grpo" in out  # the library's iteration, not a copy
 
 
 def test_bench_tree_times_every_method_trains_them_and_samples_a_tree(capsys):
@@ -242,12 +243,14 @@ def test_bench_tree_times_every_method_trains_them_and_samples_a_tree(capsys):
     assert ratio(out, r"^tree sampling ([\d.]+)x flat$") > 0
 
 
-def test_bench_two_stage_measures_fidelity_and_trains_both_methods(capsys):
-    assert load_script("bench_two_stage").main(["--smoke"]) == 0
+def test_bench_two_stage_measures_fidelity_trains_both_methods_and_runs_the_gpu_code(capsys):
+    assert load_script("bench_two_stage").main(["--smoke", "--gpu"]) == 0
     out = capsys.readouterr().out
     assert -1 <= ratio(out, r"^spearman (-?[\d.]+) +\(nvfp4") <= 1
     # one iteration of one prompt x K=2; two-stage explored M=4 candidates for 4 steps in nvfp4
     assert re.search(r"^flat +1 +2 +8 +0 ", out, re.MULTILINE) and re.search(r"^two_stage +1 +2 +8 +16 ", out, re.MULTILINE)
+    # --gpu's code on the CPU: the preset's policy (no fp8 / nvfp4 kernels here, so only it is measured)
+    assert ratio(out, r"^  float32 \(training precision, the policy and its LoRA\) +([\d.]+) images/s$") > 0
 
 
 def test_bench_text_runs_rl_sft_and_the_allocators(tmp_path):
