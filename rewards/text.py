@@ -1,6 +1,6 @@
 """Text rewards: plain functions of (prompts, completions, **columns) -> [n] scores, where
 `columns` are the prompt dataset's columns for each completion (the ground truth among them).
-Registered by name like the image rewards; `TextReward` combines several with weights and
+Registered by name in a Registry as every part is; `TextReward` combines several with weights and
 checks what they return (docs/text.md).
 """
 
@@ -8,13 +8,22 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from flowrl.errors import UserError
+from flowrl.registry import Registry
 
-TEXT_REWARDS: dict[str, tuple[Callable, str]] = {}
+TEXT_REWARDS = Registry("reward.weights", "Text rewards")  # the text config's reward.weights choose among these
+
+
+@dataclass(frozen=True)
+class TextRewardSpec:
+    name: str
+    description: str
+    fn: Callable  # (prompts, completions, **columns, **options) -> [n] scores
 
 
 def register_text(name: str, description: str):
@@ -22,14 +31,14 @@ def register_text(name: str, description: str):
     arguments after the columns are its options (reward.options.NAME)."""
 
     def wrap(fn):
-        TEXT_REWARDS[name] = (fn, description)
+        TEXT_REWARDS.register(TextRewardSpec(name, description, fn))
         return fn
 
     return wrap
 
 
 def available_text_rewards() -> list[str]:
-    return sorted(TEXT_REWARDS)
+    return list(TEXT_REWARDS.names())
 
 
 _NUMBER = r"-?[\d,]*\.?\d+"
@@ -87,17 +96,17 @@ class TextReward:
         self.weights = torch.tensor([float(weights[n]) for n in self.names])
         self.options = {n: dict((options or {}).get(n, {})) for n in self.names}
         for n, opts in self.options.items():
-            bad = set(opts) - _options_of(TEXT_REWARDS[n][0])
+            bad = set(opts) - _options_of(TEXT_REWARDS.get(n).fn)
             if bad:
                 raise UserError(f"reward.options.{n} has no option '{sorted(bad)[0]}'; it takes: "
-                                f"{', '.join(sorted(_options_of(TEXT_REWARDS[n][0]))) or 'none'}")
+                                f"{', '.join(sorted(_options_of(TEXT_REWARDS.get(n).fn))) or 'none'}")
         self.on_invalid = on_invalid
 
     def __call__(self, prompts: list[str], completions: list[str], columns: dict[str, list]) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(completions)
         channels = []
         for name in self.names:
-            fn = TEXT_REWARDS[name][0]
+            fn = TEXT_REWARDS.get(name).fn
             try:
                 out = fn(prompts, completions, **columns, **self.options[name])
             except TypeError as exc:

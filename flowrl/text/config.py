@@ -15,6 +15,7 @@ from flowrl.errors import ConfigError, check_choice, check_fields, check_produce
 from flowrl.runtime.options import RETIRED_DEFAULTS, RETIRED_KEYS, RunOptions, TrainerOptions, validate_runtime
 from flowrl.text.objective import TEXT_OBJECTIVES, TextLossConfig
 from flowrl.yaml_config import merge_config, preset_path, read_yaml
+from rewards.text import available_text_rewards
 
 TASK = "text"
 # keys that moved to the image config's names for the same concept: the old name is refused with a sentence naming the new one
@@ -177,8 +178,6 @@ def validate_text(cfg: TextConfig) -> None:
     check_choice("advantage.kind", cfg.advantage.kind, ADVANTAGES)
     check_choice("reward.on_invalid", cfg.reward.on_invalid, ("error", "drop"))
     cfg.allocator.validate(cfg, subsets=True)
-    from rewards.text import available_text_rewards
-
     for name in cfg.reward.weights:
         check_choice("reward.weights", name, tuple(available_text_rewards()))
     if cfg.model.path.startswith("builtin:"):

@@ -179,7 +179,7 @@ def test_text_rewards_read_the_columns_and_bad_outputs_get_one_sentence():
         with pytest.raises(UserError, match="reward.options.format has no option 'regex'; it takes: pattern"):
             TextReward({"format": 1.0}, {"format": {"regex": "x"}})
     finally:
-        TEXT_REWARDS.pop("_short"), TEXT_REWARDS.pop("_nan")
+        TEXT_REWARDS.unregister("_short"), TEXT_REWARDS.unregister("_nan")
 
 
 def test_the_wide_pool_spans_one_to_seven_digits_around_the_defaults_held_out_problems():
