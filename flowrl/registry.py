@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from importlib import import_module
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -28,19 +29,19 @@ _ENTRY_POINTS_LOADED: list[bool] = []
 
 
 class Registry:
-    _ALL: ClassVar[list["Registry"]] = []
+    _ALL: ClassVar[list[weakref.ref]] = []  # weakly: a registry a test makes and drops leaves the list
 
     def __init__(self, key: str, what: str = ""):
         self.key = key  # the config field that chooses among the parts, for the error sentence
         self.what = what or key  # what the parts are, in a word or two (their heading in the documentation)
         self._parts: dict[str, Any] = {}
         self._lazy: dict[str, str] = {}  # name -> "module:attribute", imported on first lookup
-        Registry._ALL.append(self)
+        Registry._ALL.append(weakref.ref(self))
 
     @classmethod
     def all(cls) -> list["Registry"]:
-        """Every registry made so far (each module that defines one must have been imported)."""
-        return list(cls._ALL)
+        """Every registry alive (each module that defines one must have been imported), in the order they were made."""
+        return [r for r in (ref() for ref in cls._ALL) if r is not None]
 
     def register(self, part: Any = None, *, name: str | None = None) -> Any:
         """Register `part` under `name` (default: its `name` attribute); usable as a decorator."""

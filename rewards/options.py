@@ -19,7 +19,7 @@ from typing import Any, Callable
 from flowrl.errors import ConfigError
 from flowrl.devices import DTYPES
 from rewards.hub import looks_local
-from rewards.registry import REQUIRED, RewardSpec, available_rewards, get_reward
+from rewards.registry import REQUIRED, RewardSpec, as_reward, available_rewards, get_reward
 
 SHARED_OPTIONS = ("kind", "batch_size")
 PATH_OPTIONS = ("path", "processor", "head", "checkpoint")  # local paths are checked to exist
@@ -38,7 +38,7 @@ class RewardPlan:
     def build(self) -> tuple[Callable, tuple[str, ...]]:
         """The reward callable and its channel names (a reward may report them itself, as a
         remote reward does after asking its server)."""
-        fn = self.spec.factory(**self.factory_options)
+        fn = as_reward(self.name, self.spec.factory(**self.factory_options))  # a factory may build an (images, prompts) one too
         return fn, tuple(getattr(fn, "channel_names", None) or self.spec.channels)
 
 

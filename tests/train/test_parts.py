@@ -215,3 +215,79 @@ def test_a_registry_imports_a_lazy_entry_on_first_use_and_names_the_choices():
         reg.get("nois")
     reg.unregister("plain")
     assert reg.names() == ("noise",)
+
+
+# A user's allocator and reward, each with an option, in one file: the whole of what adding them takes.
+TOY_ALLOCATOR_AND_REWARD = '''
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from flowrl.core.allocation import ALLOCATORS, Allocator, largest_remainder
+from rewards import register
+
+
+@dataclass
+class FirstHeavyOptions:
+    share: float = 0.5  # the share of the budget the iteration's first prompt gets
+
+    RANGES: ClassVar[dict] = {"share": "(0, 1)"}
+
+
+@ALLOCATORS.register
+class FirstHeavy(Allocator):
+    """The iteration's first prompt gets `share` of the rollouts, the others split the rest."""
+
+    name = "first_heavy"
+    options = FirstHeavyOptions
+
+    def first_stage(self, iteration):
+        self.iteration = iteration
+        prompts = self.choose_prompts(iteration)
+        rest = (1 - self.opts.share) / max(1, len(prompts) - 1)
+        weights = torch.tensor([self.opts.share] + [rest] * (len(prompts) - 1))
+        counts = self.counts_for(prompts, largest_remainder(weights, self.budget, self.min_group))
+        self.spent = int(counts.sum())
+        return counts
+
+
+@register("channel_mean", "the mean of one colour channel", factory=True)  # its keywords are its options
+def channel_mean(channel: int = 1):
+    return lambda images, prompts: images[:, channel].mean(dim=(1, 2))
+'''
+
+
+@pytest.fixture
+def toy_allocator_config(tmp_path, monkeypatch, tiny_sd3_dir):
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "my_allocator_and_reward.py").write_text(TOY_ALLOCATOR_AND_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+    config = tmp_path / "mine.yaml"
+    config.write_text(f"plugins: [my_allocator_and_reward]\nmodel:\n  path: {tiny_sd3_dir}\ndata:\n  prompts: [a red circle, "
+                      "a blue square]\nreward:\n  weights: {channel_mean: 1.0}\n  options:\n    channel_mean: {channel: 2}\n"
+                      "allocator:\n  kind: first_heavy\n  first_heavy:\n    share: 0.75\nobjective:\n  kind: nft\n")
+    yield config
+    from flowrl.core.allocation import ALLOCATORS
+    from rewards import REWARDS
+
+    ALLOCATORS.unregister("first_heavy")
+    REWARDS.unregister("channel_mean")
+    sys.modules.pop("my_allocator_and_reward", None)
+
+
+def test_an_allocator_and_a_reward_from_outside_the_package_bring_their_options(toy_allocator_config, tmp_path, capsys):
+    cfg = load_config(toy_allocator_config, FAST)
+    assert (cfg.allocator.kind, cfg.allocator.first_heavy.share) == ("first_heavy", 0.75)
+    with pytest.raises(ConfigError, match=r"^allocator.first_heavy.share must be in \(0, 1\); got 1.5$"):
+        load_config(toy_allocator_config, [*FAST, "allocator.first_heavy.share=1.5"])
+    with pytest.raises(ConfigError, match="reward.options.channel_mean"):
+        load_config(toy_allocator_config, [*FAST, "reward.options.channel_mean={colour: 2}"])
+    assert main(["config", "show", str(toy_allocator_config), *FAST]) == 0
+    assert "  first_heavy:\n    share: 0.75  # the share of the budget the iteration's first prompt gets" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert main(["train", str(toy_allocator_config), *FAST, "trainer.iterations=2", "--run-dir", str(run)]) == 0
+    got = rows(run)
+    # 2 prompts x 4 rollouts: min_group 2 each, the other 4 split 3:1 (share 0.75); the reward is the blue channel's mean
+    assert [r["group_size_histogram"] for r in got] == [{"3": 1, "5": 1}] * 2
+    assert all(0 < r["reward/channel_mean"] < 1 for r in got)
