@@ -612,8 +612,8 @@ def cmd_rewards(args) -> int:
     from rewards.text import TEXT_REWARDS
 
     print("\ntext rewards (task: text), called with the dataset's columns:")
-    for name in sorted(TEXT_REWARDS):
-        print(f"{name:<24} {TEXT_REWARDS[name][1]}")
+    for name, spec in TEXT_REWARDS.items():
+        print(f"{name:<24} {spec.description}")
     return 0
 
 
