@@ -21,6 +21,7 @@ from flowrl.errors import UserError
 from flowrl.hub import check_hub_id
 from flowrl.models.attention import set_attention_backend
 from flowrl.models.compile import MIN_ROWS, compile_network, padded_velocity
+from flowrl.models.edit_prompt import EditPrompt, sources_of
 from flowrl.models.quantize import quantized_components
 from flowrl.models.text_cache import (SHARD, StoredEmbeddings, cache_path, load_embeddings, load_text_encoders_on_cpu,
                                       mark_complete, save_shard, text_encoder_names)
@@ -147,6 +148,8 @@ class FlowPolicy:
     known_models: dict[str, dict[str, Any]] = {}
     variable_length = False  # prompt embeddings of each prompt's own length, padded per batch (`_batch`)
     guidance_argument = "guidance_scale"  # the pipeline __call__'s argument that model.guidance_scale is
+    # it edits a source image: its prompts are EditPrompts, whose sources `encode_source` turns into conditioning
+    edits = False
 
     def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
         self.pipe = pipe
@@ -175,6 +178,7 @@ class FlowPolicy:
             set_attention_backend(self.transformer, cfg.attention_backend, self.device)
         self.net = self.transformer
         self._cache: dict[str, dict[str, torch.Tensor]] = {}  # on the text encoders' device
+        self._source_cache: dict[str, dict[str, torch.Tensor]] = {}  # an editing family's sources, on the CPU
         self._stored: StoredEmbeddings | None = None  # model.text_encoders cached: the run's prompt set, read from disk
         self._negative: dict[str, torch.Tensor] | None = None  # `negative_once`
         self.has_lora = False
@@ -290,12 +294,41 @@ class FlowPolicy:
 
     # ---- prompts -------------------------------------------------------------------
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Batched conditioning for `prompts`; each distinct prompt is encoded once and cached."""
+        """Batched conditioning for `prompts`; each distinct prompt is encoded once and cached. An editing
+        family's prompts are EditPrompts (flowrl/models/edit_prompt.py): their sources' conditioning
+        (`encode_source`) joins the text's, cached likewise by prompt."""
         # one prompt at a time: batched text encoders differ in the last bits with the batch's
         # other prompts, and a prompt's embedding must not depend on who it was cached with
+        self._check_edits(prompts)
         self._encode_new(prompts)
-        batch = self._batch([self._cache[p] if p in self._cache else self._stored.get(p) for p in prompts])
+        per_prompt = [self._cache[p] if p in self._cache else self._stored.get(p) for p in prompts]
+        if self.edits:
+            per_prompt = [{**text, **self._source(p)} for text, p in zip(per_prompt, prompts)]
+        batch = self._batch(per_prompt)
         return {k: v.to(self.device) for k, v in batch.items()}  # cpu, cached: from the CPU to the policy's device
+
+    def _check_edits(self, prompts: list[str]) -> None:
+        """An editing family needs every prompt's source; any other family refuses one (its text encoder would
+        read the edit's key as a caption)."""
+        if self.edits:
+            sources_of(prompts)  # one sentence for a prompt without a source
+        elif any(isinstance(p, EditPrompt) for p in prompts):
+            from flowrl.models import FAMILIES  # this module is below the registry's
+
+            editing = ", ".join(FAMILIES.where(lambda family: family.edits)) or "none registered"
+            raise UserError(f"model.kind {self.kind} generates from text alone, so it cannot edit a source image; "
+                            f"the editing families: {editing}")
+
+    def _source(self, prompt: "EditPrompt") -> dict[str, torch.Tensor]:
+        if prompt not in self._source_cache:
+            with torch.no_grad():
+                self._source_cache[prompt] = {k: v.cpu() for k, v in self.encode_source(prompt.image()).items()}
+        return self._source_cache[prompt]
+
+    def encode_source(self, image: torch.Tensor) -> dict[str, torch.Tensor]:
+        """An editing family's conditioning from one source image [3, H, W] in [0, 1] (each entry with a batch
+        dimension of 1), which its `_velocity` reads from `cond` beside the text's."""
+        raise NotImplementedError
 
     def _encode_new(self, prompts: list[str]) -> None:
         """Each of `prompts` neither encoded nor stored yet, encoded into the cache on the text encoders' device."""
@@ -450,6 +483,11 @@ class FlowPolicy:
             args["negative_prompt"] = negative
         args["max_sequence_length"] = self.cfg.max_sequence_length
         return args
+
+    def pipeline_source_arguments(self, prompts: list["EditPrompt"]) -> dict[str, Any]:
+        """An editing family: the keyword arguments of its pipeline's __call__ that pass `prompts`' sources
+        (`image=`, in the form the pipeline takes them)."""
+        raise NotImplementedError
 
     def pipeline_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """flowrl's latents [B, *latent_shape] in the layout the pipeline's `latents` argument takes."""

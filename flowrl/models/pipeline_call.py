@@ -131,6 +131,9 @@ def draw(policy, pipe, latents: torch.Tensor, prompts: list[str], num_steps: int
     own = pipe.scheduler
     pipe.scheduler = flowrl_scheduler(call, own)
     try:
+        if policy.edits:  # the instructions as the prompts, the sources as the pipeline takes them
+            arguments.update(policy.pipeline_source_arguments(prompts))
+            prompts = [p.instruction for p in prompts]
         out = pipe(prompt=list(prompts), latents=policy.pipeline_latents(latents).to(pipe.device, pipe.dtype), **arguments,
                    output_type="latent" if pixels else "pt")  # a copy of the prompts: some pipelines template the list in place
     finally:
