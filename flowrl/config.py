@@ -374,7 +374,18 @@ def _validate_sampling(s) -> None:
 
 def _validate_data(cfg: Config, rollout, validate_paths: bool) -> None:
     d = cfg.data
-    if rollout.needs_prompts and not d.prompts and not d.prompt_file:
+    edits = FAMILIES[cfg.model.kind].edits
+    if d.edits and not edits:
+        raise ConfigError(f"data.edits gives source images to edit, which model.kind {cfg.model.kind} cannot (it generates from text "
+                          f"alone); choose an editing family: {', '.join(FAMILIES.where(lambda f: f.edits)) or 'none registered'}")
+    if edits and rollout.needs_prompts and not d.edits:
+        raise ConfigError(f"model.kind {cfg.model.kind} edits source images: give data.edits (a .jsonl or .parquet file of rows "
+                          "with instruction and source, or a hub dataset)")
+    if edits and d.edits and validate_paths:
+        from flowrl.train.edit_data import read_edits
+
+        read_edits(d.edits)  # every row checked now: a bad row is one sentence before anything loads
+    if rollout.needs_prompts and not d.prompts and not d.prompt_file and not d.edits:
         raise ConfigError("data.prompts is empty and data.prompt_file is not set; give prompts or a prompt file")
     if d.prompt_file and d.prompt_file.startswith("builtin:"):
         check_choice("data.prompt_file", d.prompt_file, BUILTIN_PROMPT_SETS)

@@ -126,8 +126,7 @@ class SamplingConfig:
 
 @dataclass
 class RolloutSection:
-    """How an iteration's samples are drawn (flowrl/train/rollouts): kind picks a registered rollout,
-    and each one with options has them under its own name (rollout.tree, rollout.two_stage, ...)."""
+    """How an iteration's samples are drawn: kind picks a registered rollout, its options under its name (rollout.tree)."""
 
     kind: str = "flat"  # a registered rollout (`flowrl config show` lists them; each one's options under its name)
 
@@ -136,6 +135,8 @@ class RolloutSection:
 class DataConfig:
     prompts: list[str] = field(default_factory=list)
     prompt_file: Optional[str] = None  # one prompt per line; used when `prompts` is empty
+    # an editing family's prompts: a .jsonl or .parquet file of rows {instruction, source, reference?}, or a hub dataset
+    edits: Optional[str] = None
     prompts_per_iteration: int = 2
     group_size: int = 8
     eval_prompts: list[str] = field(default_factory=list)  # sample grids; defaults to the first 4 prompts
@@ -186,8 +187,7 @@ class SelectionConfig:
 
 @dataclass
 class ObjectiveSection:
-    """What the loop optimises (flowrl/train/objectives): kind picks a registered objective, and
-    each one has its options under its own name (objective.grpo, objective.nft, ...)."""
+    """What the loop optimises: kind picks a registered objective, its options under its name (objective.nft)."""
 
     kind: str = "grpo"  # a registered objective (`flowrl config show` lists them; each one's options under its name)
 
@@ -226,8 +226,7 @@ class RunConfig(RunOptions):
 
 @dataclass
 class Config:
-    """A run's config. flowrl/config.py extends it with the parts' sections, the search's and the monitor's
-    (`config_class`), so build one with load_config, not directly."""
+    """A run's config, extended by flowrl/config.py's `config_class`: build one with load_config, not directly."""
 
     # modules imported before the config is read, so that the parts they register (rollouts, objectives, rewards, ...)
     # (with their options) can be chosen here: a user's own parts, by import path (my_package.my_objective)

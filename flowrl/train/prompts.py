@@ -1,4 +1,4 @@
-"""Prompt sources: inline lists or a text file with one prompt per line."""
+"""Prompt sources: inline lists, a text file with one prompt per line, or an edit dataset (edit_data.py)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,11 @@ def read_prompt_file(path: str | Path, field: str = "data.prompt_file", per_cate
 
 
 def load_prompts(data: DataConfig) -> list[str]:
+    """The training prompts: data.edits' edits (EditPrompts), else data.prompts, else data.prompt_file's."""
+    if data.edits:
+        from flowrl.train.edit_data import read_edits
+
+        return read_edits(data.edits)
     return list(data.prompts) if data.prompts else read_prompt_file(data.prompt_file)
 
 

@@ -1,0 +1,115 @@
+"""Edit datasets (data.edits): the prompts of an editing run, each a source image and an instruction
+(optionally a reference target), as EditPrompts (flowrl/models/edit_prompt.py).
+
+A dataset is a JSONL file (one object per line), a parquet file, or a hub dataset id (read with
+`datasets`, its train split). Each row has an `instruction` (text), a `source` (a path, relative to
+the file's folder where it is not absolute, or an image's bytes, or a `datasets` Image) and may have a
+`reference` (the same kinds). Every row is checked when the dataset is read: a row without an
+instruction, or whose image is missing or cannot be read, is one sentence naming the row. Images are
+decoded when an edit is first encoded, not here: a dataset's images need not fit in memory."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from flowrl.errors import UserError
+from flowrl.models.edit_prompt import EditPrompt
+
+COLUMNS = ("instruction", "source", "reference")  # the last may be absent
+
+
+def read_edits(spec: str, field: str = "data.edits") -> list[EditPrompt]:
+    """The edits of a JSONL or parquet file or a hub dataset, in order; one sentence for the first bad row."""
+    path = Path(spec).expanduser()
+    if path.suffix in (".jsonl", ".parquet"):
+        if not path.is_file():
+            raise UserError(f"{field} '{spec}' does not exist; give a .jsonl or .parquet file of edits, or a hub dataset id")
+        rows, folder = (_jsonl_rows(path, field) if path.suffix == ".jsonl" else _parquet_rows(path, field)), path.parent
+    elif re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", spec) and not path.exists():  # org/name
+        rows, folder = _hub_rows(spec, field), None
+    else:
+        raise UserError(f"{field} '{spec}' must be a .jsonl or .parquet file of edits, or a hub dataset id (org/name)")
+    edits = [_edit(row, i, folder, spec, field) for i, row in enumerate(rows)]
+    if not edits:
+        raise UserError(f"{field} '{spec}' holds no edits; give rows with {', '.join(COLUMNS[:2])}")
+    return edits
+
+
+def _jsonl_rows(path: Path, field: str) -> list[dict]:
+    rows = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{field} '{path}' line {i + 1} is not JSON ({exc.msg}); give one object per line") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{field} '{path}' line {i + 1} is not an object; give one object per line, with "
+                            f"{', '.join(COLUMNS[:2])}")
+        rows.append(row)
+    return rows
+
+
+def _parquet_rows(path: Path, field: str) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:
+        raise UserError(f"{field} '{path}' cannot be read as parquet ({type(exc).__name__}: {exc})") from None
+
+
+def _hub_rows(spec: str, field: str) -> list[dict]:
+    from datasets import load_dataset
+
+    try:
+        return list(load_dataset(spec, split="train"))
+    except Exception as exc:
+        raise UserError(f"{field} '{spec}' cannot be loaded as a hub dataset ({type(exc).__name__}: {exc})") from None
+
+
+def _image(value: Any, folder: Path | None, where: str, column: str) -> tuple[Any, str]:
+    """A row's image as an EditPrompt source and its name; the file checked to exist and to be an image."""
+    if isinstance(value, dict):  # a `datasets` Image as stored: {"bytes": ..., "path": ...}
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, str) and value:
+        file = Path(value).expanduser()
+        file = file if file.is_absolute() or folder is None else folder / file
+        if not file.is_file():
+            raise UserError(f"{where} names a {column} image '{value}' that does not exist")
+        _check_readable(file, where, column)
+        return str(file), file.name
+    if isinstance(value, (bytes, bytearray)):
+        _check_readable(bytes(value), where, column)
+        return bytes(value), "image"
+    if type(value).__module__.startswith("PIL."):
+        return value, "image"
+    raise UserError(f"{where} has no {column} image (a path, the image's bytes, or an image); got {type(value).__name__}")
+
+
+def _check_readable(source: Path | bytes, where: str, column: str) -> None:
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
+            im.verify()  # the header and structure, without decoding the pixels
+    except Exception as exc:
+        raise UserError(f"{where}'s {column} image cannot be read as an image ({type(exc).__name__}: {exc})") from None
+
+
+def _edit(row: dict, i: int, folder: Path | None, spec: str, field: str) -> EditPrompt:
+    where = f"{field} '{spec}' row {i + 1}"
+    instruction = row.get("instruction")
+    if not isinstance(instruction, str) or not instruction.strip():
+        raise UserError(f"{where} has no instruction (a non-empty string); its columns: {', '.join(map(str, row)) or 'none'}")
+    if row.get("source") is None:
+        raise UserError(f"{where} has no source image; its columns: {', '.join(map(str, row))}")
+    source, name = _image(row["source"], folder, where, "source")
+    reference = None if row.get("reference") is None else _image(row["reference"], folder, where, "reference")[0]
+    return EditPrompt(instruction.strip(), source, name=f"row {i + 1}: {name}", reference=reference)
