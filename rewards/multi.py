@@ -15,6 +15,7 @@ import torch
 
 from flowrl.errors import UserError
 from rewards.options import plan_reward
+from rewards.registry import as_reward
 from rewards.video import strided_frames
 
 ON_INVALID = ("error", "drop")
@@ -96,7 +97,7 @@ class MultiReward:
         options = options or {}
         for name in self.weights:
             if rewards and name in rewards:  # a plain function passed in directly
-                self.fns[name], channels = rewards[name], (name,)
+                self.fns[name], channels = as_reward(name, rewards[name]), (name,)
                 self.scores_videos[name] = bool(getattr(rewards[name], "scores_videos", False))
                 self.batch_sizes[name] = batch_size
             else:

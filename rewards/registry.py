@@ -12,6 +12,8 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from flowrl.errors import UserError
 from flowrl.registry import Registry, load_plugins
 
@@ -64,11 +66,25 @@ def register(name: str, description: str, channels: tuple[str, ...] = (), factor
 
 def as_reward(name: str, fn: Callable) -> Callable:
     """`fn` as a reward of the protocol's `(images, prompts, metadata)`: a function of `(images,
-    prompts)` is called without the metadata. One sentence for a function that takes neither."""
+    prompts)` is called without the metadata, and one with a `sources` parameter gets the edits' source
+    images beside the samples (`source_images`). One sentence for a function that takes neither."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to read (a builtin): taken at its word
         return fn
+    if "sources" in signature.parameters:
+        plain = signature.replace(parameters=[p for p in signature.parameters.values() if p.name != "sources"])
+        if not (_binds(plain, 3) or _binds(plain, 2)):
+            raise UserError(f"reward '{name}' must take (images, prompts) or (images, prompts, metadata), and sources by name; "
+                            f"it takes {signature}")
+        with_metadata = _binds(plain, 3)
+
+        @functools.wraps(fn)
+        def with_sources(images, prompts, metadata=None):
+            sources = source_images(name, prompts, images)
+            return fn(images, prompts, metadata, sources=sources) if with_metadata else fn(images, prompts, sources=sources)
+
+        return with_sources
     if _binds(signature, 3):
         return fn
     if not _binds(signature, 2):
@@ -79,6 +95,23 @@ def as_reward(name: str, fn: Callable) -> Callable:
         return fn(images, prompts)
 
     return without_metadata
+
+
+def source_images(name: str, prompts, images):
+    """The source image of each of `prompts` (EditPrompts), [N, 3, H, W] at the samples' size (`images`
+    [N, 3, H, W], videos' frames likewise) and device: what a reward that compares an edit with its source
+    reads. One sentence for a prompt without a source."""
+    import torch.nn.functional as F
+
+    from flowrl.models.edit_prompt import EditPrompt  # here: rewards import no model code unless an edit is scored
+
+    missing = next((p for p in prompts if not isinstance(p, EditPrompt)), None)
+    if missing is not None:
+        raise UserError(f"reward '{name}' compares each sample with its source image, but the prompt '{missing}' edits no "
+                        "source; give an editing family its edits (data.edits)")
+    size = tuple(images.shape[-2:])
+    return torch.stack([F.interpolate(p.image()[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+                        for p in prompts]).to(images.device)
 
 
 def _binds(signature: inspect.Signature, positional: int) -> bool:

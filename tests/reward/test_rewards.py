@@ -403,3 +403,22 @@ def test_clip_rewards_lend_their_image_encoder_to_the_monitor(tiny_clip_dir):
     assert monitor.encoder == scorer.image_features
     same = torch.cat([images[:1]] * 2)
     assert group_diversity(monitor.encoder(same), torch.zeros(2), "cosine") == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_function_reward_with_sources_gets_each_edits_source_at_the_samples_size():
+    from flowrl.models.edit_prompt import EditPrompt
+
+    red, blue = torch.zeros(3, 16, 16), torch.zeros(3, 16, 16)
+    red[0], blue[2] = 1.0, 1.0
+    edits = [EditPrompt("keep it", red, name="red"), EditPrompt("keep it", blue, name="blue")]
+
+    def preservation(images, prompts, sources):  # minus the mean distance to the source
+        return -(images - sources).abs().mean(dim=(1, 2, 3))
+
+    samples = torch.zeros(2, 3, 8, 8)
+    samples[:, 0] = 1.0  # both samples red, at half the sources' size
+    scores = MultiReward({"preservation": 1.0}, rewards={"preservation": preservation})(samples, edits)
+    assert scores[:, 0].tolist() == pytest.approx([0.0, -2 / 3])  # the red edit kept its source, the blue one did not
+    with pytest.raises(UserError, match=r"^reward 'preservation' compares each sample with its source image, but the prompt "
+                                        r"'a red circle' edits no source"):
+        MultiReward({"preservation": 1.0}, rewards={"preservation": preservation})(samples, ["a red circle", "a blue square"])
