@@ -90,6 +90,8 @@ def _sample_parser(sub: argparse._SubParsersAction) -> None:
     which = s.add_mutually_exclusive_group(required=True)
     which.add_argument("--prompt", action="append", help="repeat for several prompts")
     which.add_argument("--prompts", metavar="FILE", help="one prompt per line (# comments skipped)")
+    s.add_argument("--image", metavar="SRC", help="an editing model's source image: each prompt is an instruction that edits "
+                   "it (the grid's rows open with the source)")
     s.add_argument("-n", type=_int(1), default=4, help="images (videos) per prompt")
     s.add_argument("--out", help="output PNG grid (default: sample-<run or config>.png here, numbered rather than overwritten)")
     s.add_argument("--out-dir", metavar="DIR", help="instead of a grid: one PNG per image and samples.jsonl (prompt, seed, "
@@ -293,12 +295,31 @@ def _writable_file(path: Path, flag: str) -> Path:
     return path
 
 
+def _with_sources(images, prompts: list, captions: list[str], n: int):
+    """A grid of rows `source | n edits` (the source at the samples' size): images, captions, columns."""
+    import torch
+
+    from rewards.registry import source_images
+
+    sources = source_images("--image", prompts, images)
+    rows, labels = [], []
+    for i in range(0, len(prompts), n):
+        rows += [sources[i], *images[i : i + n]]
+        labels += [f"source: {prompts[i].source_name}", *captions[i : i + n]]
+    return torch.stack(rows), labels, n + 1
+
+
 def cmd_sample(args) -> int:
     from flowrl.text.cli import is_text_config, is_text_run
     from flowrl.train.images import save_grid
     from flowrl.train.prompts import read_prompt_file
 
     prompts_in = args.prompt or read_prompt_file(args.prompts, field="--prompts")
+    if args.image is not None:
+        from flowrl.models.edit_prompt import EditPrompt
+
+        prompts_in = [EditPrompt(p, args.image) for p in prompts_in]
+        EditPrompt.image(prompts_in[0])  # a missing or unreadable image is one sentence before the model loads
     if is_text_run(args.run) or is_text_config(args.config):  # prints completions
         from flowrl.text import cli as text
 
@@ -322,6 +343,8 @@ def cmd_sample(args) -> int:
 
             reward = MultiReward.single(args.reward, cfg.reward)
             captions = [f"{p} ({args.reward}={r:.3f})" for p, r in zip(prompts, (reward(images, prompts) @ reward.channel_weights).tolist())]
+        if args.image is not None:  # source | edits: each prompt's row opens with the image it edits
+            images, captions, columns = _with_sources(images, prompts, captions, args.n)
         save_grid(images, out, columns=columns, captions=captions)
         print(f"wrote {out} ({len(prompts)} images from {source})")
         return 0
