@@ -57,16 +57,23 @@ class FluxPolicy(FlowPolicy):
         return self._packed_latent_shape()
 
     def _velocity(self, x, sigma, cond):
-        b = x.shape[0]
+        return self._forward(x.to(self.device, self.dtype), self._image_ids(x.shape[0]), sigma, cond)
+
+    def _image_ids(self, b: int) -> torch.Tensor:
+        """The generated tokens' rotary ids (c0 = 0, row, column) [h/2 x w/2, 3], as FluxPipeline's."""
         h, w = self._latent_hw()
-        img_ids = self.pipeline_class._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+        return self.pipeline_class._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
+
+    def _forward(self, hidden_states, img_ids, sigma, cond):
+        """The transformer on `hidden_states` [B, N, 4C] (ids `img_ids` [N, 3]) with the guidance embedding."""
+        b = hidden_states.shape[0]
         txt_ids = torch.zeros(cond["embeds"].shape[1], 3, device=self.device, dtype=self.dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:
             guidance = torch.full((b,), self.guidance_scale, device=self.device, dtype=torch.float32)
         t = self.timestep_rows(sigma, b)  # FLUX takes sigma itself
         v = self.net(
-            hidden_states=x.to(self.device, self.dtype),
+            hidden_states=hidden_states,
             timestep=t,
             guidance=guidance,
             pooled_projections=cond["pooled"],

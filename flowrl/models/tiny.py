@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised SD3, FLUX.1, FLUX.2 [dev] and [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines built from configs.
+"""Tiny, randomly initialised SD3, FLUX.1 (and Kontext), FLUX.2 [dev] and [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines built from configs.
 
 They exist so that tests and the built-in default preset exercise the real loading code
 (`from_pretrained` of a local pipeline directory) without downloading anything. The
@@ -146,7 +146,14 @@ def build_tiny_sd3(path: str | Path, seed: int = 0, width: int = 32, num_layers:
 @builtin("tiny-flux")
 def build_tiny_flux(path: str | Path, seed: int = 0, width: int = 32) -> Path:
     """Save a tiny random `FluxPipeline` (guidance-distilled, like FLUX.1-dev) to `path`."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FluxPipeline
+
+    FluxPipeline(**_tiny_flux_components(seed, width)).save_pretrained(str(path))
+    return Path(path)
+
+
+def _tiny_flux_components(seed: int, width: int) -> dict:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel
 
     heads, head_dim = 2, width // 2
@@ -179,7 +186,7 @@ def build_tiny_flux(path: str | Path, seed: int = 0, width: int = 32) -> Path:
             pad_token_id=tok.pad_token_id,
         )
     )
-    pipe = FluxPipeline(
+    return dict(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True),
         vae=_vae(4, seed + 1, shift_factor=0.1),
@@ -188,7 +195,14 @@ def build_tiny_flux(path: str | Path, seed: int = 0, width: int = 32) -> Path:
         text_encoder_2=_t5_encoder(tok2, t5_dim, seed + 3),
         tokenizer_2=tok2,
     )
-    pipe.save_pretrained(str(path))
+
+
+@builtin("tiny-flux-kontext")
+def build_tiny_flux_kontext(path: str | Path, seed: int = 0, width: int = 32) -> Path:
+    """Save a tiny random `FluxKontextPipeline` to `path`: FLUX.1 Kontext [dev] has FLUX.1-dev's components."""
+    from diffusers import FluxKontextPipeline
+
+    FluxKontextPipeline(**_tiny_flux_components(seed, width)).save_pretrained(str(path))
     return Path(path)
 
 
