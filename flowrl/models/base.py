@@ -311,7 +311,9 @@ class FlowPolicy:
         """An editing family needs every prompt's source; any other family refuses one (its text encoder would
         read the edit's key as a caption)."""
         if self.edits:
-            sources_of(prompts)  # one sentence for a prompt without a source
+            if prompts and sources_of(prompts) is None:  # sources_of: one sentence for a batch that mixes the two
+                raise UserError(f"model.kind {self.kind} edits a source image, so every prompt needs one (an EditPrompt: "
+                                f"an instruction and its source image); got the plain prompt '{prompts[0]}'")
         elif any(isinstance(p, EditPrompt) for p in prompts):
             from flowrl.models import FAMILIES  # this module is below the registry's
 

@@ -97,8 +97,10 @@ def test_a_source_file_reproduces_as_the_pil_image_handed_to_the_pipeline_and_th
     assert (both.final[0] - both.final[1]).abs().max() > 1e-3
 
 
-def test_an_edit_without_a_source_is_one_sentence(tiny_flux_kontext_dir):
+def test_a_prompt_without_a_source_is_one_sentence(tiny_flux_kontext_dir):
     policy = _policy(tiny_flux_kontext_dir)
+    with pytest.raises(UserError, match="^model.kind flux_kontext edits a source image, so every prompt needs one"):
+        policy.encode(["a red circle"])  # a prompt file's plain lines
     with pytest.raises(UserError, match="mixes edits and plain prompts"):
         policy.encode([EditPrompt("make it red", torch.rand(3, 64, 64), name="square"), "a red circle"])
 
