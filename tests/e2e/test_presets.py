@@ -23,6 +23,7 @@ MULTI_GPU = {"sd35_medium_pickscore_8gpu": 8, "flux1_dev_hps_8gpu": 8, "qwen_ima
 SD3_PRESETS = ("sd35_medium_pickscore_1gpu", "sd35_medium_pickscore_8gpu", "sd35_medium_dgpo_1gpu", "sd35_medium_fast_1gpu",
                "sd35_medium_dpo_1gpu", "sd35_medium_dppo_1gpu", "sd35_medium_pickscore_8gb")
 FLUX_PRESETS = ("flux1_dev_hps_1gpu", "flux1_dev_hps_8gpu", "flux1_dev_gdro_1gpu", "flux1_dev_g2rpo_1gpu", "flux1_dev_hps_12gb")
+FLUX_KONTEXT_PRESETS = ("flux_kontext_counting_1gpu",)
 # the presets for small cards (issue 68) -> their card's size: a "12 GB" card holds 12 GiB (an RTX 3060 reports 12288 MiB)
 SMALL_CARD_PRESETS = {"flux1_dev_hps_12gb": 12, "sd35_medium_pickscore_8gb": 8}
 QWEN_IMAGE_PRESETS = ("qwen_image_pickscore_1gpu", "qwen_image_pickscore_8gpu")
@@ -30,7 +31,7 @@ Z_IMAGE_PRESETS = ("z_image_turbo_pickscore_1gpu", "z_image_turbo_pickscore_8gpu
 FLUX2_PRESETS = ("flux2_klein_9b_pickscore_1gpu", "flux2_klein_9b_pickscore_8gpu")
 FLUX2_DEV_PRESETS = ("flux2_dev_pickscore_8gpu",)
 WAN_PRESETS = ("wan21_1_3b_pickscore_1gpu", "wan21_1_3b_pickscore_8gpu")
-IMAGE_PRESETS = (*SD3_PRESETS, *FLUX_PRESETS, *QWEN_IMAGE_PRESETS, *Z_IMAGE_PRESETS, *FLUX2_PRESETS, *FLUX2_DEV_PRESETS, *WAN_PRESETS)
+IMAGE_PRESETS = (*SD3_PRESETS, *FLUX_PRESETS, *FLUX_KONTEXT_PRESETS, *QWEN_IMAGE_PRESETS, *Z_IMAGE_PRESETS, *FLUX2_PRESETS, *FLUX2_DEV_PRESETS, *WAN_PRESETS)
 GROUP_OBJECTIVE_PRESETS = ("sd35_medium_dgpo_1gpu", "flux1_dev_gdro_1gpu")
 OWN_SAMPLER_PRESETS = (*GROUP_OBJECTIVE_PRESETS, "flux1_dev_g2rpo_1gpu", "sd35_medium_fast_1gpu", "sd35_medium_dpo_1gpu",
                        "sd35_medium_dppo_1gpu")  # settings checked by their own tests
@@ -171,6 +172,22 @@ def test_family_presets_keep_flow_factorys_settings(name, family):
     _assert_flow_factory_batching(name, cfg)
 
 
+def test_kontext_preset_keeps_flow_grpos_counting_flux_kontext_settings():
+    # yifan123/flow_grpo config/grpo.py counting_flux_kontext on config/base.py (docs/ALGORITHMS IV.1)
+    cfg = load_config(_preset("flux_kontext_counting_1gpu"), validate_paths=False)
+    m, s, t = cfg.model, cfg.sampling, cfg.trainer
+    assert (m.kind, m.path, m.dtype, m.height, m.width, m.guidance_scale, m.max_sequence_length) == (
+        "flux_kontext", "black-forest-labs/FLUX.1-Kontext-dev", "bf16", 512, 512, 2.5, 128)
+    assert (s.sampler, s.noise_level, s.num_steps, s.eval_num_steps, s.schedule, s.batch_size) == ("flow_grpo", 0.9, 6, 28, "pipeline", 3)
+    assert (s.window.strategy, int(s.num_steps * s.window.trained_fraction)) == ("all", 5)  # timestep_fraction 0.99
+    assert (cfg.lora.rank, cfg.lora.alpha, len(cfg.lora.target_modules)) == (64, 128, 13) and "proj_mlp" in cfg.lora.target_modules
+    assert (cfg.data.group_size, cfg.advantage.std, cfg.advantage.clip, cfg.objective.grpo.clip_range) == (21, "global", 5.0, 1e-4)
+    assert (t.lr, t.weight_decay, t.kl_beta, t.max_grad_norm, t.ema, t.ema_decay, t.mixed_precision) == (
+        3e-4, 1e-4, 0.0, 1.0, True, 0.9, "bf16")
+    batches = cfg.data.prompts_per_iteration * cfg.data.group_size // s.batch_size
+    assert batches // t.gradient_accumulation_steps == 2  # the reference's 2 optimizer steps per epoch
+
+
 def test_g2rpo_preset_keeps_the_reference_settings():
     cfg = load_config(_preset("flux1_dev_g2rpo_1gpu"), validate_paths=False)
     gr = cfg.rollout.granular
@@ -291,11 +308,11 @@ def test_preset_rewards_with_a_missing_model_fail_clearly(name, tmp_path):
 
 
 @pytest.fixture
-def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_qwen_image_dir, tiny_z_image_dir, tiny_flux2_klein_dir, tiny_wan_dir,
-              tiny_flux2_dir):
+def tiny_dirs(tiny_sd3_dir, tiny_flux_dir, tiny_flux_kontext_dir, tiny_qwen_image_dir, tiny_z_image_dir, tiny_flux2_klein_dir,
+              tiny_wan_dir, tiny_flux2_dir):
     # the session's tiny pipelines (tests/conftest.py), built by flowrl.models.tiny
-    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "qwen_image": tiny_qwen_image_dir, "z_image": tiny_z_image_dir,
-            "flux2_klein": tiny_flux2_klein_dir, "wan": tiny_wan_dir, "flux2": tiny_flux2_dir}
+    return {"sd3": tiny_sd3_dir, "flux": tiny_flux_dir, "flux_kontext": tiny_flux_kontext_dir, "qwen_image": tiny_qwen_image_dir,
+            "z_image": tiny_z_image_dir, "flux2_klein": tiny_flux2_klein_dir, "wan": tiny_wan_dir, "flux2": tiny_flux2_dir}
 
 
 def _assert_targets_adapted(policy, targets):
