@@ -150,6 +150,9 @@ class FlowPolicy:
     guidance_argument = "guidance_scale"  # the pipeline __call__'s argument that model.guidance_scale is
     # it edits a source image: its prompts are EditPrompts, whose sources `encode_source` turns into conditioning
     edits = False
+    # source images the transformer's sequence carries beside the generated one, each at the output's token count
+    # (FLUX.1 Kontext's: 1): the memory planner counts their tokens
+    source_images = 0
 
     def __init__(self, pipe, cfg: ModelConfig, device: torch.device | str = "cpu"):
         self.pipe = pipe

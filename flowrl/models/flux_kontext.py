@@ -40,6 +40,7 @@ class FluxKontextPolicy(FluxPolicy):
     kind = "flux_kontext"
     pipeline_name = "FluxKontextPipeline"
     edits = True
+    source_images = 1  # at the output's size: 2N image tokens per forward
     known_models = {
         "black-forest-labs/FLUX.1-Kontext-dev": {  # FLUX.1-dev's transformer config
             "transformer": FluxPolicy.known_models["black-forest-labs/FLUX.1-dev"]["transformer"],

@@ -117,7 +117,8 @@ class Model:
         patch = self.family.token_patch or c.patch_size
         scale = self.family.latent_scale
         latent_frames = (frames - 1) // 4 + 1  # Wan's VAE: the first frame, then 4 frames per latent frame
-        return latent_frames * (height // scale // patch) * (width // scale // patch)
+        # an editing family's sources ride in the sequence after the generated tokens (FLUX.1 Kontext: twice as long)
+        return (1 + self.family.source_images) * latent_frames * (height // scale // patch) * (width // scale // patch)
 
 
 def count(module: torch.nn.Module) -> int:

@@ -103,3 +103,17 @@ def test_plan_memory_reads_a_presets_gpu_count_and_sizes():
     assert "flux2_dev_pickscore_8gpu" in presets and "tiny_jpeg" not in presets and "text_add" not in presets
     _, launch = script.config_launch("flux2_dev_pickscore_8gpu", None)
     assert launch.gpus == 8 and launch.distributed == "fsdp2" and set(launch.rewards) == {"clip_score", "pickscore"}
+
+
+def test_kontext_counts_its_source_tokens_beside_the_generated_ones():
+    # FLUX.1 Kontext's transformer is FLUX.1-dev's; its sequence carries the source's 1024 tokens after the 1024
+    # generated ones at 512x512 (flowrl/models/flux_kontext.py), so its activations are those of 2048 + 128 tokens
+    from flowrl.train.memory_plan import activation_bytes
+
+    launch = Launch(lora_rank=64, dtype="bf16", height=512, width=512, batch=3, max_sequence_length=128)
+    kontext, dev = load_model("black-forest-labs/FLUX.1-Kontext-dev"), load_model("black-forest-labs/FLUX.1-dev")
+    assert (kontext.image_tokens(512, 512), dev.image_tokens(512, 512)) == (2048, 1024)
+    ours, _ = activation_bytes(kontext, launch, 57)
+    theirs, _ = activation_bytes(dev, launch, 57)
+    assert ours / theirs == pytest.approx((2048 + 128) / (1024 + 128))
+    assert _row(plan(kontext, launch), "activations (estimate)") > _row(plan(dev, launch), "activations (estimate)")
