@@ -1,8 +1,9 @@
 """FLUX.1 Kontext (model.kind flux_kontext) against diffusers' own FluxKontextPipeline, on a tiny random pipeline
 saved to disk: flowrl's ODE from EditPrompts equals the pipeline's __call__ given the instructions and the sources
 (a non-square output, a source that needs resizing and one that does not), a source read from a file
-reproduces as the PIL image a user hands the pipeline, the source changes the sample, and a LoRA on flow_grpo's
-Kontext modules saved by flowrl reproduces flowrl's sample through `load_lora_weights`.
+reproduces as the PIL image a user hands the pipeline, the source changes the sample, a LoRA on flow_grpo's
+Kontext modules saved by flowrl reproduces flowrl's sample through `load_lora_weights`, and the training path
+recomputes the SDE's log-probs (ratio 1, fp32 and bf16) with gradients reaching the adapter.
 
 Not in tests/tiny_families.py: its sweeps train the tiny_jpeg preset, whose prompts are plain text, which an
 editing family refuses (an edit dataset does not exist yet)."""
@@ -122,3 +123,26 @@ def test_a_lora_saved_by_flowrl_reproduces_flowrl_sample_in_diffusers_with_the_s
     theirs = policy.diffusers_call(pipe, latents, prompts, STEPS)
     assert theirs.shape == ours.shape == (2, 3, 64, 64) and (theirs - ours).abs().max() <= 1e-5
     assert (base - ours).abs().max() > 1e-3  # the adapter changed the samples, so the match above means something
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_training_recomputes_the_behaviour_log_prob_and_reaches_the_adapter(tiny_flux_kontext_dir, dtype):
+    # Flow-GRPO's SDE from EditPrompts, then each transition recomputed with grad from the same cond (the training
+    # path): ratio 1 on fresh samples, in bf16 too (the source encoded in model.dtype as the pipeline does)
+    from flowrl.sampling.rollout import transition
+    from flowrl.sampling.schedules import shifted_sigmas
+
+    policy = load_policy(ModelConfig(kind="flux_kontext", path=tiny_flux_kontext_dir, dtype=dtype, guidance_scale=2.5,
+                                     max_sequence_length=32), device="cpu")
+    policy.add_lora(LoraConfig(rank=4, alpha=8))
+    prompts = _edits(_sources((64, 64), (40, 72)))
+    assert policy.encode(prompts)["source"].dtype == policy.dtype
+    spec = SamplerSpec(shifted_sigmas(3), torch.ones(3, dtype=torch.bool), "flow_grpo", 0.7, "mean")
+    traj = rollout(policy, prompts, SEEDS, spec, batch_size=2)
+    cond = policy.encode(prompts)
+    policy.transformer.train()
+    for t in spec.trained_steps():
+        out = transition(policy, traj, spec, slice(0, 2), t, cond)
+        assert torch.allclose(torch.exp(out.log_prob - traj.log_probs[:, t]), torch.ones(2), atol=1e-5, rtol=0)
+    out.log_prob.mean().backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in policy.named_trainable_parameters().items() if "lora_B" in n)
