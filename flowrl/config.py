@@ -378,9 +378,6 @@ def _validate_data(cfg: Config, rollout, validate_paths: bool) -> None:
     if d.edits and not edits:
         raise ConfigError(f"data.edits gives source images to edit, which model.kind {cfg.model.kind} cannot (it generates from text "
                           f"alone); choose an editing family: {', '.join(FAMILIES.where(lambda f: f.edits)) or 'none registered'}")
-    if edits and rollout.needs_prompts and not d.edits:
-        raise ConfigError(f"model.kind {cfg.model.kind} edits source images: give data.edits (a .jsonl or .parquet file of rows "
-                          "with instruction and source, or a hub dataset)")
     if edits and d.edits and validate_paths:
         from flowrl.train.edit_data import read_edits
 

@@ -69,7 +69,7 @@ def as_reward(name: str, fn: Callable) -> Callable:
     prompts)` is called without the metadata, and one with a `sources` parameter gets the edits' source
     images beside the samples (`source_images`). One sentence for a function that takes neither."""
     try:
-        signature = inspect.signature(fn)
+        signature = inspect.signature(fn, follow_wrapped=False)  # a reward wrapped here already takes the protocol's
     except (TypeError, ValueError):  # no signature to read (a builtin): taken at its word
         return fn
     if "sources" in signature.parameters:
