@@ -85,7 +85,7 @@ def judge_edit(spec: EditSpec, source: list[Detected], edited: list[Detected], s
     else:  # remove, count down: the named kind is judged by the change
         kept = [o for o in source if _kind(o) != kind]
     matched = _match(kept, edited, tol)
-    keep = {f"keep {_kind(o)[0]} {_kind(o)[1]} at ({o.centre[0]:.0f}, {o.centre[1]:.0f})": i in matched
+    keep = {f"{_kind(o)[0]} {_kind(o)[1]} at ({o.centre[0]:.0f}, {o.centre[1]:.0f}) unchanged": i in matched
             for i, o in enumerate(kept)}
     free = [o for j, o in enumerate(edited) if j not in matched.values()]
     change: dict[str, bool] = {}

@@ -345,6 +345,8 @@ def edit_set(n_per_type: int, split: str = "heldout", size: int = 32, seed: int 
     """n_per_type edits of each type from the split (distinct while the split has that many), each a row
     {"instruction", "edit_type", "source_prompt", "target_prompt", "source", "reference"} with the two
     images as uint8 [size, size, 3]; deterministic in `seed`."""
+    if n_per_type < 1:
+        raise ValueError(f"edit_set: n_per_type must be at least 1; got {n_per_type}")
     rng = np.random.default_rng(seed)
     rows = []
     for kind in EDIT_TYPES:
