@@ -28,6 +28,7 @@ from rewards import vlm_judge as _vlm_judge  # noqa: F401,E402  (vlm_judge: a VL
 from rewards import ocr as _ocr  # noqa: F401,E402  (ocr: Flow-GRPO's OCR reward; extra ocr)
 from rewards import imagereward as _imagereward  # noqa: F401,E402  (imagereward: BLIP + MLP, weights converted once)
 from rewards import shapes as _shapes  # noqa: F401,E402  (shapes: the verifiable reward of the embedded default)
+from rewards import shapes_edit as _shapes_edit  # noqa: F401,E402  (shapes_edit: the shapes editing world's verifier)
 from rewards import video as _video  # noqa: F401,E402  (temporal_consistency; image rewards score videos by frame)
 
 __all__ = [
