@@ -13,6 +13,7 @@ import torch
 from diffusers import QwenImageEditPlusPipeline
 from PIL import Image
 
+from flowrl.errors import UserError
 from flowrl.models import load_policy
 from flowrl.models.edit_prompt import EditPrompt
 from flowrl.models.qwen_image_edit import image_only_vl_processor
@@ -37,6 +38,11 @@ def _pipeline(path):
 
 
 @pytest.fixture(scope="module")
+def policy(tiny_qwen_image_edit_dir):
+    return _policy(tiny_qwen_image_edit_dir)  # its cache holds each edit's conditioning across the tests
+
+
+@pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """Two source image files: a square one and a 4:3 one (another condition grid)."""
     folder, rng = tmp_path_factory.mktemp("sources"), np.random.default_rng(0)
@@ -47,8 +53,7 @@ def sources(tmp_path_factory):
     return paths
 
 
-def test_ode_equals_the_pipeline_call_with_true_cfg(tiny_qwen_image_edit_dir, sources):
-    policy = _policy(tiny_qwen_image_edit_dir)
+def test_ode_equals_the_pipeline_call_with_true_cfg(policy, tiny_qwen_image_edit_dir, sources):
     prompts = [EditPrompt("make it red", sources[0]), EditPrompt("add two blue squares", sources[1])]
     traj = rollout(policy, prompts, SEEDS, SamplerSpec.ode(policy.sigmas(STEPS, "pipeline", 3.0)), len(prompts))
     pipe = _pipeline(tiny_qwen_image_edit_dir)
@@ -66,8 +71,7 @@ def test_ode_equals_the_pipeline_call_with_true_cfg(tiny_qwen_image_edit_dir, so
     assert len(pipe.tokenizer(system).input_ids) == pipe.prompt_template_encode_start_idx
 
 
-def test_another_source_under_the_same_instruction_changes_the_conditioning_and_the_sample(tiny_qwen_image_edit_dir, sources):
-    policy = _policy(tiny_qwen_image_edit_dir)
+def test_another_source_under_the_same_instruction_changes_the_conditioning_and_the_sample(policy, sources):
     red = torch.zeros(3, 64, 64)
     red[0] = 1.0
     prompts = [EditPrompt("make it red", sources[0]), EditPrompt("make it red", red, name="red")]
@@ -82,9 +86,13 @@ def test_another_source_under_the_same_instruction_changes_the_conditioning_and_
     assert (traj.final[0] - traj.final[1]).abs().max() > 1e-3
 
 
-def test_sources_of_two_aspects_batch_without_changing_each_other(tiny_qwen_image_edit_dir, sources):
+def test_a_prompt_without_a_source_is_one_sentence(policy):
+    with pytest.raises(UserError, match="^model.kind qwen_image_edit edits a source image, so each prompt needs one"):
+        policy.encode(["a red circle"])
+
+
+def test_sources_of_two_aspects_batch_without_changing_each_other(policy, sources):
     # the transformer reads one set of RoPE shapes per batch: rows whose condition grids differ run apart
-    policy = _policy(tiny_qwen_image_edit_dir)
     prompts = [EditPrompt("make it red", sources[0]), EditPrompt("add two blue squares", sources[1])]
     x = torch.randn(2, *policy.latent_shape(), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
