@@ -109,10 +109,10 @@ class QwenImageEditPolicy(QwenImagePolicy):
         v = torch.empty(x.shape, dtype=torch.float32, device=self.device)
         sigmas = torch.as_tensor(sigma).reshape(-1)
         for grid in dict.fromkeys(map(tuple, grids)):
-            rows = torch.tensor([g == list(grid) for g in grids])
-            part = {k: t[rows.to(t.device)] for k, t in cond.items()}
-            v[rows.to(self.device)] = self._edit_velocity(x[rows.to(x.device)], sigmas[rows] if sigmas.numel() > 1 else sigma,
-                                                          part, list(grid))
+            members = torch.tensor([tuple(g) == grid for g in grids])
+            part = {k: t[members.to(t.device)] for k, t in cond.items()}
+            sigma_part = sigmas[members] if sigmas.numel() > 1 else sigma
+            v[members.to(self.device)] = self._edit_velocity(x[members.to(x.device)], sigma_part, part, list(grid))
         return v
 
     def _edit_velocity(self, x, sigma, cond, grid):
