@@ -57,24 +57,30 @@ class QwenImagePolicy(FlowPolicy):
         return self._packed_latent_shape()
 
     def _velocity(self, x, sigma, cond):
+        h, w = self._latent_hw()
+        return self._guided_velocity(x.to(self.device, self.dtype), sigma, cond, [(1, h // 2, w // 2)], x.shape[1])
+
+    def _guided_velocity(self, tokens, sigma, cond, img_shapes, keep):
+        """The transformer over image `tokens` [B, N, C] (in the network's dtype) whose RoPE shapes are
+        `img_shapes` (one (frames, rows, columns) per image the tokens hold, the same for every row), its
+        prediction for the first `keep` tokens (the noisy target's; an edit's condition tokens follow them),
+        guided on the negative prompt when model.guidance_scale is above 1; in fp32."""
         g = self.guidance_scale
         use_cfg = g > 1.0
-        x_in = x.to(self.device, self.dtype)
         embeds, mask = cond["embeds"], cond["mask"]
         if use_cfg:  # one forward over both halves, the text streams padded to one length
-            x_in = torch.cat([x_in, x_in])
+            tokens = torch.cat([tokens, tokens])
             embeds, mask = pad_cat([embeds, cond["neg_embeds"]]), pad_cat([mask, cond["neg_mask"]])
-        h, w = self._latent_hw()
-        rows = x_in.shape[0]
+        rows = tokens.shape[0]
         v = self.net(
-            hidden_states=x_in,
+            hidden_states=tokens,
             timestep=self.timestep_rows(sigma, rows),  # the pipeline passes t / 1000: sigma itself
             guidance=None,
             encoder_hidden_states=embeds.to(self.dtype),
             encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * rows,
+            img_shapes=[list(img_shapes)] * rows,
             return_dict=False,
-        )[0].float()
+        )[0][:, :keep].float()
         if use_cfg:
             v_cond, v_neg = v.chunk(2)
             guided = v_neg + g * (v_cond - v_neg)

@@ -214,16 +214,16 @@ _QWEN_TEMPLATE_WORDS = ("system", "Describe", " the", " image", " by", " detaili
                         " background", "user", "assistant")
 
 
-def _qwen_tokenizer(extra_specials: tuple[str, ...] = ()):
-    """A byte-level BPE Qwen2 tokenizer: single bytes, the template's words, and the chat template's
-    special tokens (and `extra_specials`): every prompt tokenizes, offline."""
+def _qwen_tokenizer(extra_specials: tuple[str, ...] = (), words: tuple[str, ...] = _QWEN_TEMPLATE_WORDS):
+    """A byte-level BPE Qwen2 tokenizer: single bytes, the template's `words` (one token each), and the chat
+    template's special tokens (and `extra_specials`): every prompt tokenizes, offline."""
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                 "<|video_pad|>", *extra_specials]
     pieces, merges = sorted(ByteLevel.alphabet()), []  # the 256 byte-level characters
-    for word in _QWEN_TEMPLATE_WORDS:
+    for word in words:
         w = word.replace(" ", "\u0120")  # byte-level's space
         for i in range(2, len(w) + 1):  # a chain of merges, left to right: w[:i-1] + w[i-1]
             merges.append((w[: i - 1], w[i - 1]))
@@ -264,6 +264,76 @@ def build_tiny_qwen_image(path: str | Path, seed: int = 0) -> Path:
                                                 time_shift_type="exponential")
     QwenImagePipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
                       tokenizer=tok).save_pretrained(str(path))
+    return Path(path)
+
+
+# The words of QwenImageEditPlusPipeline's prompt template before the user's turn, as Qwen's pre-tokenizer
+# splits them, one token each: the template's system part is the 64 tokens the pipeline drops from the
+# encoder's output (prompt_template_encode_start_idx), as with the real tokenizer
+_QWEN_EDIT_TEMPLATE_WORDS = (
+    " the", " key", " features", " of", " input", " image", " (", " shape", " size", " texture", " objects", " background",
+    " then", " explain", " how", " user", " text", " instruction", " should", " alter", " or", " modify", " Generate", " a",
+    " new", " that", " meets", " requirements", " while", " maintaining", " consistency", " with", " original", " where",
+    " appropriate",
+    # after the words with a space: their merge chains must rank before these, which begin with pairs inside them
+    # (color's "co" in " consistency")
+    "system", "user", "Describe", "color", "),", "'s", "Picture")
+
+
+@builtin("tiny-qwen-image-edit")
+def build_tiny_qwen_image_edit(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random `QwenImageEditPlusPipeline` (Qwen-Image-Edit-2509's) to `path`: Qwen-Image's
+    transformer and scheduler, a Qwen2.5-VL with a one-block vision tower and its processor (the tokenizer
+    with the vision tokens and a Qwen2VLImageProcessor whose max_pixels turns the pipeline's 384² copy
+    of a source into 16 image tokens), and the Qwen-Image VAE with 16x spatial downsampling (4 stages, no
+    residual blocks in the encoder), so that the pipeline's fixed ≈1024² condition is 1024 tokens, not the
+    real 8x VAE's 4096, and encodes in a fraction of a second on a CPU (16x, not more: the pipeline's sizes
+    are multiples of 32, whose latents must be even to pack 2x2).
+
+    The processor is saved by hand: transformers cannot build or save a Qwen2VLProcessor without its
+    video processor, which needs torchvision (see QwenImageEditPolicy's loader)."""
+    import json
+
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline,
+                           QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+
+    tok = _qwen_tokenizer(words=_QWEN_EDIT_TEMPLATE_WORDS)
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end", "image_pad", "video_pad")}
+    hidden, z_dim = 16, 4
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=hidden,
+                                              guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=z_dim, dim_mult=[1] * 5, num_res_blocks=0,
+                                 temperal_downsample=[False, True, True, False],
+                                 latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.2 * i for i in range(z_dim)])
+    torch.manual_seed(seed + 2)
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]}},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": hidden,
+                       "fullatt_block_indexes": [0]},
+        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
+        image_token_id=ids["image_pad"], video_token_id=ids["video_pad"]))
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
+                                                time_shift_type="exponential")
+    QwenImageEditPlusPipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
+                              processor=None).save_pretrained(str(path))
+    # the processor's parts as a Qwen2VLProcessor directory holds them: its tokenizer and image processor (16 tokens of
+    # 28² pixels, 2x2 patches of 14 merged, for any source: min_pixels = max_pixels)
+    processor = Path(path) / "processor"
+    tok.save_pretrained(str(processor))
+    pixels = 16 * 28 * 28
+    Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels, patch_size=14, merge_size=2,
+                          temporal_patch_size=2).save_pretrained(str(processor))
+    index_file = Path(path) / "model_index.json"
+    index = json.loads(index_file.read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return Path(path)
 
 
