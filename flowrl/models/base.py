@@ -21,7 +21,7 @@ from flowrl.errors import UserError
 from flowrl.hub import check_hub_id
 from flowrl.models.attention import set_attention_backend
 from flowrl.models.compile import MIN_ROWS, compile_network, padded_velocity
-from flowrl.models.edit_prompt import EditPrompt, sources_of
+from flowrl.models.edit_prompt import EditPrompt
 from flowrl.models.quantize import quantized_components
 from flowrl.models.text_cache import (SHARD, StoredEmbeddings, cache_path, load_embeddings, load_text_encoders_on_cpu,
                                       mark_complete, save_shard, text_encoder_names)
@@ -314,9 +314,10 @@ class FlowPolicy:
         """An editing family needs every prompt's source; any other family refuses one (its text encoder would
         read the edit's key as a caption)."""
         if self.edits:
-            if prompts and sources_of(prompts) is None:  # sources_of: one sentence for a batch that mixes the two
+            plain = next((p for p in prompts if not isinstance(p, EditPrompt)), None)  # a type check: no image decoded
+            if plain is not None:
                 raise UserError(f"model.kind {self.kind} edits a source image, so every prompt needs one (an EditPrompt: "
-                                f"an instruction and its source image); got the plain prompt '{prompts[0]}'")
+                                f"an instruction and its source image); got the plain prompt '{plain}'")
         elif any(isinstance(p, EditPrompt) for p in prompts):
             from flowrl.models import FAMILIES  # this module is below the registry's
 

@@ -102,7 +102,7 @@ def test_a_prompt_without_a_source_is_one_sentence(tiny_flux_kontext_dir):
     policy = _policy(tiny_flux_kontext_dir)
     with pytest.raises(UserError, match="^model.kind flux_kontext edits a source image, so every prompt needs one"):
         policy.encode(["a red circle"])  # a prompt file's plain lines
-    with pytest.raises(UserError, match="mixes edits and plain prompts"):
+    with pytest.raises(UserError, match="got the plain prompt .a red circle.$"):
         policy.encode([EditPrompt("make it red", torch.rand(3, 64, 64), name="square"), "a red circle"])
 
 

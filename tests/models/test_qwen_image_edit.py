@@ -87,7 +87,7 @@ def test_another_source_under_the_same_instruction_changes_the_conditioning_and_
 
 
 def test_a_prompt_without_a_source_is_one_sentence(policy):
-    with pytest.raises(UserError, match="^model.kind qwen_image_edit edits a source image, so each prompt needs one"):
+    with pytest.raises(UserError, match="^model.kind qwen_image_edit edits a source image, so every prompt needs one"):
         policy.encode(["a red circle"])
 
 
