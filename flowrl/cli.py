@@ -112,8 +112,11 @@ def _eval_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--config", help="a config or preset: evaluate its base model")
     e.add_argument("--checkpoint", type=_checkpoint_arg, metavar="ITER|best",
                    help="with --run: the checkpoint of this iteration, or best (the best by monitor.gold; default: the latest)")
-    e.add_argument("--prompts", metavar="FILE", help="one prompt per line, or builtin:shapes-heldout "
-                   "(the default when the reward is shapes: a GenEval-style per-category table)")
+    which = e.add_mutually_exclusive_group()
+    which.add_argument("--prompts", metavar="FILE", help="one prompt per line, or builtin:shapes-heldout "
+                       "(the default when the reward is shapes: a GenEval-style per-category table)")
+    which.add_argument("--edits", metavar="FILE", help="an editing model's eval set: a .jsonl or .parquet file (or hub dataset) "
+                       "of instruction and source rows, as data.edits (with shapes_edit: a table per edit type)")
     e.add_argument("-n", type=_int(1), default=1, help="images (videos) per prompt")
     e.add_argument("--no-base", action="store_true", help="with --run: skip the base model's scores (by default the run's "
                    "are printed beside the base's, the adapter disabled, on the same prompts and seeds, and the change)")
@@ -488,8 +491,13 @@ def cmd_eval(args) -> int:
     from flowrl.train.evaluate import ARTEFACT_LEGEND, JUDGE_LEGEND, format_category_table, format_comparison
     from flowrl.train.prompts import read_prompt_file
 
-    prompts = read_prompt_file(args.prompts, field="--prompts", per_category=args.per_category) if args.prompts else None
-    result, base, what, source = _evaluate(args, prompts, args.prompts, with_base=bool(args.run) and not args.no_base)
+    if args.edits:
+        from flowrl.train.edit_data import read_edits
+
+        prompts = read_edits(args.edits, field="--edits")
+    else:
+        prompts = read_prompt_file(args.prompts, field="--prompts", per_category=args.per_category) if args.prompts else None
+    result, base, what, source = _evaluate(args, prompts, args.edits or args.prompts, with_base=bool(args.run) and not args.no_base)
     print(f"eval of {what} on {len(result.prompts) // args.n} prompts x {args.n} images ({source})")
     if base is None:
         means = result.means()

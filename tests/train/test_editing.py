@@ -64,3 +64,19 @@ def test_sample_with_an_image_draws_rows_that_open_with_the_source(edits, tmp_pa
     assert main(["sample", "--config", "tiny_jpeg", *overrides, "--image", str(tmp_path / "gone.png"), "--prompt", "x",
                  "--out", str(tmp_path / "no.png")]) == 2
     assert "the source image" in capsys.readouterr().err and not (tmp_path / "no.png").exists()
+
+
+def test_check_passes_on_an_edit_config_and_eval_on_an_edit_set_prints_a_table_per_edit_type(edits, tmp_path, capsys):
+    from rewards.shapes_edit_world import EDIT_TYPES, write_edit_set
+
+    overrides = [o for o in TINY if not o.startswith(("trainer.", "run."))]
+    assert main(["check", "tiny_jpeg", *overrides, f"data.edits={edits}"]) == 0
+    out = capsys.readouterr().out
+    assert "(b) ODE = FluxKontextPipeline.__call__  pass" in out and "(c) LoRA step replayed in diffusers     pass" in out
+    edit_set = write_edit_set(tmp_path / "set", n_per_type=1, size=64)
+    assert main(["eval", "--config", "tiny_jpeg", *overrides, "reward.weights={shapes_edit: 1.0}", "--edits", str(edit_set)]) == 0
+    out = capsys.readouterr().out
+    assert f"on {len(EDIT_TYPES)} prompts x 1 images ({edit_set})" in out
+    assert all(edit_type in out for edit_type in EDIT_TYPES)  # the per-edit-type table
+    assert main(["eval", "--config", "tiny_jpeg", *overrides, "--edits", str(tmp_path / "none.jsonl")]) == 2
+    assert "--edits" in capsys.readouterr().err
