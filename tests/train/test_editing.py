@@ -17,7 +17,7 @@ from flowrl.cli import main
 from run_checks import run_metrics, trainable
 
 COLOURS = {"red": (255, 0, 0), "blue": (0, 0, 255)}
-TINY = ["model.kind=flux_kontext", "model.path=builtin:tiny-flux-kontext", "model.height=64", "model.width=64",
+TINY = ["model.kind=flux_kontext", "model.height=64", "model.width=64",
         "model.max_sequence_length=16", "sampling.num_steps=3", "sampling.eval_num_steps=3", "sampling.batch_size=4",
         "data.prompts_per_iteration=2", "data.group_size=4", "lora.rank=4", "lora.alpha=8", "run.sample_every=0",
         "run.tracker=none", "run.progress=false", "trainer.iterations=1", "trainer.kl_beta=0", "lora.acts_at=all"]
@@ -26,6 +26,12 @@ ROLLOUTS = {
     "tree_dgpo": ["rollout.kind=tree", "objective.kind=dgpo", "sampling.sampler=dance_grpo", "rollout.tree.split_steps=[0]",
                   "rollout.tree.branching=[4]", "sampling.window.strategy=all", "objective.dgpo.timesteps=2"],
 }
+
+
+@pytest.fixture
+def tiny(tiny_flux_kontext_dir):
+    """TINY on the session's tiny Kontext pipeline (built once per worker, shared with the family's tests)."""
+    return [*TINY, f"model.path={tiny_flux_kontext_dir}"]
 
 
 @pytest.fixture
@@ -38,14 +44,14 @@ def edits(tmp_path):
 
 
 @pytest.mark.parametrize("pairing", list(ROLLOUTS))
-def test_an_edit_dataset_trains_through_the_rollouts_and_a_sources_reward_sees_each_samples_source(edits, tmp_path, pairing):
+def test_an_edit_dataset_trains_through_the_rollouts_and_a_sources_reward_sees_each_samples_source(edits, tiny, tmp_path, pairing):
     seen = []
 
     def keeps_source(images, prompts, sources):  # minus the distance to the sample's own source
         seen.append({p.source_name: s.mean(dim=(1, 2)).tolist() for p, s in zip(prompts, sources)})
         return -(images - sources).abs().mean(dim=(1, 2, 3))
 
-    run = api.train("tiny_jpeg", *TINY, *ROLLOUTS[pairing], f"data.edits={edits}", reward={"keeps_source": keeps_source},
+    run = api.train("tiny_jpeg", *tiny, *ROLLOUTS[pairing], f"data.edits={edits}", reward={"keeps_source": keeps_source},
                     run_dir=tmp_path / "run")
     rows = run_metrics(run.path)
     assert len(rows) == 1 and all(np.isfinite(r["reward_mean"]) for r in rows)
@@ -55,9 +61,9 @@ def test_an_edit_dataset_trains_through_the_rollouts_and_a_sources_reward_sees_e
     assert any(w.abs().sum() > 0 for k, w in trainable(run.path, 1).items() if "lora_B" in k)  # the adapter moved
 
 
-def test_sample_with_an_image_draws_rows_that_open_with_the_source(edits, tmp_path, capsys):
+def test_sample_with_an_image_draws_rows_that_open_with_the_source(edits, tiny, tmp_path, capsys):
     out = tmp_path / "grid.png"
-    overrides = [o for o in TINY if not o.startswith(("trainer.", "run."))]
+    overrides = [o for o in tiny if not o.startswith(("trainer.", "run."))]
     assert main(["sample", "--config", "tiny_jpeg", *overrides, "--image", str(edits.parent / "red.png"),
                  "--prompt", "make it blue", "-n", "2", "--out", str(out)]) == 0
     assert out.is_file() and "wrote" in capsys.readouterr().out
@@ -66,10 +72,10 @@ def test_sample_with_an_image_draws_rows_that_open_with_the_source(edits, tmp_pa
     assert "the source image" in capsys.readouterr().err and not (tmp_path / "no.png").exists()
 
 
-def test_check_passes_on_an_edit_config_and_eval_on_an_edit_set_prints_a_table_per_edit_type(edits, tmp_path, capsys):
+def test_check_passes_on_an_edit_config_and_eval_on_an_edit_set_prints_a_table_per_edit_type(edits, tiny, tmp_path, capsys):
     from rewards.shapes_edit_world import EDIT_TYPES, write_edit_set
 
-    overrides = [o for o in TINY if not o.startswith(("trainer.", "run."))]
+    overrides = [o for o in tiny if not o.startswith(("trainer.", "run."))]
     assert main(["check", "tiny_jpeg", *overrides, f"data.edits={edits}"]) == 0
     out = capsys.readouterr().out
     assert "(b) ODE = FluxKontextPipeline.__call__  pass" in out and "(c) LoRA step replayed in diffusers     pass" in out
