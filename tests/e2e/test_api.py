@@ -61,6 +61,7 @@ def redness(images: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.slow  # README's quickstart trains the shapes model
+@pytest.mark.xdist_group("quickstart")  # one worker trains the quickstart for both
 def test_readme_quickstart_trains_the_shapes_lora_on_its_lambda(quickstart):
     names, folder = quickstart
     run = names["run"]
@@ -75,6 +76,7 @@ def test_readme_quickstart_trains_the_shapes_lora_on_its_lambda(quickstart):
 
 
 @pytest.mark.slow  # README's quickstart trains the shapes model
+@pytest.mark.xdist_group("quickstart")  # one worker trains the quickstart for both
 def test_evaluate_scores_a_run_with_its_lambda_and_sample_draws_its_checkpoint(quickstart):
     names, folder = quickstart
     run = names["run"]
