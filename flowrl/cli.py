@@ -298,20 +298,6 @@ def _writable_file(path: Path, flag: str) -> Path:
     return path
 
 
-def _with_sources(images, prompts: list, captions: list[str], n: int):
-    """A grid of rows `source | n edits` (the source at the samples' size): images, captions, columns."""
-    import torch
-
-    from rewards.registry import source_images
-
-    sources = source_images("--image", prompts, images)
-    rows, labels = [], []
-    for i in range(0, len(prompts), n):
-        rows += [sources[i], *images[i : i + n]]
-        labels += [f"source: {prompts[i].source_name}", *captions[i : i + n]]
-    return torch.stack(rows), labels, n + 1
-
-
 def cmd_sample(args) -> int:
     from flowrl.text.cli import is_text_config, is_text_run
     from flowrl.train.images import save_grid
@@ -347,7 +333,9 @@ def cmd_sample(args) -> int:
             reward = MultiReward.single(args.reward, cfg.reward)
             captions = [f"{p} ({args.reward}={r:.3f})" for p, r in zip(prompts, (reward(images, prompts) @ reward.channel_weights).tolist())]
         if args.image is not None:  # source | edits: each prompt's row opens with the image it edits
-            images, captions, columns = _with_sources(images, prompts, captions, args.n)
+            from flowrl.train.images import with_sources
+
+            (images, captions), columns = with_sources(images, prompts, captions, args.n), args.n + 1
         save_grid(images, out, columns=columns, captions=captions)
         print(f"wrote {out} ({len(prompts)} images from {source})")
         return 0

@@ -66,6 +66,19 @@ def save_grid(images: torch.Tensor, path: str | Path, columns: int | None = None
     return path
 
 
+def with_sources(images: torch.Tensor, prompts: list, captions: list[str], per_prompt: int) -> tuple[torch.Tensor, list[str]]:
+    """Edits' samples [N, 3, H, W] (`per_prompt` in a row per prompt) with each prompt's source before its
+    samples, at their size: the images and captions of a grid of rows `source | edits`."""
+    from rewards.registry import source_images
+
+    sources = source_images("the sample grid", prompts, images)
+    tiles, labels = [], []
+    for i in range(0, len(prompts), per_prompt):
+        tiles += [sources[i], *images[i : i + per_prompt]]
+        labels += [f"source: {prompts[i].source_name}", *captions[i : i + per_prompt]]
+    return torch.stack(tiles), labels
+
+
 def log_grid(accelerator, tracker: str, path: Path, step: int, tag: str = "samples") -> None:
     """The sample grid at `path` (a video grid's PNG frame strip) to run.tracker `tracker` at `step`, beside the
     curves: tensorboard takes an [N, H, W, C] array, wandb a list of images (accelerate's trackers)."""

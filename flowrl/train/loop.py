@@ -32,7 +32,7 @@ from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.schema import Config
 from flowrl.train.experience import Experience
 from flowrl.train.image_producer import image_producer
-from flowrl.train.images import log_grid, save_grid
+from flowrl.train.images import log_grid, save_grid, with_sources
 from flowrl.train.metrics import iteration_row
 from flowrl.train.monitor.watch import Monitor, held_out_prompts, monitor_evaluate, monitor_saved, monitor_start
 from flowrl.train.parts import TrainContext
@@ -219,7 +219,11 @@ class Trainer(RunManager):
                 return None
             traj = rollout(self.policy, prompts, seeds, self.eval_spec(), self.cfg.sampling.batch_size)
             images = self.policy.decode(traj.final)
-        path = save_grid(images, self.run.samples / f"{name}.png", columns=seeds_per_prompt * 2, captions=prompts)
+        captions, columns = list(prompts), seeds_per_prompt * 2
+        if self.policy.edits:  # each edit's source opens its samples
+            images, captions = with_sources(images, prompts, [p.instruction for p in prompts], seeds_per_prompt)
+            columns = (seeds_per_prompt + 1) * 2
+        path = save_grid(images, self.run.samples / f"{name}.png", columns=columns, captions=captions)
         log_grid(self.accelerator, self.cfg.run.tracker, path, self.iteration)  # the tracker's pictures beside its curves
         return path
 

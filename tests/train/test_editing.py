@@ -51,7 +51,8 @@ def test_an_edit_dataset_trains_through_the_rollouts_and_a_sources_reward_sees_e
         seen.append({p.source_name: s.mean(dim=(1, 2)).tolist() for p, s in zip(prompts, sources)})
         return -(images - sources).abs().mean(dim=(1, 2, 3))
 
-    run = api.train("tiny_jpeg", *tiny, *ROLLOUTS[pairing], f"data.edits={edits}", reward={"keeps_source": keeps_source},
+    grids = ["run.sample_every=1"] if pairing == "flat_grpo" else []
+    run = api.train("tiny_jpeg", *tiny, *ROLLOUTS[pairing], *grids, f"data.edits={edits}", reward={"keeps_source": keeps_source},
                     run_dir=tmp_path / "run")
     rows = run_metrics(run.path)
     assert len(rows) == 1 and all(np.isfinite(r["reward_mean"]) for r in rows)
@@ -59,6 +60,14 @@ def test_an_edit_dataset_trains_through_the_rollouts_and_a_sources_reward_sees_e
     assert {name: [round(c, 3) for c in means] for batch in seen for name, means in batch.items()} == {
         "row 1: red.png": [1.0, 0.0, 0.0], "row 2: blue.png": [0.0, 0.0, 1.0]}
     assert any(w.abs().sum() > 0 for k, w in trainable(run.path, 1).items() if "lora_B" in k)  # the adapter moved
+    if pairing == "flat_grpo":  # its sample grid: each edit's source, then its two samples; both edits in a row
+        from flowrl.train.images import save_grid
+
+        grid = Image.open(run.path / "samples" / "iter_000001.png")
+        six = Image.open(save_grid(torch.zeros(6, 3, 64, 64), tmp_path / "six.png", columns=6, captions=["x"] * 6))
+        assert grid.width == six.width  # one row of 6 tiles, not the 4 of samples alone
+        first_column = {grid.getpixel((six.width // 12, y))[:3] for y in range(grid.height)}
+        assert (255, 0, 0) in first_column or (0, 0, 255) in first_column  # the first tile is a source, flat red or blue
 
 
 def test_sample_with_an_image_draws_rows_that_open_with_the_source(edits, tiny, tmp_path, capsys):
