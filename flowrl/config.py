@@ -378,6 +378,9 @@ def _validate_data(cfg: Config, rollout, validate_paths: bool) -> None:
     if d.edits and not edits:
         raise ConfigError(f"data.edits gives source images to edit, which model.kind {cfg.model.kind} cannot (it generates from text "
                           f"alone); choose an editing family: {', '.join(FAMILIES.where(lambda f: f.edits)) or 'none registered'}")
+    if edits and d.eval_prompts:
+        raise ConfigError(f"data.eval_prompts are plain prompts, which model.kind {cfg.model.kind} cannot draw (it edits source "
+                          "images); leave it empty: the sample grids draw the first edits of data.edits")
     if edits and d.edits and validate_paths:
         from flowrl.train.edit_data import read_edits
 

@@ -95,3 +95,5 @@ def test_check_passes_on_an_edit_config_and_eval_on_an_edit_set_prints_a_table_p
     assert all(edit_type in out for edit_type in EDIT_TYPES)  # the per-edit-type table
     assert main(["eval", "--config", "tiny_jpeg", *overrides, "--edits", str(tmp_path / "none.jsonl")]) == 2
     assert "--edits" in capsys.readouterr().err
+    assert main(["train", "tiny_jpeg", *tiny, f"data.edits={edits}", "data.eval_prompts=[a red circle]"]) == 2
+    assert "data.eval_prompts are plain prompts, which model.kind flux_kontext cannot draw" in capsys.readouterr().err
