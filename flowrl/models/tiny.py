@@ -237,34 +237,50 @@ def build_tiny_qwen_image(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny random `QwenImagePipeline` to `path`: Qwen2.5-VL text encoder, the 3D-causal
     Qwen-Image VAE (8x spatial downsampling and per-channel latent mean/std, as the real one has),
     an MMDiT with 2x2 packed latents and dynamic shifting with a terminal sigma."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline
 
     tok = _qwen_tokenizer()
-    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end", "image_pad", "video_pad")}
-    hidden, z_dim = 16, 4
-    torch.manual_seed(seed)
-    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2,
-                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=hidden,
-                                              guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+    transformer, text_encoder, scheduler = _tiny_qwen_parts(tok, seed)
     torch.manual_seed(seed + 1)
-    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                 temperal_downsample=[False, True, True],
-                                 latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.2 * i for i in range(z_dim)])
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=QWEN_Z_DIM, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True], **_qwen_latent_stats())
+    QwenImagePipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                      tokenizer=tok).save_pretrained(str(path))
+    return Path(path)
+
+
+QWEN_Z_DIM, QWEN_HIDDEN = 4, 16  # the tiny Qwen-Image pipelines' latent channels and text width
+
+
+def _qwen_latent_stats() -> dict[str, list[float]]:
+    """Per-channel latent mean and std of the tiny Qwen-Image VAEs (not 0 and 1, as the real one's are not)."""
+    return {"latents_mean": [0.1 * i for i in range(QWEN_Z_DIM)], "latents_std": [1.0 + 0.2 * i for i in range(QWEN_Z_DIM)]}
+
+
+def _tiny_qwen_parts(tok, seed: int, vision: dict | None = None):
+    """The transformer (seeded `seed`), the Qwen2.5-VL text encoder (`seed + 2`; `vision`: more of its vision tower's
+    config) and the scheduler that the tiny Qwen-Image and Qwen-Image-Edit pipelines share."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end", "image_pad", "video_pad")}
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * QWEN_Z_DIM, out_channels=QWEN_Z_DIM, num_layers=2,
+                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=QWEN_HIDDEN,
+                                              guidance_embeds=False, axes_dims_rope=(8, 4, 4))
     torch.manual_seed(seed + 2)
     text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config={"vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 32, "num_hidden_layers": 2,
+        text_config={"vocab_size": len(tok), "hidden_size": QWEN_HIDDEN, "intermediate_size": 32, "num_hidden_layers": 2,
                      "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 1024,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": hidden},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": QWEN_HIDDEN,
+                       **(vision or {})},
         vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
         image_token_id=ids["image_pad"], video_token_id=ids["video_pad"]))
     scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                                                 base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
                                                 time_shift_type="exponential")
-    QwenImagePipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder,
-                      tokenizer=tok).save_pretrained(str(path))
-    return Path(path)
+    return transformer, text_encoder, scheduler
 
 
 # The words of QwenImageEditPlusPipeline's prompt template before the user's turn, as Qwen's pre-tokenizer
@@ -294,33 +310,14 @@ def build_tiny_qwen_image_edit(path: str | Path, seed: int = 0) -> Path:
     video processor, which needs torchvision (see QwenImageEditPolicy's loader)."""
     import json
 
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline,
-                           QwenImageTransformer2DModel)
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessor
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPlusPipeline
+    from transformers import Qwen2VLImageProcessor
 
     tok = _qwen_tokenizer(words=_QWEN_EDIT_TEMPLATE_WORDS)
-    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("vision_start", "vision_end", "image_pad", "video_pad")}
-    hidden, z_dim = 16, 4
-    torch.manual_seed(seed)
-    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2,
-                                              attention_head_dim=16, num_attention_heads=2, joint_attention_dim=hidden,
-                                              guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+    transformer, text_encoder, scheduler = _tiny_qwen_parts(tok, seed, vision={"fullatt_block_indexes": [0]})
     torch.manual_seed(seed + 1)
-    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=z_dim, dim_mult=[1] * 5, num_res_blocks=0,
-                                 temperal_downsample=[False, True, True, False],
-                                 latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.2 * i for i in range(z_dim)])
-    torch.manual_seed(seed + 2)
-    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config={"vocab_size": len(tok), "hidden_size": hidden, "intermediate_size": 32, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 1024,
-                     "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [1, 1, 2]}},
-        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": hidden,
-                       "fullatt_block_indexes": [0]},
-        vision_start_token_id=ids["vision_start"], vision_end_token_id=ids["vision_end"],
-        image_token_id=ids["image_pad"], video_token_id=ids["video_pad"]))
-    scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                                                base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
-                                                time_shift_type="exponential")
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=QWEN_Z_DIM, dim_mult=[1] * 5, num_res_blocks=0,
+                                 temperal_downsample=[False, True, True, False], **_qwen_latent_stats())
     QwenImageEditPlusPipeline(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tok,
                               processor=None).save_pretrained(str(path))
     # the processor's parts as a Qwen2VLProcessor directory holds them: its tokenizer and image processor (16 tokens of

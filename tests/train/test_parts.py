@@ -168,16 +168,23 @@ class ScaledFlowMatching(Objective):
 '''
 
 
-@pytest.fixture
-def plugin_config(tmp_path, monkeypatch, tiny_sd3_dir):
+def write_plugin_config(tmp_path, monkeypatch, model_dir, module: str, source: str, sections: str):
+    """A user's module `module` (its `source`) importable from tmp_path/plugins, and a config that names it in
+    `plugins` on the tiny model `model_dir` with two prompts and the YAML `sections`: the config's path."""
     (tmp_path / "plugins").mkdir()
-    (tmp_path / "plugins" / "my_flowrl_parts.py").write_text(PLUGIN)
+    (tmp_path / "plugins" / f"{module}.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
     config = tmp_path / "mine.yaml"
-    config.write_text(f"plugins: [my_flowrl_parts]\nmodel:\n  path: {tiny_sd3_dir}\ndata:\n  prompts: [a red circle, a blue square]\n"
-                      "reward:\n  weights: {brightness: 1.0}\nobjective:\n  kind: toy_scaled\n  toy_scaled:\n    sigma: 0.3\n"
-                      "    weight: 2.0\n")
-    yield config
+    config.write_text(f"plugins: [{module}]\nmodel:\n  path: {model_dir}\ndata:\n  prompts: [a red circle, a blue square]\n"
+                      + sections)
+    return config
+
+
+@pytest.fixture
+def plugin_config(tmp_path, monkeypatch, tiny_sd3_dir):
+    yield write_plugin_config(tmp_path, monkeypatch, tiny_sd3_dir, "my_flowrl_parts", PLUGIN,
+                              "reward:\n  weights: {brightness: 1.0}\nobjective:\n  kind: toy_scaled\n  toy_scaled:\n"
+                              "    sigma: 0.3\n    weight: 2.0\n")
     OBJECTIVES.unregister("toy_scaled")
     sys.modules.pop("my_flowrl_parts", None)
 
@@ -260,14 +267,9 @@ def channel_mean(channel: int = 1):
 
 @pytest.fixture
 def toy_allocator_config(tmp_path, monkeypatch, tiny_sd3_dir):
-    (tmp_path / "plugins").mkdir()
-    (tmp_path / "plugins" / "my_allocator_and_reward.py").write_text(TOY_ALLOCATOR_AND_REWARD)
-    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
-    config = tmp_path / "mine.yaml"
-    config.write_text(f"plugins: [my_allocator_and_reward]\nmodel:\n  path: {tiny_sd3_dir}\ndata:\n  prompts: [a red circle, "
-                      "a blue square]\nreward:\n  weights: {channel_mean: 1.0}\n  options:\n    channel_mean: {channel: 2}\n"
-                      "allocator:\n  kind: first_heavy\n  first_heavy:\n    share: 0.75\nobjective:\n  kind: nft\n")
-    yield config
+    yield write_plugin_config(tmp_path, monkeypatch, tiny_sd3_dir, "my_allocator_and_reward", TOY_ALLOCATOR_AND_REWARD,
+                              "reward:\n  weights: {channel_mean: 1.0}\n  options:\n    channel_mean: {channel: 2}\n"
+                              "allocator:\n  kind: first_heavy\n  first_heavy:\n    share: 0.75\nobjective:\n  kind: nft\n")
     from flowrl.core.allocation import ALLOCATORS
     from rewards import REWARDS
 
