@@ -103,15 +103,15 @@ def source_images(name: str, prompts, images):
     reads. One sentence for a prompt without a source."""
     import torch.nn.functional as F
 
-    from flowrl.models.edit_prompt import EditPrompt  # here: rewards import no model code unless an edit is scored
+    from flowrl.models.edit_prompt import EditPrompt, sources_of  # here: rewards import no model code unless an edit is scored
 
     missing = next((p for p in prompts if not isinstance(p, EditPrompt)), None)
     if missing is not None:
         raise UserError(f"reward '{name}' compares each sample with its source image, but the prompt '{missing}' edits no "
                         "source; give an editing family its edits (data.edits)")
     size = tuple(images.shape[-2:])
-    return torch.stack([F.interpolate(p.image()[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
-                        for p in prompts]).to(images.device)
+    return torch.stack([F.interpolate(source[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
+                        for source in sources_of(prompts)]).to(images.device)
 
 
 def _binds(signature: inspect.Signature, positional: int) -> bool:

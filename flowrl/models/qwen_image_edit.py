@@ -23,7 +23,6 @@ import torch
 from flowrl.errors import UserError
 from flowrl.models import register_family
 from flowrl.models.base import pack_2x2
-from flowrl.models.edit_prompt import EditPrompt
 from flowrl.models.qwen_image import QwenImagePolicy
 
 
@@ -61,10 +60,7 @@ class QwenImageEditPolicy(QwenImagePolicy):
     # ---- prompts: the instruction and the source through the VL, the source through the VAE ------------------
     def _encode_uncached(self, prompts):
         # one EditPrompt (FlowPolicy.encode encodes one prompt at a time); the negative prompt reads the same image
-        (prompt,) = prompts
-        if not isinstance(prompt, EditPrompt):
-            raise UserError(f"model.kind {self.kind} edits a source image, so each prompt needs one (an EditPrompt); "
-                            f"'{prompt}' has none")
+        (prompt,) = prompts  # an EditPrompt: FlowPolicy.encode refuses a plain prompt first
         picture = [self._source_copies(prompt.image())[0]]
         return {**self._encode_edit(prompt.instruction, picture),
                 **{"neg_" + k: v for k, v in self._encode_edit(self.negative_prompt, picture).items()}}

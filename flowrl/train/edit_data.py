@@ -10,6 +10,7 @@ decoded when an edit is first encoded, not here: a dataset's images need not fit
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -22,7 +23,15 @@ COLUMNS = ("instruction", "source", "reference")  # the last may be absent
 
 
 def read_edits(spec: str, field: str = "data.edits") -> list[EditPrompt]:
-    """The edits of a JSONL or parquet file or a hub dataset, in order; one sentence for the first bad row."""
+    """The edits of a JSONL or parquet file or a hub dataset, in order; one sentence for the first bad row. A file
+    is read once while it is unchanged (validation reads it, then the trainer's prompts: one pass over its images)."""
+    path = Path(spec).expanduser()
+    stamp = (path.stat().st_mtime_ns, path.stat().st_size) if path.is_file() else None
+    return list(_read_edits(spec, field, stamp))
+
+
+@functools.lru_cache(maxsize=4)
+def _read_edits(spec: str, field: str, stamp) -> tuple[EditPrompt, ...]:
     path = Path(spec).expanduser()
     if path.suffix in (".jsonl", ".parquet"):
         if not path.is_file():
@@ -32,7 +41,7 @@ def read_edits(spec: str, field: str = "data.edits") -> list[EditPrompt]:
         rows, folder = _hub_rows(spec, field), None
     else:
         raise UserError(f"{field} '{spec}' must be a .jsonl or .parquet file of edits, or a hub dataset id (org/name)")
-    edits = [_edit(row, i, folder, spec, field) for i, row in enumerate(rows)]
+    edits = tuple(_edit(row, i, folder, spec, field) for i, row in enumerate(rows))
     if not edits:
         raise UserError(f"{field} '{spec}' holds no edits; give rows with {', '.join(COLUMNS[:2])}")
     return edits
