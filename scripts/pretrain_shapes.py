@@ -85,56 +85,34 @@ def flow_loss(pipe, x0, prompts, sigmas, noise):
     return torch.nn.functional.mse_loss(v.float(), flow_matching_target(x0, noise))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def training_arguments(ap: argparse.ArgumentParser, steps: int, steps_help: str) -> None:
+    """The options every pretraining script of a built-in model shares (this one's and pretrain_shapes_edit.py's)."""
     ap.add_argument("--work", required=True, help="checkpoint directory (resumed when it holds one)")
-    ap.add_argument("--steps", type=int, default=9000,
-                    help="optimizer steps of --batch images (9000 x 64: 56 minutes on the 2-core dev box, 2 threads)")
+    ap.add_argument("--steps", type=int, default=steps, help=steps_help)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--ema", type=float, default=0.999)
     ap.add_argument("--drop", type=float, default=0.1, help="condition dropout for classifier-free guidance")
-    ap.add_argument("--image-size", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sigmas", choices=SIGMA_SAMPLING, default="logit_normal", help="how training sigmas are drawn")
     ap.add_argument("--sigma-location", type=float, default=0.0,
                     help="mean of the logit-normal sigma draws (> 0 trains more at high noise, where the layout forms)")
-    ap.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=True,
-                    help="DiT's adaLN-Zero: every block starts as the identity and the output as zero (default; "
-                         "in 5500 steps it reached 0.188 held-out strict against 0.080 without; BENCHMARKS.md)")
-    ap.add_argument("--category-weights", type=float, nargs=len(CATEGORIES), metavar="W",
-                    help=f"how often each category ({', '.join(CATEGORIES)}) is drawn, relative (default: equally)")
     ap.add_argument("--device", default="cpu",
                     help="torch device; the batches are drawn on the CPU either way, so a run's data does not depend on it")
-    ap.add_argument("--init", metavar="DIR", help="start from a pipeline directory or builtin:shapes (fine-tuning) instead of random weights")
     ap.add_argument("--checkpoint-every", type=int, default=250)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--export", metavar="DIR", help="write the EMA weights as a pipeline directory and exit")
-    args = ap.parse_args(argv)
-    if args.category_weights is not None:
-        try:  # the world owns the check; here it is a usage error (one line, exit 2)
-            category_probabilities(args.category_weights)
-        except ValueError as e:
-            ap.error(f"--category-weights: {e}")
+
+
+def run_pretraining(args, pipe, next_batch, loss_of, export, desc: str) -> int:
+    """Train `pipe`'s transformer and text encoders by `loss_of(pipe, batch)` on `next_batch(step)` (tensors on the
+    CPU, moved to args.device here), resuming from args.work's latest checkpoint; with args.export, `export(pipe,
+    directory)` writes the EMA weights instead. AdamW, linear warm-up then cosine to 5%, gradients clipped at 1,
+    an EMA with a warmed-up decay, a checkpoint every args.checkpoint_every steps."""
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    torch.manual_seed(args.seed)
-    if args.init:
-        from diffusers import StableDiffusion3Pipeline
-
-        from flowrl.models.base import absent_components, resolve_model_path
-
-        path = resolve_model_path(args.init)
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, **absent_components(path))
-    else:
-        pipe = build_shapes_pipeline(vocabulary(), image_size=args.image_size, num_layers=args.layers, heads=args.heads,
-                                     head_dim=args.head_dim, seed=args.seed, zero_init=args.zero_init)
     pipe.to(args.device)
     params = trainable(pipe)
     optimizer = torch.optim.AdamW(params.values(), lr=args.lr, weight_decay=0.0)
@@ -155,7 +133,7 @@ def main(argv=None) -> int:
 
     if args.export:
         with ema.swapped_in(params):
-            out = save_shapes_pipeline(pipe, args.export)
+            out = export(pipe, args.export)
         size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file()) / 1e6
         print(f"exported the EMA weights of step {step} to {out} ({size:.1f} MB)")
         return 0
@@ -163,15 +141,13 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "args.json").write_text(json.dumps(vars(args), indent=1))
     log = (work / "loss.jsonl").open("a")
-    bar = tqdm(total=args.steps, initial=step, desc="pretrain shapes", unit="step", disable=args.quiet)
+    bar = tqdm(total=args.steps, initial=step, desc=desc, unit="step", disable=args.quiet)
     t0, seen, running = time.time(), 0, None
     while step < args.steps:
-        x0, prompts, sigmas, noise = batch(args.seed, step, args.batch, args.image_size, args.drop, args.sigmas,
-                                           args.sigma_location, args.category_weights)
-        x0, sigmas, noise = x0.to(args.device), sigmas.to(args.device), noise.to(args.device)
+        batch_ = [t.to(args.device) if isinstance(t, torch.Tensor) else t for t in next_batch(step)]
         for g in optimizer.param_groups:
             g["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
-        loss = flow_loss(pipe, x0, prompts, sigmas, noise)
+        loss = loss_of(pipe, *batch_)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)
@@ -193,6 +169,45 @@ def main(argv=None) -> int:
     bar.close()
     print(f"done: {step} steps, smoothed loss {running}; export with --export DIR", file=sys.stderr)
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    training_arguments(ap, 9000, "optimizer steps of --batch images (9000 x 64: 56 minutes on the 2-core dev box, 2 threads)")
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=True,
+                    help="DiT's adaLN-Zero: every block starts as the identity and the output as zero (default; "
+                         "in 5500 steps it reached 0.188 held-out strict against 0.080 without; BENCHMARKS.md)")
+    ap.add_argument("--category-weights", type=float, nargs=len(CATEGORIES), metavar="W",
+                    help=f"how often each category ({', '.join(CATEGORIES)}) is drawn, relative (default: equally)")
+    ap.add_argument("--init", metavar="DIR", help="start from a pipeline directory or builtin:shapes (fine-tuning) instead of random weights")
+    args = ap.parse_args(argv)
+    if args.category_weights is not None:
+        try:  # the world owns the check; here it is a usage error (one line, exit 2)
+            category_probabilities(args.category_weights)
+        except ValueError as e:
+            ap.error(f"--category-weights: {e}")
+
+    torch.manual_seed(args.seed)
+    if args.init:
+        from diffusers import StableDiffusion3Pipeline
+
+        from flowrl.models.base import absent_components, resolve_model_path
+
+        path = resolve_model_path(args.init)
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, **absent_components(path))
+    else:
+        pipe = build_shapes_pipeline(vocabulary(), image_size=args.image_size, num_layers=args.layers, heads=args.heads,
+                                     head_dim=args.head_dim, seed=args.seed, zero_init=args.zero_init)
+
+    def next_batch(step):
+        return batch(args.seed, step, args.batch, args.image_size, args.drop, args.sigmas, args.sigma_location,
+                     args.category_weights)
+
+    return run_pretraining(args, pipe, next_batch, flow_loss, save_shapes_pipeline, "pretrain shapes")
 
 
 if __name__ == "__main__":

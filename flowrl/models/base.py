@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,9 +32,10 @@ from flowrl.schema import LoraConfig, ModelConfig
 
 
 BUILTIN_PREFIX = "builtin:"
-# model.path builtin:NAME: the pretrained shapes model shipped in the package, and each tiny pipeline
+# model.path builtin:NAME: the pretrained shapes and shapes-edit models shipped in the package, and each tiny pipeline
 # flowrl/models/tiny.py builds (its `builtin` decorator names them)
-BUILTIN_MODELS = ("shapes", *TINY_BUILDERS)
+SHIPPED_MODELS = ("shapes", "shapes-edit")  # pretrained, inside the package (flowrl/assets)
+BUILTIN_MODELS = (*SHIPPED_MODELS, *TINY_BUILDERS)
 # sampling.schedule: the sigma grid. pipeline: what the loaded diffusers pipeline samples with
 # (its scheduler, dynamic shifting included); shifted_linear: time_shift(linspace(1, 0, T + 1),
 # sampling.shift), DanceGRPO's and BranchGRPO's grid; auto: shifted_linear for the built-in models
@@ -71,6 +73,10 @@ def resolve_model_path(path: str) -> str:
         from flowrl.models.shapes import shapes_model_dir
 
         return str(shapes_model_dir())
+    if path == BUILTIN_PREFIX + "shapes-edit":
+        from flowrl.models.shapes_edit import shapes_edit_model_dir
+
+        return str(shapes_edit_model_dir())
     if path.startswith(BUILTIN_PREFIX):
         return str(builtin_model_dir(path[len(BUILTIN_PREFIX) :]))
     return str(Path(path).expanduser()) if Path(path).expanduser().exists() else path
@@ -108,6 +114,34 @@ def unpack_2x2(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """The inverse of `pack_2x2`: tokens [B, H/2 x W/2, 4C] back to latents [B, C, H, W]."""
     b, _, c = tokens.shape
     return tokens.view(b, h // 2, w // 2, c // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c // 4, h, w)
+
+
+def pixel_fold(latent_channels: int) -> int:
+    """A pixel-space model's (no VAE) image pixels per latent pixel on a side: its latents are the image in
+    [-1, 1] itself (3 channels), or the image with a zero fourth channel folded r x r into depth (4 r^2
+    channels: 16 at r = 2, the latent channels the Flux pipelines assume without a VAE; `fold_pixels`)."""
+    if latent_channels == 3:
+        return 1
+    r = math.isqrt(latent_channels // 4)
+    if r < 2 or 4 * r * r != latent_channels:
+        raise ValueError(f"a pixel-space model (no VAE) takes 3 or 4 r^2 latent channels (16, 36, ...); its transformer "
+                         f"has {latent_channels}")
+    return r
+
+
+def fold_pixels(images: torch.Tensor, r: int) -> torch.Tensor:
+    """Images [B, 3, H, W] in [-1, 1] as pixel-space latents of `pixel_fold` r: [B, 4 r^2, H / r, W / r] (a zero
+    fourth channel, then r x r space-to-depth); r = 1: the images themselves."""
+    if r == 1:
+        return images
+    return torch.nn.functional.pixel_unshuffle(torch.nn.functional.pad(images, (0, 0, 0, 0, 0, 1)), r)
+
+
+def unfold_pixels(latents: torch.Tensor, r: int) -> torch.Tensor:
+    """The inverse of `fold_pixels` (the fourth channel dropped)."""
+    if r == 1:
+        return latents
+    return torch.nn.functional.pixel_shuffle(latents, r)[:, :3]
 
 
 class DiffusersClass:
@@ -165,7 +199,7 @@ class FlowPolicy:
         self.vae = pipe.vae  # None: the transformer works in pixel space, images in [-1, 1]
         # the pipeline's own rule (a video pipeline names its spatial factor apart from the temporal one)
         spatial = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
-        self.vae_scale_factor = spatial if self.vae is not None else 1
+        self.vae_scale_factor = spatial if self.vae is not None else pixel_fold(self.latent_channels())
         # model.text_encoders (flowrl/models/text_cache.py): cpu and cached keep them (where loaded at all) on the CPU
         self.text_device = self.device if cfg.text_encoders == "device" else torch.device("cpu")
         self.model_dir: str | None = None  # the pipeline's directory or hub id: text encoders left unloaded load from it
@@ -377,6 +411,10 @@ class FlowPolicy:
     def latent_shape(self) -> tuple[int, ...]:
         raise NotImplementedError
 
+    def latent_channels(self) -> int:
+        """The VAE latents' channels the transformer takes (a pixel-space model's: `pixel_fold`)."""
+        return self.transformer.config.in_channels
+
     def _packed_latent_shape(self) -> tuple[int, int]:
         """[tokens, channels] of the families that pack 2x2 latent patches (FLUX.1, FLUX.2, Qwen-Image):
         the transformer's in_channels are already the patches' 4C."""
@@ -442,7 +480,7 @@ class FlowPolicy:
     def _vae_encode(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(self.device, torch.float32) * 2 - 1
         if self.vae is None:  # pixel space
-            return x
+            return fold_pixels(x, self.vae_scale_factor)
         vc = self.vae.config
         with torch.no_grad():
             latents = self.vae.encode(x.to(self.dtype)).latent_dist.mean.float()
@@ -450,7 +488,7 @@ class FlowPolicy:
 
     def _vae_decode(self, latents: torch.Tensor) -> torch.Tensor:
         if self.vae is None:  # pixel space
-            return (latents.float() / 2 + 0.5).clamp(0, 1)
+            return (unfold_pixels(latents.float(), self.vae_scale_factor) / 2 + 0.5).clamp(0, 1)
         vc = self.vae.config
         latents = latents.to(self.device, self.dtype) / vc.scaling_factor + (vc.shift_factor or 0.0)
         with torch.no_grad():
@@ -482,7 +520,7 @@ class FlowPolicy:
         prompt, latents, the steps and the grid: the size, the guidance (with the family's negative prompt)
         and max_sequence_length as configured (the shapes model's 0 T5 tokens). A family adds its own."""
         # a pixel-space model: the pipeline divides the size by the VAE factor it assumes without a VAE
-        scale = 1 if self.vae is not None else getattr(self.pipe, "vae_scale_factor", 8)
+        scale = 1 if self.vae is not None else getattr(self.pipe, "vae_scale_factor", 8) // self.vae_scale_factor
         args = {"height": self.cfg.height * scale, "width": self.cfg.width * scale, self.guidance_argument: self.guidance_scale}
         negative = getattr(self, "negative_prompt", None)
         if negative is not None and self.guidance_scale > 1.0:

@@ -29,7 +29,9 @@ def flux_pipeline_sigmas(scheduler, num_steps: int, image_seq_len: int) -> torch
 
 @register_family
 class FluxPolicy(FlowPolicy):
-    """Guidance-distilled FLUX.1-dev: guidance enters as an embedding, one forward per step."""
+    """Guidance-distilled FLUX.1-dev: guidance enters as an embedding, one forward per step. A transformer without
+    the guidance embedding (the editing world's model) is guided as the pipeline's true CFG: model.guidance_scale is
+    `true_cfg_scale`, on the empty negative prompt, v = v_neg + g (v_cond - v_neg)."""
 
     kind = "flux"
     pipeline_name = "FluxPipeline"
@@ -45,16 +47,40 @@ class FluxPolicy(FlowPolicy):
     }
 
     def _encode_uncached(self, prompts):
+        encoded = self._encode_texts(prompts)
+        if self.true_cfg:
+            encoded.update(self.negative_once(lambda: self._encode_texts([""])))
+        return encoded
+
+    def _encode_texts(self, texts):
         embeds, pooled, text_ids = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, device=self.text_device, max_sequence_length=self.cfg.max_sequence_length
+            prompt=list(texts), prompt_2=None, device=self.text_device, max_sequence_length=self.cfg.max_sequence_length
         )
         return {"embeds": embeds, "pooled": pooled}
+
+    @property
+    def true_cfg(self) -> bool:
+        """Guided on a negative prompt (two halves per forward), not by the guidance embedding."""
+        return not self.transformer.config.guidance_embeds
+
+    @property
+    def guidance_argument(self) -> str:
+        return "true_cfg_scale" if self.true_cfg else "guidance_scale"
+
+    def pipeline_arguments(self):
+        args = super().pipeline_arguments()
+        if self.true_cfg and self.guidance_scale > 1.0:
+            args["negative_prompt"] = ""  # the pipeline guides only where it is given one
+        return args
 
     def pipeline_sigmas(self, num_steps):
         return flux_pipeline_sigmas(self.pipe.scheduler, num_steps, self.latent_shape()[0])
 
     def latent_shape(self):
         return self._packed_latent_shape()
+
+    def latent_channels(self):
+        return self.transformer.config.in_channels // 4  # tokens are 2x2 latent patches
 
     def _velocity(self, x, sigma, cond):
         return self._forward(x.to(self.device, self.dtype), self._image_ids(x.shape[0]), sigma, cond)
@@ -65,24 +91,36 @@ class FluxPolicy(FlowPolicy):
         return self.pipeline_class._prepare_latent_image_ids(b, h // 2, w // 2, self.device, self.dtype)
 
     def _forward(self, hidden_states, img_ids, sigma, cond):
-        """The transformer on `hidden_states` [B, N, 4C] (ids `img_ids` [N, 3]) with the guidance embedding."""
+        """The transformer on `hidden_states` [B, N, 4C] (ids `img_ids` [N, 3]) with the guidance embedding, or
+        true CFG's two halves in one forward."""
         b = hidden_states.shape[0]
-        txt_ids = torch.zeros(cond["embeds"].shape[1], 3, device=self.device, dtype=self.dtype)
+        embeds, pooled = cond["embeds"], cond["pooled"]
+        g = self.guidance_scale
+        halves = self.true_cfg and g > 1.0
+        if halves:
+            hidden_states = torch.cat([hidden_states, hidden_states])
+            embeds = torch.cat([embeds, cond["neg_embeds"].to(embeds.device).expand(b, -1, -1)])
+            pooled = torch.cat([pooled, cond["neg_pooled"].to(pooled.device).expand(b, -1)])
+        rows = hidden_states.shape[0]
+        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=self.dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full((b,), self.guidance_scale, device=self.device, dtype=torch.float32)
-        t = self.timestep_rows(sigma, b)  # FLUX takes sigma itself
+            guidance = torch.full((rows,), g, device=self.device, dtype=torch.float32)
+        t = self.timestep_rows(sigma, rows)  # FLUX takes sigma itself
         v = self.net(
             hidden_states=hidden_states,
             timestep=t,
             guidance=guidance,
-            pooled_projections=cond["pooled"],
-            encoder_hidden_states=cond["embeds"],
+            pooled_projections=pooled,
+            encoder_hidden_states=embeds,
             txt_ids=txt_ids,
             img_ids=img_ids,
             return_dict=False,
-        )[0]
-        return v.float()
+        )[0].float()
+        if halves:
+            v_cond, v_neg = v.chunk(2)
+            v = v_neg + g * (v_cond - v_neg)
+        return v
 
     def encode_images(self, images):
         return pack_2x2(self._vae_encode(images))

@@ -58,6 +58,8 @@ class FluxKontextPolicy(FluxPolicy):
         return h * self.vae_scale_factor, w * self.vae_scale_factor
 
     def encode_source(self, image):
+        if self.vae is None:  # pixel space (the editing world's model): the source folded as the noise is
+            return {"source": pack_2x2(self._vae_encode(resize_source(image, *self.source_size())))}
         # the pipeline's own preprocessing (2x - 1) and VAE encoding (mode, (z - shift) * scale, in the VAE's dtype)
         pixels = self.pipe.image_processor.preprocess(resize_source(image, *self.source_size()), *self.source_size())
         latents = self.pipe._encode_vae_image(pixels.to(self.device, self.dtype), generator=None)
@@ -78,9 +80,14 @@ class FluxKontextPolicy(FluxPolicy):
     def pipeline_arguments(self):
         # max_area = height x width: __call__ rescales the output to max_area (1024^2 by default) at the requested
         # aspect; at the output's own area it keeps height and width (floored to 16, as flowrl's latents)
-        return {**super().pipeline_arguments(), "max_area": self.cfg.height * self.cfg.width, "_auto_resize": False}
+        # (a pixel-space model's height and width are in the units the pipeline assumes without a VAE: the same area)
+        args = super().pipeline_arguments()
+        return {**args, "max_area": args["height"] * args["width"], "_auto_resize": False}
 
     def pipeline_source_arguments(self, prompts):
         # the sources already at the output size, [B, 3, H, W] in [0, 1]: with _auto_resize off, __call__ keeps a
         # tensor's own size (its resize to the same size is the identity) and preprocesses it as encode_source does
-        return {"image": torch.cat([resize_source(p.image(), *self.source_size()) for p in prompts])}
+        sources = torch.cat([resize_source(p.image(), *self.source_size()) for p in prompts])
+        if self.vae is None:  # pixel space: a tensor with the pipeline's latent channels is taken as the source's latents
+            return {"image": self._vae_encode(sources)}
+        return {"image": sources}

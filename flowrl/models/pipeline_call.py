@@ -143,5 +143,5 @@ def draw(policy, pipe, latents: torch.Tensor, prompts: list[str], num_steps: int
     if policy.video:
         return out.frames.transpose(1, 2).float().cpu()  # [B, F, 3, H, W] as flowrl's [B, 3, F, H, W]
     if pixels:
-        return (out.images.float() / 2 + 0.5).clamp(0, 1).cpu()
+        return policy.decode(out.images.float()).cpu()
     return out.images.float().cpu()

@@ -96,16 +96,19 @@ def _zero_modulation(transformer) -> None:
 
 
 def save_shapes_pipeline(pipe, directory: str | Path) -> Path:
-    """`save_pretrained`, plus null entries for the absent components (vae, T5) in
-    model_index.json, so that a plain `StableDiffusion3Pipeline.from_pretrained` loads them as None."""
+    """`save_pretrained`, plus null entries for the absent components (the VAE, SD3's T5) in
+    model_index.json, so that a plain `<Pipeline>.from_pretrained` loads them as None."""
+    import inspect
     import json
 
     directory = Path(directory)
     pipe.save_pretrained(str(directory))
     index_file = directory / "model_index.json"
     index = json.loads(index_file.read_text())
+    components = inspect.signature(type(pipe).__init__).parameters
     for name in ("vae", "text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor"):
-        index.setdefault(name, [None, None])
+        if name in components:
+            index.setdefault(name, [None, None])
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return directory
 

@@ -1,0 +1,111 @@
+"""The editing world's model (builtin:shapes-edit, flowrl/models/shapes_edit.py): a pixel-space FLUX.1 Kontext
+pipeline. A tiny one saved to disk loads through the flux_kontext adapter with `from_pretrained`; its ODE with true
+classifier-free guidance equals FluxKontextPipeline's own __call__ given the source (the pixels folded into the 16
+latent channels the pipeline assumes without a VAE); pretraining is deterministic, resumes exactly and exports a
+pipeline the adapter loads; the shipped model edits its world far better than leaving the source unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowrl.models import load_policy
+from flowrl.models.base import fold_pixels, pixel_fold, unfold_pixels
+from flowrl.models.edit_prompt import EditPrompt
+from flowrl.models.shapes import save_shapes_pipeline
+from flowrl.models.shapes_edit import build_shapes_edit_pipeline, edit_vocabulary
+from flowrl.sampling.noise import INITIAL, seeded_noise
+from flowrl.sampling.rollout import SamplerSpec, rollout
+from flowrl.schema import ModelConfig
+from tests.script_loader import load_script
+
+INSTRUCTIONS = ["make the red circle blue", "remove the green square"]
+
+
+@pytest.fixture(scope="module")
+def tiny_edit_dir(tmp_path_factory):
+    pipe = build_shapes_edit_pipeline(edit_vocabulary(), num_layers=1, num_single_layers=1, heads=2, head_dim=16,
+                                      text_hidden=16, text_layers=1, zero_init=False)
+    return str(save_shapes_pipeline(pipe, tmp_path_factory.mktemp("shapes-edit") / "pipe"))
+
+
+def _policy(path, guidance=3.0):
+    return load_policy(ModelConfig(kind="flux_kontext", path=path, height=32, width=32, guidance_scale=guidance,
+                                   max_sequence_length=16), device="cpu")
+
+
+def _edits(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [EditPrompt(text, torch.rand(3, 32, 32, generator=gen), name=f"source{i}") for i, text in enumerate(INSTRUCTIONS)]
+
+
+def test_pixels_fold_into_sixteen_channels_and_back():
+    images = torch.rand(2, 3, 32, 32) * 2 - 1
+    folded = fold_pixels(images, 2)
+    assert folded.shape == (2, 16, 16, 16)
+    assert torch.equal(folded[:, 12:], torch.zeros_like(folded[:, 12:]))  # the padded channel at each of the 2x2 offsets
+    # latent channel 4c + 2i + j at (y, x) is channel c's pixel (2y + i, 2x + j)
+    assert torch.equal(folded[0, 4 * 1 + 2 * 1 + 0, 3, 5], images[0, 1, 7, 10])
+    assert torch.equal(unfold_pixels(folded, 2), images)
+    assert pixel_fold(3) == 1 and pixel_fold(16) == 2 and pixel_fold(36) == 3
+    for channels in (4, 12, 20):
+        with pytest.raises(ValueError, match="3 or 4 r\\^2 latent channels"):
+            pixel_fold(channels)
+
+
+def test_the_pixel_space_kontext_pipeline_loads_and_its_guided_ode_equals_the_pipeline_call(tiny_edit_dir):
+    from diffusers import FluxKontextPipeline
+
+    from flowrl.models.base import absent_components
+
+    policy = _policy(tiny_edit_dir)
+    assert policy.vae is None and policy.vae_scale_factor == 2 and policy.true_cfg
+    assert policy.latent_shape() == (64, 64) and policy.pixel_patch == 4  # 8x8 tokens of 2x2 folded pixels
+    prompts, seeds = _edits(), [3, 4]
+    sigmas = policy.sigmas(4, "shifted_linear", 1.0)
+    traj = rollout(policy, prompts, seeds, SamplerSpec.ode(sigmas), len(prompts))
+    ours = policy.decode(traj.final)
+    assert ours.shape == (2, 3, 32, 32)
+    pipe = FluxKontextPipeline.from_pretrained(tiny_edit_dir, **absent_components(tiny_edit_dir))
+    latents = seeded_noise(seeds, INITIAL, policy.latent_shape())
+    theirs = policy.diffusers_call(pipe, latents, prompts, 4, "shifted_linear", 1.0)
+    assert (theirs - ours).abs().max() <= 1e-5
+    # guidance matters (control): unguided, the same noise draws another image
+    with policy.guidance(1.0):
+        plain = policy.decode(rollout(policy, prompts, seeds, SamplerSpec.ode(sigmas), len(prompts)).final)
+    assert (plain - ours).abs().max() > 1e-3
+    # so does the source
+    other = [EditPrompt(p.instruction, torch.zeros(3, 32, 32), name="black") for p in prompts]
+    moved = policy.decode(rollout(policy, other, seeds, SamplerSpec.ode(sigmas), len(prompts)).final)
+    assert (moved - ours).abs().max() > 1e-3
+
+
+def test_pretraining_is_deterministic_resumes_exactly_and_exports_a_pipeline_the_adapter_loads(tmp_path):
+    from safetensors.torch import load_file
+
+    pretrain = load_script("pretrain_shapes_edit")
+    common = ["--layers", "1", "--single-layers", "1", "--heads", "2", "--head-dim", "16", "--batch", "4", "--warmup", "2",
+              "--checkpoint-every", "2", "--quiet"]
+    assert pretrain.main(["--work", str(tmp_path / "straight"), "--steps", "4", *common]) == 0
+    assert pretrain.main(["--work", str(tmp_path / "resumed"), "--steps", "2", *common]) == 0
+    assert pretrain.main(["--work", str(tmp_path / "resumed"), "--steps", "4", *common]) == 0
+    a = load_file(str(tmp_path / "straight/checkpoints/iter_000004/trainable.safetensors"))
+    b = load_file(str(tmp_path / "resumed/checkpoints/iter_000004/trainable.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(k.startswith("text_encoder_2.") for k in a)  # the T5 trains too
+    out = tmp_path / "export"
+    assert pretrain.main(["--work", str(tmp_path / "straight"), "--export", str(out), *common]) == 0
+    ema = load_file(str(tmp_path / "straight/checkpoints/iter_000004/ema.safetensors"))
+    exported = _policy(str(out)).transformer.state_dict()
+    assert all(torch.equal(exported[k.removeprefix("transformer.")], ema[k]) for k in ema if k.startswith("transformer."))
+
+
+def test_a_batch_is_a_pure_function_of_seed_and_step_and_drops_instructions():
+    pretrain = load_script("pretrain_shapes_edit")
+    a, b = pretrain.batch(0, 7, 32, 0.25), pretrain.batch(0, 7, 32, 0.25)
+    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+    targets, sources, instructions, sigmas, noise = a
+    assert targets.shape == sources.shape == noise.shape == (32, 16, 16, 16)
+    assert 0 < instructions.count("") < 32  # a quarter dropped, on average
+    assert not torch.equal(targets, sources)  # an edit changes its source
+    assert not torch.equal(pretrain.batch(0, 8, 32, 0.25)[0], targets)
