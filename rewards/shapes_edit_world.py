@@ -325,9 +325,10 @@ def render_edit(edit: Edit, rng: np.random.Generator, size: int = 32) -> tuple[n
     return draw(source, size), draw(target, size)
 
 
-def edit_prompts(rows: list[dict]):
+def edit_prompts(rows: list[dict], name: str = "shapes edit"):
     """`edit_set` rows as EditPrompts (flowrl.models.edit_prompt) whose sources and references are
-    tensors [3, H, W] in [0, 1], each named by its row."""
+    tensors [3, H, W] in [0, 1], each named `name` and its row (a prompt's text is its instruction and
+    name: two sets that share a name would share the prompts' cached encodings)."""
     import torch
 
     from flowrl.models.edit_prompt import EditPrompt  # here: the rewards package imports no model code
@@ -335,7 +336,7 @@ def edit_prompts(rows: list[dict]):
     def tensor(image):
         return torch.from_numpy(image).permute(2, 0, 1).float() / 255
 
-    return [EditPrompt(r["instruction"], tensor(r["source"]), name=f"shapes edit {i}", reference=tensor(r["reference"]))
+    return [EditPrompt(r["instruction"], tensor(r["source"]), name=f"{name} {i}", reference=tensor(r["reference"]))
             for i, r in enumerate(rows)]
 
 

@@ -5,12 +5,15 @@
     python scripts/bench_shapes.py trainer.max_minutes=10 --per-category 150
     python scripts/bench_shapes.py --per-category 100 --seed 10000 20000   # two eval sets
     python scripts/bench_shapes.py --smoke              # the code path in seconds: a tiny random model, one iteration
+    python scripts/bench_shapes.py --config edit_shapes --seed 10000 20000   # the editing world (per edit type)
 
 Evaluates the base model on the held-out prompts (one ODE sample per prompt and seed,
 `--per-category` images per category), trains the default preset (`flowrl train` with no
 config, plus any overrides), evaluates the trained run's EMA weights on the same prompts and
 seeds, and prints the per-category table, the number of iterations, the wall time, and on its
-last line the absolute gain in held-out strict accuracy. With several `--seed` values (eval
+last line the absolute gain in held-out strict accuracy. A config that trains on edits (data.edits) is scored
+on the editing world's held-out set (builtin:shapes-edit-heldout, or --edits) by the shapes_edit reward, per
+edit type instead of per category. With several `--seed` values (eval
 sets: image j of a set with seed S is sampled from seed S + j) both models are scored on each
 set, and the last line gives the mean gain, each set's in parentheses; one run's gain moves by
 several hundredths from one eval set to another (BENCHMARKS.md).
@@ -34,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="dot-list overrides of the default preset")
     ap.add_argument("--config", default=None, help="a preset or YAML (default: the default preset)")
     ap.add_argument("--per-category", type=int, default=150)
+    ap.add_argument("--edits", default="builtin:shapes-edit-heldout",
+                    help="the held-out edits of a config that trains on edits (data.edits); --per-category is then unused")
     ap.add_argument("--run-dir", default=None, help="where the training run goes (default runs/bench-shapes-<time>)")
     ap.add_argument("--seed", type=int, nargs="+", default=[10_000],
                     help="first eval seed of each eval set (training never uses these); several: one table and gain per set")
@@ -58,16 +63,22 @@ def run(args) -> int:
     from flowrl.models import load_policy
     from flowrl.runtime.budget import PLAN_FILE, machine_name
     from flowrl.train.evaluate import evaluate, format_category_table
+    from flowrl.train.edit_data import read_edits
     from flowrl.train.prompts import builtin_prompts
     from flowrl.runtime.run_dir import RunDir
     from rewards import MultiReward
 
     cfg = load_config(args.config, args.overrides + ["run.progress=false"])
-    prompts = builtin_prompts("builtin:shapes-heldout", "--prompts", per_category=args.per_category)
+    world = "shapes_edit" if cfg.data.edits else "shapes"
+    if cfg.data.edits:
+        prompts, what = read_edits(args.edits, field="--edits"), f"edits of {args.edits}"
+    else:
+        prompts = builtin_prompts("builtin:shapes-heldout", "--prompts", per_category=args.per_category)
+        what = f"prompts ({args.per_category} per category)"
     reward = MultiReward.from_config(cfg.reward)
-    if "shapes" not in reward.channels:
-        raise SystemExit("bench_shapes needs a config whose reward includes shapes")
-    print(f"bench_shapes: {cfg.model.path}, {len(prompts)} held-out images ({args.per_category} per category), "
+    if world not in reward.channels:
+        raise SystemExit(f"bench_shapes needs a config whose reward includes {world}")
+    print(f"bench_shapes: {cfg.model.path}, {len(prompts)} held-out {what}, "
           f"{cfg.sampling.eval_num_steps}-step ODE, guidance {cfg.model.guidance_scale}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads on {machine_name()}", flush=True)
 

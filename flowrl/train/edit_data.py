@@ -1,8 +1,8 @@
 """Edit datasets (data.edits): the prompts of an editing run, each a source image and an instruction
 (optionally a reference target), as EditPrompts (flowrl/models/edit_prompt.py).
 
-A dataset is a JSONL file (one object per line), a parquet file, or a hub dataset id (read with
-`datasets`, its train split). Each row has an `instruction` (text), a `source` (a path, relative to
+A dataset is a JSONL file (one object per line), a parquet file, a hub dataset id (read with
+`datasets`, its train split), or one of the editing world's built-in sets (BUILTIN_EDIT_SETS). Each row has an `instruction` (text), a `source` (a path, relative to
 the file's folder where it is not absolute, or an image's bytes, or a `datasets` Image) and may have a
 `reference` (the same kinds). Every row is checked when the dataset is read: a row without an
 instruction, or whose image is missing or cannot be read, is one sentence naming the row. Images are
@@ -20,6 +20,10 @@ from flowrl.errors import UserError
 from flowrl.models.edit_prompt import EditPrompt
 
 COLUMNS = ("instruction", "source", "reference")  # the last may be absent
+# the editing world's fixed sets (rewards/shapes_edit_world.py `edit_set`, layouts drawn with seed 0): name ->
+# (split, edits per edit type); the training set's 1,000 sources are rendered once, the held-out set is what
+# `flowrl eval --edits` and the edit_shapes preset's monitor score
+BUILTIN_EDIT_SETS = {"builtin:shapes-edit-train": ("train", 200), "builtin:shapes-edit-heldout": ("heldout", 100)}
 
 
 def read_edits(spec: str, field: str = "data.edits") -> list[EditPrompt]:
@@ -32,6 +36,8 @@ def read_edits(spec: str, field: str = "data.edits") -> list[EditPrompt]:
 
 @functools.lru_cache(maxsize=4)
 def _read_edits(spec: str, field: str, stamp) -> tuple[EditPrompt, ...]:
+    if spec.startswith("builtin:"):
+        return _builtin_edits(spec, field)
     path = Path(spec).expanduser()
     if path.suffix in (".jsonl", ".parquet"):
         if not path.is_file():
@@ -45,6 +51,15 @@ def _read_edits(spec: str, field: str, stamp) -> tuple[EditPrompt, ...]:
     if not edits:
         raise UserError(f"{field} '{spec}' holds no edits; give rows with {', '.join(COLUMNS[:2])}")
     return edits
+
+
+def _builtin_edits(spec: str, field: str) -> tuple[EditPrompt, ...]:
+    from rewards.shapes_edit_world import edit_prompts, edit_set
+
+    if spec not in BUILTIN_EDIT_SETS:
+        raise UserError(f"{field} '{spec}' names no built-in edit set; built-ins: {', '.join(BUILTIN_EDIT_SETS)}")
+    split, per_type = BUILTIN_EDIT_SETS[spec]
+    return tuple(edit_prompts(edit_set(per_type, split=split, seed=0), name=spec.removeprefix("builtin:")))
 
 
 def _jsonl_rows(path: Path, field: str) -> list[dict]:

@@ -76,6 +76,8 @@ COVERED_ELSEWHERE = {
     "bench_families": ("models/test_models.py", "test_the_families_bench_trains_each_family_through_the_trainer_on_the_cpu"),
     "plan_memory": ("train/test_distributed.py", "test_plan_memory_script_prints_the_table_and_refuses_bad_launches"),
     "pretrain_shapes": ("models/test_shapes_model.py", "test_pretraining_is_deterministic_and_resumes_exactly"),
+    "pretrain_shapes_edit": ("models/test_shapes_edit_model.py",
+                             "test_pretraining_is_deterministic_resumes_exactly_and_exports_a_pipeline_the_adapter_loads"),
     # the converters' convert() (all their main does besides parsing two paths) on tiny checkpoints the tests save
     "convert_aesthetic_head": ("reward/test_rewards.py", "test_aesthetic_converter_turns_the_original_pth_into_safetensors"),
     "convert_hps_checkpoint": ("reward/test_rewards.py", "test_hps_converter_keeps_the_state_dict"),

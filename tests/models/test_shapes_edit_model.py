@@ -109,3 +109,38 @@ def test_a_batch_is_a_pure_function_of_seed_and_step_and_drops_instructions():
     assert 0 < instructions.count("") < 32  # a quarter dropped, on average
     assert not torch.equal(targets, sources)  # an edit changes its source
     assert not torch.equal(pretrain.batch(0, 8, 32, 0.25)[0], targets)
+
+
+LIGHT = ["sampling.num_steps=4", "sampling.eval_num_steps=3", "sampling.batch_size=4", "data.prompts_per_iteration=2",
+         "data.group_size=4", "lora.rank=4", "lora.alpha=8", "run.cpu_processes=1", "run.progress=false", "run.tracker=none"]
+
+
+def test_the_edit_shapes_preset_passes_check_and_trains_on_the_builtin_edits(tiny_edit_dir, tmp_path, capsys):
+    from flowrl.cli import main
+    from run_checks import run_metrics
+
+    tiny = [f"model.path={tiny_edit_dir}", *LIGHT]
+    assert main(["check", "edit_shapes", *tiny]) == 0
+    out = capsys.readouterr().out
+    assert "(b) ODE = FluxKontextPipeline.__call__  pass" in out and "(c) LoRA step replayed in diffusers     pass" in out
+    assert main(["train", "edit_shapes", *tiny, "trainer.iterations=1", "trainer.budget_minutes=0", "run.sample_every=1",
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    rows = run_metrics(tmp_path / "run")
+    assert len(rows) == 1 and 0 <= rows[0]["reward_mean"] <= 1.5  # strict + half partial
+    assert (tmp_path / "run" / "samples" / "iter_000001.png").is_file()
+
+
+def test_the_builtin_edit_sets_are_fixed_named_apart_and_an_unknown_one_is_one_sentence():
+    from flowrl.errors import UserError
+    from flowrl.train.edit_data import read_edits
+    from rewards.shapes_edit import edit_type_of
+    from rewards.shapes_edit_world import EDIT_TYPES, edit_split
+
+    held = read_edits("builtin:shapes-edit-heldout")
+    assert len(held) == 500 and [edit_type_of(p) for p in held[::100]] == list(EDIT_TYPES)
+    assert {p.instruction for p in held} <= {e.instruction for e in edit_split("heldout")}
+    assert torch.equal(held[7].image(), read_edits("builtin:shapes-edit-heldout")[7].image())
+    train = read_edits("builtin:shapes-edit-train")
+    assert len(train) == 1000 and not {str(p) for p in train} & {str(p) for p in held}  # no shared prompt text
+    with pytest.raises(UserError, match="'builtin:shapes-edit-test' names no built-in edit set; built-ins: builtin:shapes-edit-train"):
+        read_edits("builtin:shapes-edit-test")
