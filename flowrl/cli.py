@@ -446,16 +446,19 @@ def cmd_export(args) -> int:
 def _print_snippet(cfg, policy, out: Path, merged: bool) -> None:
     """Print (and keep beside the export, as sample_with_diffusers.py) the plain-diffusers code that
     draws `flowrl sample`'s first image of the run's first held-out prompt."""
-    from flowrl.models.snippet import diffusers_snippet, snippet_prompt
+    from flowrl.models.snippet import diffusers_snippet, snippet_prompt, write_snippet_source
 
     prompt = snippet_prompt(cfg)
     code = diffusers_snippet(policy, cfg, out, prompt, seed=0, merged=merged)
     (out / SNIPPET).write_text(code)
+    if policy.edits:
+        write_snippet_source(prompt, out)
     note = ""
     if not merged and policy.lora_sigma_range is not None:
         note = (f" (the run's adapter acts only at sigmas in lora.sigma_range {list(policy.lora_sigma_range)}: gate_adapter turns it "
                 "on and off between the pipeline's steps)")
-    print(f"\nIn plain diffusers, flowrl sample --prompt {prompt!r} --seed 0 (also in {out / SNIPPET}){note}:\n\n{code}")
+    sample = f"--prompt {prompt!r}" if not policy.edits else f"--image {out / 'source.png'} --prompt {prompt.instruction!r}"
+    print(f"\nIn plain diffusers, flowrl sample {sample} --seed 0 (also in {out / SNIPPET}){note}:\n\n{code}")
 
 
 def cmd_check(args) -> int:

@@ -41,6 +41,7 @@ def _tiny_pipeline(builder: str):
 tiny_sd3_dir = _tiny_pipeline("build_tiny_sd3")
 tiny_flux_dir = _tiny_pipeline("build_tiny_flux")
 tiny_flux_kontext_dir = _tiny_pipeline("build_tiny_flux_kontext")
+tiny_shapes_edit_dir = _tiny_pipeline("build_tiny_shapes_edit")
 tiny_flux2_dir = _tiny_pipeline("build_tiny_flux2")
 tiny_flux2_klein_dir = _tiny_pipeline("build_tiny_flux2_klein")
 tiny_qwen_image_dir = _tiny_pipeline("build_tiny_qwen_image")

@@ -541,6 +541,16 @@ class FlowPolicy:
         """`pipeline_latents` as Python source over the variable `name` ('' where the layouts agree)."""
         return ""
 
+    def pipeline_pixels_code(self, name: str) -> list[str]:
+        """A pixel-space model: the lines that turn the pipeline's "latent" output `name` into the image
+        [B, 3, H, W] in [-1, 1] (none where they are the image already, as the shapes model's)."""
+        return []
+
+    def pipeline_source_code(self, path: str) -> list[str]:
+        """An editing family: the lines that set `image`, `pipeline_source_arguments`' image= for the source
+        saved at `path`, in the form the pipeline takes it."""
+        raise NotImplementedError
+
     # ---- LoRA and the reference policy ----------------------------------------------
     def add_lora(self, lora: LoraConfig, seed: int = 0) -> None:
         from peft import LoraConfig as PeftLoraConfig

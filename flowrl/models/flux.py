@@ -122,6 +122,15 @@ class FluxPolicy(FlowPolicy):
             v = v_neg + g * (v_cond - v_neg)
         return v
 
+    def pipeline_pixels_code(self, name):
+        h, w = self._latent_hw()
+        lines = [f"{name} = {name}.unflatten(1, ({h // 2}, {w // 2})).unflatten(-1, ({name}.shape[-1] // 4, 2, 2))"
+                 f".permute(0, 3, 1, 4, 2, 5).flatten(4, 5).flatten(2, 3)  # the tokens as latents [1, C, {h}, {w}]"]
+        if self.vae_scale_factor > 1:
+            lines.append(f"{name} = torch.nn.functional.pixel_shuffle({name}, {self.vae_scale_factor})[:, :3]  # pixels, folded "
+                         f"{self.vae_scale_factor}x{self.vae_scale_factor} with a zero 4th channel, unfolded")
+        return lines
+
     def encode_images(self, images):
         return pack_2x2(self._vae_encode(images))
 

@@ -84,6 +84,19 @@ class FluxKontextPolicy(FluxPolicy):
         args = super().pipeline_arguments()
         return {**args, "max_area": args["height"] * args["width"], "_auto_resize": False}
 
+    def pipeline_source_code(self, path):
+        h, w = self.source_size()
+        lines = ["import numpy as np", "from PIL import Image",
+                 f"image = torch.from_numpy(np.array(Image.open({path!r}).convert('RGB'))).permute(2, 0, 1)[None].float() / 255",
+                 f"if image.shape[-2:] != ({h}, {w}):  # the output's size, as flowrl resizes it",
+                 f"    image = torch.nn.functional.interpolate(image, size=({h}, {w}), mode='bicubic', antialias=True, "
+                 "align_corners=False).clamp(0, 1)"]
+        if self.vae is None:  # pixel space: folded as the noise is, a tensor with the pipeline's latent channels
+            r = self.vae_scale_factor
+            lines.append(f"image = torch.nn.functional.pixel_unshuffle(torch.nn.functional.pad(image * 2 - 1, (0, 0, 0, 0, 0, 1)), "
+                         f"{r})  # the pixels folded {r}x{r} with a zero 4th channel: this model has no VAE")
+        return lines
+
     def pipeline_source_arguments(self, prompts):
         # the sources already at the output size, [B, 3, H, W] in [0, 1]: with _auto_resize off, __call__ keeps a
         # tensor's own size (its resize to the same size is the identity) and preprocesses it as encode_source does

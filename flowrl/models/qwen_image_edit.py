@@ -125,6 +125,9 @@ class QwenImageEditPolicy(QwenImagePolicy):
             raise ValueError(f"QwenImageEditPlusPipeline.__call__ takes one prompt at a time; got {len(prompts)}")
         return {"image": source_pil(prompts[0].image())}
 
+    def pipeline_source_code(self, path):
+        return ["from PIL import Image", f"image = Image.open({path!r}).convert('RGB')"]
+
     def diffusers_call(self, pipe, latents, prompts, num_steps, schedule="pipeline", shift=3.0, gated=False):
         # QwenImageEditPlusPipeline.__call__ refuses a batch_size above 1: one call per prompt
         draw = super().diffusers_call

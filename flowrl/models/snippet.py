@@ -17,14 +17,34 @@ from flowrl.models.pipeline_call import gate_adapter, pipeline_call
 from flowrl.sampling.noise import initial_noise_seed
 
 
+SOURCE_FILE = "source.png"  # an editing run's export: the source image the snippet edits, beside it
+
+
 def snippet_prompt(cfg) -> str:
-    """The prompt the export's snippet draws: the run's first held-out prompt."""
+    """The prompt the export's snippet draws: the run's first held-out prompt; an editing run's first edit
+    (an EditPrompt: its instruction and source)."""
+    if cfg.data.edits:
+        from flowrl.train.edit_data import read_edits
+
+        return read_edits(cfg.data.edits)[0]
     return (cfg.data.eval_prompts or ["a photo of a cat"])[0]
+
+
+def write_snippet_source(prompt, out: Path) -> Path:
+    """An edit's source as flowrl reads it, saved losslessly beside the export (8-bit PNG: the pixels of the
+    image file it came from) for the snippet to load."""
+    from diffusers.image_processor import VaeImageProcessor
+
+    path = Path(out) / SOURCE_FILE
+    VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(prompt.image()[None].float().cpu()))[0].save(path)
+    return path
 
 
 def diffusers_snippet(policy, cfg, out: Path, prompt: str, seed: int = 0, merged: bool = True) -> str:
     """Python source that loads the export in `out` with diffusers alone and draws the first image
-    of `flowrl sample --prompt PROMPT --seed SEED` on it (the same noise, grid and guidance)."""
+    of `flowrl sample --prompt PROMPT --seed SEED` on it (the same noise, grid and guidance); an edit
+    (an EditPrompt) is drawn from its source saved as out/source.png (`write_snippet_source`), as
+    `flowrl sample --image source.png --prompt INSTRUCTION` draws it."""
     cls, s, m = policy.pipeline_name, cfg.sampling, cfg.model
     call = pipeline_call(policy, s.eval_num_steps, resolve_schedule(s.schedule, m.path) == "pipeline", s.shift, gated=not merged)
     source = out if merged else Path(resolve_model_path(m.path))
@@ -49,6 +69,10 @@ def diffusers_snippet(policy, cfg, out: Path, prompt: str, seed: int = 0, merged
     layout = policy.pipeline_latents_code("latents")
     if layout:
         lines.append(f"latents = {layout}")
+    if policy.edits:
+        lines.append("# the source it edits, as the pipeline takes it (what flowrl samples the edit from)")
+        lines += policy.pipeline_source_code(str(Path(out) / SOURCE_FILE))
+        prompt = prompt.instruction
     return "\n".join(lines + _call_lines(policy, call, prompt)) + "\n"
 
 
@@ -69,13 +93,15 @@ def _call_lines(policy, call, prompt: str) -> list[str]:
     if call.adapter_range is not None:  # the run's lora.sigma_range: the base network outside it
         low, high = call.adapter_range
         gate = [f"callback_on_step_end=functools.partial(gate_adapter, low={low!r}, high={high!r})"]
-    args = ", ".join([f"prompt={prompt!r}", "latents=latents.to(pipe.dtype)", *(f"{k}={v!r}" for k, v in call.arguments.items()),
-                      *gate])
+    image = ["image=image"] if policy.edits else []
+    args = ", ".join([f"prompt={prompt!r}", *image, "latents=latents.to(pipe.dtype)",
+                      *(f"{k}={v!r}" for k, v in call.arguments.items()), *gate])
     if policy.video:
         return [f"frames = pipe({args}, output_type='np').frames  # [1, F, H, W, 3] in [0, 1]",
                 "export_to_video(frames[0], 'sample.mp4', fps=16)"]
     if policy.vae is None:  # the transformer works in pixels: the pipeline returns them as its "latents"
-        lines = [f"x = pipe({args}, output_type='latent').images  # [1, 3, H, W] pixels in [-1, 1]: this model has no VAE",
+        lines = [f"x = pipe({args}, output_type='latent').images  # this model has no VAE: its latents are the pixels",
+                 *policy.pipeline_pixels_code("x"),
                  "images = (x.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()  # [1, H, W, 3] in [0, 1]"]
     else:
         lines = [f"images = pipe({args}, output_type='np').images  # [1, H, W, 3] in [0, 1]"]

@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised SD3, FLUX.1 (and Kontext), FLUX.2 [dev] and [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines built from configs.
+"""Tiny, randomly initialised SD3, FLUX.1 (and Kontext, and the editing world's pixel-space Kontext), FLUX.2 [dev] and [klein], Qwen-Image, Z-Image, SANA and Wan2.1 pipelines built from configs.
 
 They exist so that tests and the built-in default preset exercise the real loading code
 (`from_pretrained` of a local pipeline directory) without downloading anything. The
@@ -204,6 +204,18 @@ def build_tiny_flux_kontext(path: str | Path, seed: int = 0, width: int = 32) ->
 
     FluxKontextPipeline(**_tiny_flux_components(seed, width)).save_pretrained(str(path))
     return Path(path)
+
+
+@builtin("tiny-shapes-edit")
+def build_tiny_shapes_edit(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random pixel-space `FluxKontextPipeline` of the editing world's architecture (builtin:shapes-edit's,
+    flowrl/models/shapes_edit.py: no VAE, no guidance embedding, the edit grammar's word tokenizer) to `path`."""
+    from flowrl.models.shapes import save_shapes_pipeline
+    from flowrl.models.shapes_edit import build_shapes_edit_pipeline, edit_vocabulary
+
+    pipe = build_shapes_edit_pipeline(edit_vocabulary(), num_layers=1, num_single_layers=1, heads=2, head_dim=16,
+                                      text_hidden=16, text_layers=1, seed=seed, zero_init=False)
+    return save_shapes_pipeline(pipe, path)
 
 
 # The words of QwenImagePipeline's prompt template before the user's prompt, as Qwen's tokenizer splits

@@ -12,21 +12,12 @@ import torch
 from flowrl.models import load_policy
 from flowrl.models.base import fold_pixels, pixel_fold, unfold_pixels
 from flowrl.models.edit_prompt import EditPrompt
-from flowrl.models.shapes import save_shapes_pipeline
-from flowrl.models.shapes_edit import build_shapes_edit_pipeline, edit_vocabulary
 from flowrl.sampling.noise import INITIAL, seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.schema import ModelConfig
-from tests.script_loader import load_script
+from script_loader import load_script
 
 INSTRUCTIONS = ["make the red circle blue", "remove the green square"]
-
-
-@pytest.fixture(scope="module")
-def tiny_edit_dir(tmp_path_factory):
-    pipe = build_shapes_edit_pipeline(edit_vocabulary(), num_layers=1, num_single_layers=1, heads=2, head_dim=16,
-                                      text_hidden=16, text_layers=1, zero_init=False)
-    return str(save_shapes_pipeline(pipe, tmp_path_factory.mktemp("shapes-edit") / "pipe"))
 
 
 def _policy(path, guidance=3.0):
@@ -53,12 +44,12 @@ def test_pixels_fold_into_sixteen_channels_and_back():
             pixel_fold(channels)
 
 
-def test_the_pixel_space_kontext_pipeline_loads_and_its_guided_ode_equals_the_pipeline_call(tiny_edit_dir):
+def test_the_pixel_space_kontext_pipeline_loads_and_its_guided_ode_equals_the_pipeline_call(tiny_shapes_edit_dir):
     from diffusers import FluxKontextPipeline
 
     from flowrl.models.base import absent_components
 
-    policy = _policy(tiny_edit_dir)
+    policy = _policy(tiny_shapes_edit_dir)
     assert policy.vae is None and policy.vae_scale_factor == 2 and policy.true_cfg
     assert policy.latent_shape() == (64, 64) and policy.pixel_patch == 4  # 8x8 tokens of 2x2 folded pixels
     prompts, seeds = _edits(), [3, 4]
@@ -66,7 +57,7 @@ def test_the_pixel_space_kontext_pipeline_loads_and_its_guided_ode_equals_the_pi
     traj = rollout(policy, prompts, seeds, SamplerSpec.ode(sigmas), len(prompts))
     ours = policy.decode(traj.final)
     assert ours.shape == (2, 3, 32, 32)
-    pipe = FluxKontextPipeline.from_pretrained(tiny_edit_dir, **absent_components(tiny_edit_dir))
+    pipe = FluxKontextPipeline.from_pretrained(tiny_shapes_edit_dir, **absent_components(tiny_shapes_edit_dir))
     latents = seeded_noise(seeds, INITIAL, policy.latent_shape())
     theirs = policy.diffusers_call(pipe, latents, prompts, 4, "shifted_linear", 1.0)
     assert (theirs - ours).abs().max() <= 1e-5
@@ -115,11 +106,11 @@ LIGHT = ["sampling.num_steps=4", "sampling.eval_num_steps=3", "sampling.batch_si
          "data.group_size=4", "lora.rank=4", "lora.alpha=8", "run.cpu_processes=1", "run.progress=false", "run.tracker=none"]
 
 
-def test_the_edit_shapes_preset_passes_check_and_trains_on_the_builtin_edits(tiny_edit_dir, tmp_path, capsys):
+def test_the_edit_shapes_preset_passes_check_and_trains_on_the_builtin_edits(tiny_shapes_edit_dir, tmp_path, capsys):
     from flowrl.cli import main
     from run_checks import run_metrics
 
-    tiny = [f"model.path={tiny_edit_dir}", *LIGHT]
+    tiny = [f"model.path={tiny_shapes_edit_dir}", *LIGHT]
     assert main(["check", "edit_shapes", *tiny]) == 0
     out = capsys.readouterr().out
     assert "(b) ODE = FluxKontextPipeline.__call__  pass" in out and "(c) LoRA step replayed in diffusers     pass" in out

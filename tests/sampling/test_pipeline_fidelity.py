@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, StableDiffusion3Pipeline
 
 from flowrl.cli import main
@@ -164,6 +165,41 @@ def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp
     assert (pipeline_sample(pipe) - ours).abs().max() <= 1e-5
     assert (_printed_snippet(capsys) - first).abs().max() <= 1e-5  # the base plus the LoRA
     assert main(["export", "--run", str(run), "-o", str(lora)]) == 2  # never written over
+
+
+EDIT_EXPORTS = {
+    # the editing world's preset on its tiny pixel-space model: true CFG, the pixels folded 2x2, an adapter gated to
+    # the sigmas DGPO trains (exported alone, replayed with the printed step callback)
+    "edit_shapes": ("edit_shapes", "tiny_shapes_edit_dir", ["sampling.num_steps=4"], []),
+    # FLUX.1 Kontext with a VAE and the guidance embedding, merged
+    "flux_kontext": ("tiny_jpeg", "tiny_flux_kontext_dir", ["model.kind=flux_kontext", "model.height=64", "model.width=64",
+                                                            "model.max_sequence_length=16", "sampling.num_steps=3"], ["--merge"]),
+}
+
+
+@pytest.mark.parametrize("case", list(EDIT_EXPORTS))
+def test_the_printed_snippet_of_an_edit_export_edits_the_saved_source_as_flowrl_sample_does(case, tmp_path, capsys, monkeypatch,
+                                                                                           request):
+    from flowrl.train.edit_data import read_edits
+
+    preset, fixture, model, export = EDIT_EXPORTS[case]
+    monkeypatch.chdir(tmp_path)
+    run, out = tmp_path / "run", tmp_path / "export"
+    assert main(["train", preset, f"model.path={request.getfixturevalue(fixture)}", *model, "data.edits=builtin:shapes-edit-heldout",
+                 "sampling.eval_num_steps=4", "data.group_size=4", "sampling.batch_size=4", "data.prompts_per_iteration=1",
+                 "lora.rank=4", "lora.alpha=8", "trainer.iterations=1", "trainer.budget_minutes=0", "run.cpu_processes=1",
+                 "run.tracker=none", "run.progress=false", "run.sample_every=0", "trainer.ema_decay=0.5", "--run-dir", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["export", "--run", str(run), *export, "-o", str(out)]) == 0
+    theirs = _printed_snippet(capsys)
+    cfg, policy, _ = load_run_policy(run)
+    edit = snippet_prompt(cfg)
+    assert edit == read_edits("builtin:shapes-edit-heldout")[0]  # the run's first edit, its source saved beside the export
+    assert torch.equal(torch.from_numpy(np.asarray(Image.open(out / "source.png"))).permute(2, 0, 1) / 255, edit.image())
+    ours = ode_samples(cfg, policy, [edit], [0])
+    assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-4
+    with policy.reference():  # the trained adapter moved the sample, so the match means something
+        assert (ode_samples(cfg, policy, [edit], [0]) - ours).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("kind", list(TINY_FAMILIES))
