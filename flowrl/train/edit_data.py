@@ -96,8 +96,9 @@ def _hub_rows(spec: str, field: str) -> list[dict]:
         raise UserError(f"{field} '{spec}' cannot be loaded as a hub dataset ({type(exc).__name__}: {exc})") from None
 
 
-def _image(value: Any, folder: Path | None, where: str, column: str) -> tuple[Any, str]:
-    """A row's image as an EditPrompt source and its name; the file checked to exist and to be an image."""
+def _image(value: Any, folder: Path | None, where: str, column: str) -> tuple[Any, str, tuple[int, int]]:
+    """A row's image as an EditPrompt source, its name and its (width, height); the file checked to exist and to
+    be an image."""
     if isinstance(value, dict):  # a `datasets` Image as stored: {"bytes": ..., "path": ...}
         value = value.get("bytes") or value.get("path")
     if isinstance(value, str) and value:
@@ -105,17 +106,16 @@ def _image(value: Any, folder: Path | None, where: str, column: str) -> tuple[An
         file = file if file.is_absolute() or folder is None else folder / file
         if not file.is_file():
             raise UserError(f"{where} names a {column} image '{value}' that does not exist")
-        _check_readable(file, where, column)
-        return str(file), file.name
+        return str(file), file.name, _check_readable(file, where, column)
     if isinstance(value, (bytes, bytearray)):
-        _check_readable(bytes(value), where, column)
-        return bytes(value), "image"
+        return bytes(value), "image", _check_readable(bytes(value), where, column)
     if type(value).__module__.startswith("PIL."):
-        return value, "image"
+        return value, "image", value.size
     raise UserError(f"{where} has no {column} image (a path, the image's bytes, or an image); got {type(value).__name__}")
 
 
-def _check_readable(source: Path | bytes, where: str, column: str) -> None:
+def _check_readable(source: Path | bytes, where: str, column: str) -> tuple[int, int]:
+    """The image's (width, height), read from its header; one sentence where it is not an image."""
     import io
 
     from PIL import Image
@@ -123,6 +123,7 @@ def _check_readable(source: Path | bytes, where: str, column: str) -> None:
     try:
         with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as im:
             im.verify()  # the header and structure, without decoding the pixels
+            return im.size
     except Exception as exc:
         raise UserError(f"{where}'s {column} image cannot be read as an image ({type(exc).__name__}: {exc})") from None
 
@@ -134,6 +135,11 @@ def _edit(row: dict, i: int, folder: Path | None, spec: str, field: str) -> Edit
         raise UserError(f"{where} has no instruction (a non-empty string); its columns: {', '.join(map(str, row)) or 'none'}")
     if row.get("source") is None:
         raise UserError(f"{where} has no source image; its columns: {', '.join(map(str, row))}")
-    source, name = _image(row["source"], folder, where, "source")
-    reference = None if row.get("reference") is None else _image(row["reference"], folder, where, "reference")[0]
+    source, name, size = _image(row["source"], folder, where, "source")
+    reference = None
+    if row.get("reference") is not None:  # the target of the same scene: compared with the source pixel by pixel
+        reference, _, reference_size = _image(row["reference"], folder, where, "reference")
+        if reference_size != size:
+            raise UserError(f"{where}'s reference image is {reference_size[0]}x{reference_size[1]} but its source is "
+                            f"{size[0]}x{size[1]}; give a reference of the source's size")
     return EditPrompt(instruction.strip(), source, name=f"row {i + 1}: {name}", reference=reference)

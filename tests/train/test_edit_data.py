@@ -1,5 +1,6 @@
 """Edit datasets (data.edits, flowrl/train/edit_data.py): JSONL and parquet rows become EditPrompts
-with their sources and references; every bad row is one sentence naming it, and the CLI exits 2 on it;
+with their sources and references; every bad row (a reference of another size than its source among them)
+is one sentence naming it, and the CLI exits 2 on it;
 a family that generates from text alone refuses an edit dataset."""
 
 from __future__ import annotations
@@ -63,12 +64,15 @@ def test_jsonl_and_parquet_rows_become_edits_with_their_sources(tmp_path):
     ([{"instruction": "recolour", "source": "notes.png"}], r"row 1's source image cannot be read as an image"),
     ([{"instruction": "recolour", "source": "red.png", "reference": "gone.png"}], r"row 1 names a reference image 'gone.png'"),
     ([{"instruction": "recolour", "source": 3}], r"row 1 has no source image \(a path, the image's bytes, or an image\); got int$"),
+    ([{"instruction": "recolour", "source": "red.png", "reference": "big.png"}],
+     r"row 1's reference image is 16x16 but its source is 8x8; give a reference of the source's size$"),
     (["{not json"], r"line 1 is not JSON"),
     (["[1, 2]"], r"line 1 is not an object"),
     ([], r"holds no edits"),
 ])
 def test_each_bad_row_is_one_sentence_naming_it(tmp_path, rows, sentence):
     _png(tmp_path / "red.png")
+    _png(tmp_path / "big.png", size=16)
     (tmp_path / "notes.png").write_text("not an image")
     path = tmp_path / "edits.jsonl"
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows))
