@@ -591,7 +591,8 @@ def cmd_offline(args) -> int:
         prompts = [prompts[order[j % len(order)]] for j in range(args.num_prompts)]
     s = cfg.sampling
     source = {**model, "sampler": s.sampler, "num_steps": s.num_steps, "schedule": s.schedule, "shift": s.shift,
-              "guidance_scale": cfg.model.guidance_scale, "height": cfg.model.height, "width": cfg.model.width}
+              "guidance_scale": cfg.model.guidance_scale, "height": cfg.model.height, "width": cfg.model.width,
+              **({"edits": cfg.data.edits} if cfg.data.edits else {})}  # an edit store trains with these edits' sources
     store = build_store(policy, MultiReward.from_config(cfg.reward), prompts, args.out, training_spec(cfg, 0, policy),
                         cfg.data.group_size, cfg.trainer.seed, s.batch_size, source, args.shard_groups, progress=cfg.run.progress)
     print(f"wrote {args.out}: {len(store)} groups of {cfg.data.group_size} ({', '.join(store.channel_names)})")

@@ -97,3 +97,27 @@ def test_check_passes_on_an_edit_config_and_eval_on_an_edit_set_prints_a_table_p
     assert "--edits" in capsys.readouterr().err
     assert main(["train", "tiny_jpeg", *tiny, f"data.edits={edits}", "data.eval_prompts=[a red circle]"]) == 2
     assert "data.eval_prompts are plain prompts, which model.kind flux_kontext cannot draw" in capsys.readouterr().err
+
+
+def test_a_group_store_of_edits_trains_with_the_sources_of_the_edits_it_was_built_from(edits, tiny, tmp_path, capsys):
+    from flowrl.offline.store import GroupStore
+
+    store, light = tmp_path / "store", [o for o in tiny if not o.startswith("trainer.")]
+    common = [*light, "sampling.sampler=ode", "objective.kind=gdro", "reward.weights={brightness: 1.0}"]
+    assert main(["offline", "build", "tiny_jpeg", *common, f"data.edits={edits}", "-o", str(store)]) == 0
+    stored = GroupStore.open(store)
+    assert [g.prompt for g in stored.groups] == ["keep the colour [source: row 1: red.png]", "keep the colour [source: row 2: blue.png]"]
+    assert stored.index["source"]["edits"] == str(edits)
+    train = ["train", "tiny_jpeg", *common, "rollout.kind=offline", f"data.offline={store}", "trainer.iterations=1",
+             "objective.gdro.timesteps=1", "trainer.kl_beta=0"]
+    # the GDRO step encodes each stored prompt: an editing family refuses a prompt without its source
+    assert main([*train, f"data.edits={edits}", "--run-dir", str(tmp_path / "run")]) == 0
+    assert run_metrics(tmp_path / "run")[0]["sampled"] == 0
+    assert any(w.abs().sum() > 0 for k, w in trainable(tmp_path / "run", 1).items() if "lora_B" in k)
+    capsys.readouterr()
+    assert main([*train, "--run-dir", str(tmp_path / "no-edits")]) == 2  # the store's sources come from data.edits
+    assert "give data.edits, the edits the store was built from" in capsys.readouterr().err
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"instruction": "paint it", "source": str(edits.parent / "red.png")}) + "\n")
+    assert main([*train, f"data.edits={other}", "--run-dir", str(tmp_path / "other")]) == 2
+    assert "2 of the group store" in capsys.readouterr().err

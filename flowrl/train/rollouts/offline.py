@@ -3,6 +3,8 @@ build`), no sampler call. Each iteration takes data.prompts_per_iteration groups
 order that visits every group once per pass over the store; processes split them by whole
 groups. Rewards are the stored channels weighted by reward.weights / reward.channel_weights
 (channels the config does not name weigh 0); advantages are normalised per group as online.
+A store of edits keeps each group's prompt as its text ("instruction [source: name]"); an editing run
+takes the edits themselves, sources included, from its data.edits, which must hold every stored prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +21,22 @@ from flowrl.train.rollouts.common import group_advantages
 from rewards.multi import weights_for_channels
 
 STORE_ORDER = 999_941  # the `index` key of the store's visiting order (an epoch's permutation)
+
+
+def stored_edits(cfg, prompts: list[str]) -> dict[str, str]:
+    """The stored prompts' edits (EditPrompts, their sources included) from the run's data.edits, by text;
+    one sentence for a run without data.edits or a stored prompt it does not hold."""
+    from flowrl.train.prompts import load_prompts
+
+    if not cfg.data.edits:
+        raise UserError(f"model.kind {cfg.model.kind} edits source images, which the group store data.offline "
+                        f"'{cfg.data.offline}' does not keep; give data.edits, the edits the store was built from")
+    edits = {str(p): p for p in load_prompts(cfg.data)}
+    missing = [p for p in dict.fromkeys(prompts) if p not in edits]
+    if missing:
+        raise UserError(f"{len(missing)} of the group store '{cfg.data.offline}''s prompts are not edits of data.edits "
+                        f"'{cfg.data.edits}' (the first: '{missing[0]}'); give the data.edits the store was built from")
+    return edits
 
 
 @register_rollout
@@ -50,6 +68,7 @@ class OfflineRollout(Rollout):
             raise UserError(f"data.prompts_per_iteration ({cfg.data.prompts_per_iteration}) exceeds the {len(self.store)} groups "
                             f"of the group store '{cfg.data.offline}'")
         self._orders: dict[int, list[int]] = {}
+        self.prompt_of = stored_edits(cfg, [g.prompt for g in self.store.groups]) if ctx.policy.edits else {}
 
     def _order(self, epoch: int) -> list[int]:
         if epoch not in self._orders:
@@ -81,7 +100,7 @@ class OfflineRollout(Rollout):
                 x0 = ctx.policy.encode_images(x0).cpu()
             real = position < len(chosen)
             index = starts[position] + torch.arange(g.size) if real else torch.full((g.size,), len(valid))
-            samples.append(SampleBatch(x0, [g.prompt] * g.size, torch.tensor(g.seeds), index))
+            samples.append(SampleBatch(x0, [self.prompt_of.get(g.prompt, g.prompt)] * g.size, torch.tensor(g.seeds), index))
         metrics = {**adv_metrics, "sampled": 0, "store_reward_mean": (rewards[valid] @ self.weights).mean().item(),
                    "store_pass": iteration * len(chosen) // len(self.store)}
         return Experience(iteration, rewards, prompt_ids, valid, advantages, "float32", samples=samples, metrics=metrics,
