@@ -29,6 +29,7 @@ from rewards import ocr as _ocr  # noqa: F401,E402  (ocr: Flow-GRPO's OCR reward
 from rewards import imagereward as _imagereward  # noqa: F401,E402  (imagereward: BLIP + MLP, weights converted once)
 from rewards import shapes as _shapes  # noqa: F401,E402  (shapes: the verifiable reward of the embedded default)
 from rewards import shapes_edit as _shapes_edit  # noqa: F401,E402  (shapes_edit: the shapes editing world's verifier)
+from rewards import preservation as _preservation  # noqa: F401,E402  (image_similarity, pixel_preservation: edits against their sources)
 from rewards import video as _video  # noqa: F401,E402  (temporal_consistency; image rewards score videos by frame)
 
 __all__ = [

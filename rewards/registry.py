@@ -101,8 +101,6 @@ def source_images(name: str, prompts, images):
     """The source image of each of `prompts` (EditPrompts), [N, 3, H, W] at the samples' size (`images`
     [N, 3, H, W], videos' frames likewise) and device: what a reward that compares an edit with its source
     reads. One sentence for a prompt without a source."""
-    import torch.nn.functional as F
-
     from flowrl.models.edit_prompt import EditPrompt, sources_of  # here: rewards import no model code unless an edit is scored
 
     missing = next((p for p in prompts if not isinstance(p, EditPrompt)), None)
@@ -110,8 +108,15 @@ def source_images(name: str, prompts, images):
         raise UserError(f"reward '{name}' compares each sample with its source image, but the prompt '{missing}' edits no "
                         "source; give an editing family its edits (data.edits)")
     size = tuple(images.shape[-2:])
-    return torch.stack([F.interpolate(source[None], size=size, mode="bilinear", antialias=True, align_corners=False)[0]
-                        for source in sources_of(prompts)]).to(images.device)
+    return torch.stack([at_size(source, size) for source in sources_of(prompts)]).to(images.device)
+
+
+def at_size(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """An image [3, h, w] resized to `size` (H, W) as `source_images` resizes sources (bilinear, antialiased), so a
+    reward that reads an edit's reference too compares the two pixel for pixel."""
+    import torch.nn.functional as F
+
+    return F.interpolate(image[None], size=tuple(size), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def _binds(signature: inspect.Signature, positional: int) -> bool:

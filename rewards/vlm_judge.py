@@ -7,7 +7,7 @@
       options:
         vlm_judge: {url: "http://gpu-box:8000/v1", model: UnifiedReward-7b-v1.5, mode: score}
 
-Two modes (docs/rewards.md):
+Three modes (docs/usage.md, "A VLM judge"):
 - `score`: the model writes an assessment that ends with a score; `score_pattern` finds it and the
   reward is score / score_max (UnifiedReward's use in Flow-GRPO and DiffusionNFT: a 1-5 score
   after "Final Score:", divided by 5; the image first, then the text, temperature 0).
@@ -15,9 +15,12 @@ Two modes (docs/rewards.md):
   probability of "Yes" read from the first position's top log-probabilities (VQAScore's API
   form: exp(logprob) of the token "Yes" exactly; `yes_match: loose` adds every top token that is
   "yes" after stripping and lower-casing, a flowrl variant).
+- `edit`: for an edit (`EditPrompt`), the source image, then the edited one, then a question whether the
+  instruction was followed and the rest of the source kept, answered like `score` (a 1-5 score after
+  "Final Score:", parsed and divided by score_max the same way); `{prompt}` is the edit's instruction.
 
-Each image is one request (PNG, resized to `image_size`, as a base64 data URL); `concurrency`
-requests run at once. Timeouts, connection failures and 5xx replies are retried with backoff
+Each image is one request (in mode edit with its source), sent as PNG resized to `image_size`, a base64
+data URL; `concurrency` requests run at once. Timeouts, connection failures and 5xx replies are retried with backoff
 (rewards/http.py), then the run stops with one sentence. An answer without a score is NaN,
 which `reward.on_invalid` drops or refuses; `unparseable: zero` scores it 0 instead (the
 reference code's behaviour). The API key is read from the environment variable `api_key_env`
@@ -40,12 +43,12 @@ from PIL import Image
 
 from flowrl.errors import UserError
 from rewards.http import check_retry_options, request_with_retries
-from rewards.registry import register
+from rewards.registry import register, source_images
 from rewards.simple import to_uint8
 
 log = logging.getLogger(__name__)
 
-MODES = ("score", "yes_probability")
+MODES = ("score", "yes_probability", "edit")
 YES_MATCHES = ("exact", "loose")
 UNPARSEABLE = ("invalid", "zero")
 # the templates: {prompt} is the image's prompt. The score template asks, in UnifiedReward's manner, for
@@ -57,11 +60,19 @@ SCORE_TEMPLATE = (
     "score from 1 to 5 on the last line as 'Final Score: <score>'.\nText Caption: [{prompt}]"
 )
 YES_TEMPLATE = 'Does this figure show "{prompt}"? Please answer yes or no.'
+# the edit template: {prompt} is the edit's instruction; the images come source first, as an editing model reads them
+EDIT_TEMPLATE = (
+    "You are given two images: the first is a source image, the second an edit of it made by following an instruction. "
+    "Judge the edit on two criteria: (1) how well the second image carries out the instruction, and (2) how well it "
+    "preserves everything in the source that the instruction does not ask to change (objects, layout, colours, "
+    "background, identity), without artefacts. Explain briefly, then give a score from 1 to 5 on the last line as "
+    "'Final Score: <score>'.\nEditing Instruction: [{prompt}]"
+)
 SCORE_PATTERN = r"Final Score:\s*([1-5](?:\.\d+)?)"
 
 
 @register("vlm_judge", "a vision-language judge behind an OpenAI-compatible endpoint (vLLM, SGLang): a parsed 1-5 score "
-          "or P(Yes) (options: url, model, mode, template, api_key_env, concurrency, timeout, retries)")
+          "or P(Yes), or in mode edit a score of the edit against its source image (options: url, model, mode, template, api_key_env, concurrency, timeout, retries)")
 class VLMJudge:
     def __init__(self, url: str, model: str, mode: str = "score", template: str | None = None,
                  score_pattern: str = SCORE_PATTERN, score_max: float = 5.0, yes_match: str = "exact",
@@ -78,9 +89,11 @@ class VLMJudge:
         if concurrency < 1 or image_size < 0 or score_max <= 0 or not 1 <= top_logprobs <= 20 or max_tokens < 1:
             raise UserError("vlm_judge needs concurrency >= 1, image_size >= 0, score_max > 0, top_logprobs in 1-20 and "
                             f"max_tokens >= 1; got {concurrency}, {image_size}, {score_max}, {top_logprobs}, {max_tokens}")
-        self.template = template if template is not None else SCORE_TEMPLATE if mode == "score" else YES_TEMPLATE
+        self.template = template if template is not None else {"score": SCORE_TEMPLATE, "yes_probability": YES_TEMPLATE,
+                                                                  "edit": EDIT_TEMPLATE}[mode]
         if "{prompt}" not in self.template:
-            raise UserError("reward.options.vlm_judge.template must contain {prompt}, where each image's prompt goes")
+            raise UserError("reward.options.vlm_judge.template must contain {prompt}, where each image's prompt (in mode edit: "
+                            "its instruction) goes")
         try:
             self.pattern = re.compile(score_pattern)
         except re.error as exc:
@@ -99,8 +112,14 @@ class VLMJudge:
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata=None) -> torch.Tensor:
         urls = [self._data_url(pixels) for pixels in to_uint8(images)]
+        texts, source_urls = list(prompts), [None] * len(urls)
+        if self.mode == "edit":
+            # the judge fetches the sources itself rather than naming `sources` in its signature: the registry would then
+            # demand them in every mode (rewards/registry.py as_reward); source_images refuses a plain prompt in one sentence
+            source_urls = [self._data_url(pixels) for pixels in to_uint8(source_images("vlm_judge", prompts, images))]
+            texts = [p.instruction for p in prompts]
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(urls)) or 1) as pool:
-            scores = list(pool.map(self._judge, urls, prompts))
+            scores = list(pool.map(self._judge, urls, texts, source_urls))
         return torch.tensor(scores, dtype=torch.float32)
 
     def _data_url(self, pixels) -> str:
@@ -111,9 +130,11 @@ class VLMJudge:
         image.save(buffer, format="PNG")
         return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
-    def request_body(self, data_url: str, prompt: str) -> dict:
-        """The chat-completions request for one image: the image, then the question, greedy."""
-        content = [{"type": "image_url", "image_url": {"url": data_url}},
+    def request_body(self, data_url: str, prompt: str, source_url: str | None = None) -> dict:
+        """The chat-completions request for one image: the image (after its source, in mode edit), then the question,
+        greedy."""
+        images = [source_url, data_url] if source_url is not None else [data_url]
+        content = [*({"type": "image_url", "image_url": {"url": url}} for url in images),
                    {"type": "text", "text": self.template.replace("{prompt}", prompt)}]
         body = {"model": self.model, "messages": [{"role": "user", "content": content}], "temperature": 0.0}
         if self.mode == "yes_probability":
@@ -122,11 +143,11 @@ class VLMJudge:
             body.update(max_tokens=self.max_tokens)
         return body
 
-    def _judge(self, data_url: str, prompt: str) -> float:
+    def _judge(self, data_url: str, prompt: str, source_url: str | None = None) -> float:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         reply = request_with_retries("POST", self.url + "/chat/completions", f"vlm_judge server {self.url}",
                                      "start the server (vLLM or SGLang) or fix reward.options.vlm_judge.url", self.timeout,
-                                     self.retries, self.backoff, json=self.request_body(data_url, prompt), headers=headers)
+                                     self.retries, self.backoff, json=self.request_body(data_url, prompt, source_url), headers=headers)
         try:
             choice = reply.json()["choices"][0]
         except Exception:

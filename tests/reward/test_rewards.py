@@ -5,7 +5,6 @@ handling (error / drop), and the asynchronous runner. CPU, offline."""
 from __future__ import annotations
 
 import importlib.util
-import string
 import sys
 import threading
 
@@ -26,30 +25,7 @@ def _images(n: int = 6, size: int = 40, seed: int = 0) -> torch.Tensor:
     return torch.rand(n, 3, size, size + 8, generator=torch.Generator().manual_seed(seed))
 
 
-# ---- tiny CLIP, saved with save_pretrained like a hub checkpoint ----------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_clip_dir(tmp_path_factory) -> str:
-    from transformers import CLIPConfig, CLIPModel, CLIPProcessor, CLIPTokenizer
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    letters = string.ascii_lowercase + string.digits
-    pieces = ["<|startoftext|>", "<|endoftext|>", "!", "ab</w>"] + list(letters) + [c + "</w>" for c in letters]
-    tokenizer = CLIPTokenizer(vocab={p: i for i, p in enumerate(pieces)}, merges=[("a", "b</w>")], pad_token="<|endoftext|>", model_max_length=77)
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    config = CLIPConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=77, **ids),
-        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8),
-        projection_dim=16,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-clip") / "clip"
-    CLIPModel(config).save_pretrained(path)
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(path)
-    return str(path)
+# ---- tiny models: the CLIP (`tiny_clip_dir`, conftest.py) and an aesthetic head on its width --------
 
 
 @pytest.fixture(scope="module")

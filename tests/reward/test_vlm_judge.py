@@ -149,9 +149,43 @@ def test_yes_probability_reads_the_first_tokens_top_logprobs(serve):
         VLMJudge(bare.url, "judge", mode="yes_probability")(images(1), ["a"])
 
 
+def _png(part: dict) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(part["image_url"]["url"].removeprefix("data:image/png;base64,"))))
+
+
+def test_edit_mode_sends_the_source_then_the_edit_and_the_instruction(serve):
+    from flowrl.models.edit_prompt import EditPrompt
+
+    red, green, blue = (torch.zeros(3, 32, 32).index_fill_(0, torch.tensor([c]), 1.0) for c in range(3))
+    edits = [EditPrompt("make it blue", red, name="red.png"), EditPrompt("make it green", red, name="red.png")]
+    scores = {"make it blue": "The colour changed and nothing else.\nFinal Score: 4", "make it green": "Final Score: 1"}
+    server = serve(lambda body: chat(scores[body["messages"][0]["content"][2]["text"].split("[")[-1].rstrip("]")]))
+    reward = MultiReward({"vlm_judge": 1.0}, options={"vlm_judge": {"url": server.url, "model": "judge", "mode": "edit",
+                                                                    "image_size": 16, "concurrency": 1}})
+    assert reward(torch.stack([blue, blue]), edits)[:, 0].tolist() == pytest.approx([4 / 5, 1 / 5])  # parsed as in score mode
+    source, edited, text = server.bodies[0]["messages"][0]["content"]
+    assert source["type"] == edited["type"] == "image_url" and text["type"] == "text"
+    # the source first, then the edit, each as a PNG at image_size
+    assert [_png(p).size for p in (source, edited)] == [(16, 16)] * 2
+    assert _png(source).getpixel((8, 8)) == (255, 0, 0) and _png(edited).getpixel((8, 8)) == (0, 0, 255)
+    assert text["text"].endswith("Editing Instruction: [make it blue]") and "[source:" not in text["text"]
+    assert "preserves everything in the source" in text["text"] and "Final Score: <score>" in text["text"]
+    # a plain prompt has no source: the registry's sentence, before any request
+    asked = len(server.bodies)
+    with pytest.raises(UserError, match=r"^reward 'vlm_judge' compares each sample with its source image, but the prompt "
+                                        r"'a blue square' edits no source"):
+        reward(blue[None], ["a blue square"])
+    assert len(server.bodies) == asked
+    # mode score is as before on an edit: one image, the prompt's whole text in the score template
+    plain = serve(lambda body: chat("Final Score: 3"))
+    assert VLMJudge(plain.url, "judge")(blue[None], edits[:1]).tolist() == pytest.approx([3 / 5])
+    image, text = plain.bodies[0]["messages"][0]["content"]
+    assert image["type"] == "image_url" and text["text"].endswith("Text Caption: [make it blue [source: red.png]]")
+
+
 @pytest.mark.parametrize("options, words", [
     ({"url": "gpu-box:8000", "model": "m"}, "must start with http://"),
-    ({"url": "http://x/v1", "model": "m", "mode": "rank"}, "mode must be one of score, yes_probability"),
+    ({"url": "http://x/v1", "model": "m", "mode": "rank"}, "mode must be one of score, yes_probability, edit"),
     ({"url": "http://x/v1", "model": "m", "template": "no slot"}, "must contain {prompt}"),
     ({"url": "http://x/v1", "model": "m", "api_key_env": "FLOWRL_TEST_UNSET_KEY"}, "$FLOWRL_TEST_UNSET_KEY, which is not set"),
 ])
