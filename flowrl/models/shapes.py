@@ -69,7 +69,7 @@ def build_shapes_pipeline(words: list[str], image_size: int = 32, patch_size: in
         pos_embed_max_size=image_size // patch_size,
     )
     if zero_init:
-        _zero_modulation(transformer)
+        zero_modulation(transformer)
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
@@ -83,12 +83,14 @@ def build_shapes_pipeline(words: list[str], image_size: int = 32, patch_size: in
     )
 
 
-def _zero_modulation(transformer) -> None:
-    from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero
+def zero_modulation(transformer) -> None:
+    """adaLN-Zero for an MMDiT (SD3's, FLUX's single- and double-stream blocks): every modulation layer and the
+    output projection at zero."""
+    from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 
     with torch.no_grad():
         for module in transformer.modules():
-            if isinstance(module, (AdaLayerNormZero, AdaLayerNormContinuous)):
+            if isinstance(module, (AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous)):
                 module.linear.weight.zero_()
                 module.linear.bias.zero_()
         transformer.proj_out.weight.zero_()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from flowrl.models.shapes import MAX_TOKENS, word_tokenizer
+from flowrl.models.shapes import MAX_TOKENS, word_tokenizer, zero_modulation
 
 
 def edit_vocabulary() -> list[str]:
@@ -44,7 +44,7 @@ def build_shapes_edit_pipeline(words: list[str], num_layers: int = 2, num_single
         axes_dims_rope=(head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8),  # (source/target, row, column)
     )
     if zero_init:
-        _zero_modulation(transformer)
+        zero_modulation(transformer)
     torch.manual_seed(seed + 1)
     clip = CLIPTextModel(CLIPTextConfig(
         vocab_size=len(tok), hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_hidden_layers=text_layers,
@@ -61,18 +61,6 @@ def build_shapes_edit_pipeline(words: list[str], num_layers: int = 2, num_single
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), vae=None, text_encoder=clip, tokenizer=tok,
         text_encoder_2=t5, tokenizer_2=word_tokenizer(words, MAX_TOKENS), transformer=transformer,
     )
-
-
-def _zero_modulation(transformer) -> None:
-    from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
-
-    with torch.no_grad():
-        for module in transformer.modules():
-            if isinstance(module, (AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous)):
-                module.linear.weight.zero_()
-                module.linear.bias.zero_()
-        transformer.proj_out.weight.zero_()
-        transformer.proj_out.bias.zero_()
 
 
 def shapes_edit_model_dir() -> Path:

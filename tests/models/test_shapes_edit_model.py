@@ -135,3 +135,20 @@ def test_the_builtin_edit_sets_are_fixed_named_apart_and_an_unknown_one_is_one_s
     assert len(train) == 1000 and not {str(p) for p in train} & {str(p) for p in held}  # no shared prompt text
     with pytest.raises(UserError, match="'builtin:shapes-edit-test' names no built-in edit set; built-ins: builtin:shapes-edit-train"):
         read_edits("builtin:shapes-edit-test")
+
+
+def test_zero_init_starts_the_kontext_transformer_at_zero_in_both_kinds_of_block():
+    from flowrl.models.shapes_edit import build_shapes_edit_pipeline, edit_vocabulary
+
+    def out(zero_init):
+        t = build_shapes_edit_pipeline(edit_vocabulary(), num_layers=1, num_single_layers=1, heads=2, head_dim=16,
+                                       text_hidden=16, text_layers=1, zero_init=zero_init).transformer
+        ids = torch.zeros(8, 3)
+        return t(hidden_states=torch.randn(1, 8, 64), timestep=torch.tensor([0.5]), pooled_projections=torch.randn(1, 16),
+                 encoder_hidden_states=torch.randn(1, 3, 16), txt_ids=torch.zeros(3, 3), img_ids=ids, return_dict=False)[0], t
+
+    zero, t = out(True)
+    assert torch.equal(zero, torch.zeros_like(zero))
+    # the single-stream blocks' gates too (AdaLayerNormZeroSingle), not only the double-stream ones
+    assert t.single_transformer_blocks[0].norm.linear.weight.abs().sum() == 0
+    assert out(False)[0].abs().sum() > 0
