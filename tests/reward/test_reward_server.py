@@ -77,6 +77,40 @@ def test_prompts_metadata_and_channels_travel(serve):
     assert scores[:, 0].tolist() == [len(p) for p in PROMPTS] and scores[:, 1].tolist() == [0, 10, 20, 30, 40]
 
 
+def test_edits_travel_with_their_sources_and_references_so_source_rewards_score_remotely(serve):
+    from rewards.shapes_edit_world import edit_prompts, edit_set
+
+    prompts = edit_prompts(edit_set(2, seed=3))  # 10 edits at 32 px, with references
+    images = torch.stack([p.reference_image() for p in prompts])  # perfect edits
+    images[::2] = torch.stack([p.image() for p in prompts[::2]])  # every other one left unedited
+    scores = {}
+    for name in ("shapes_edit", "pixel_preservation"):
+        server = serve(*_served(name))
+        scores[name] = MultiReward({name: 1.0})(images, prompts)
+        remote = MultiReward({"far": 1.0}, options={"far": {"kind": "remote", "url": server.url, **FAST}})(images, prompts)
+        assert torch.equal(remote, scores[name]), name  # 8-bit images, sources and references travel exactly
+    strict = scores["shapes_edit"][:, 0]
+    assert strict[1::2].tolist() == [1.0] * 5 and strict[::2].tolist() == [0.0] * 5  # the scores say which were edited
+    # the server rebuilt the edits: what its reward saw equals what the client sent
+    seen = []
+
+    def spy(images, prompts, sources):
+        seen.extend((str(p), p.instruction, p.reference_image() is not None) for p in prompts)
+        assert torch.equal(sources, torch.stack([p.image() for p in prompts]))
+        return torch.zeros(len(prompts))
+
+    RemoteReward(serve(*_registered_spy(spy)).url, **FAST)(images, prompts)
+    assert seen == [(str(p), p.instruction, True) for p in prompts]
+    with pytest.raises(UserError, match="compares each sample with its source image"):  # a plain prompt beside edits
+        RemoteReward(serve(*_served("shapes_edit")).url, **FAST)(images[:2], [prompts[0], "a red circle"])
+
+
+def _registered_spy(fn):
+    from rewards.registry import as_reward
+
+    return as_reward("spy", fn), ("spy",), "spy"
+
+
 def test_remote_reward_from_the_config(serve):
     server = serve(*_served("brightness"))
     cfg = load_config("tiny_jpeg", ["reward.weights={remote: 1.0, brightness: 1.0}", f"reward.options.remote.url={server.url}"])
