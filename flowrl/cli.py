@@ -446,9 +446,10 @@ def cmd_export(args) -> int:
 def _print_snippet(cfg, policy, out: Path, merged: bool) -> None:
     """Print (and keep beside the export, as sample_with_diffusers.py) the plain-diffusers code that
     draws `flowrl sample`'s first image of the run's first held-out prompt."""
-    from flowrl.models.snippet import diffusers_snippet, snippet_prompt, write_snippet_source
+    from flowrl.models.snippet import diffusers_snippet, write_snippet_source
+    from flowrl.train.prompts import snippet_prompt
 
-    prompt = snippet_prompt(cfg)
+    prompt = snippet_prompt(cfg.data)
     code = diffusers_snippet(policy, cfg, out, prompt, seed=0, merged=merged)
     (out / SNIPPET).write_text(code)
     if policy.edits:

@@ -199,7 +199,8 @@ class FlowPolicy:
         self.vae = pipe.vae  # None: the transformer works in pixel space, images in [-1, 1]
         # the pipeline's own rule (a video pipeline names its spatial factor apart from the temporal one)
         spatial = getattr(pipe, "vae_scale_factor", None) or getattr(pipe, "vae_scale_factor_spatial", None)
-        self.vae_scale_factor = spatial if self.vae is not None else pixel_fold(self.latent_channels())
+        # (a pipeline loaded for its text encoders alone has neither: model.text_encoders cached)
+        self.vae_scale_factor = spatial if self.vae is not None else pixel_fold(self.latent_channels()) if self.transformer else 1
         # model.text_encoders (flowrl/models/text_cache.py): cpu and cached keep them (where loaded at all) on the CPU
         self.text_device = self.device if cfg.text_encoders == "device" else torch.device("cpu")
         self.model_dir: str | None = None  # the pipeline's directory or hub id: text encoders left unloaded load from it
@@ -283,6 +284,7 @@ class FlowPolicy:
                   f"encoding {len(prompts)} prompts on the CPU, once")
         plain = dict(gradient_checkpointing=False, attention_backend=None, compile="none", quantize="none")
         encoder = cls(pipe, dataclasses.replace(cfg, text_encoders="device" if fits else "cpu", **plain), device)
+        encoder.model_dir = path  # what a family reads its transformer's config from (FLUX: whether it guides by true CFG)
         directory = cls._text_cache_dir(path, cfg, prompts)
         for number, start in enumerate(range(0, len(prompts), SHARD)):
             shard = prompts[start:start + SHARD]

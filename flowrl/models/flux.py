@@ -4,6 +4,7 @@ layout the transformer consumes; the step math is elementwise, so packing does n
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import torch
@@ -58,10 +59,15 @@ class FluxPolicy(FlowPolicy):
         )
         return {"embeds": embeds, "pooled": pooled}
 
-    @property
+    @functools.cached_property
     def true_cfg(self) -> bool:
-        """Guided on a negative prompt (two halves per forward), not by the guidance embedding."""
-        return not self.transformer.config.guidance_embeds
+        """Guided on a negative prompt (two halves per forward), not by the guidance embedding. Read from the
+        transformer's config file where only the text encoders are loaded (model.text_encoders cached)."""
+        if self.transformer is not None:
+            return not self.transformer.config.guidance_embeds
+        from diffusers import FluxTransformer2DModel
+
+        return not FluxTransformer2DModel.load_config(self.model_dir, subfolder="transformer").get("guidance_embeds", False)
 
     @property
     def guidance_argument(self) -> str:

@@ -20,16 +20,6 @@ from flowrl.sampling.noise import initial_noise_seed
 SOURCE_FILE = "source.png"  # an editing run's export: the source image the snippet edits, beside it
 
 
-def snippet_prompt(cfg) -> str:
-    """The prompt the export's snippet draws: the run's first held-out prompt; an editing run's first edit
-    (an EditPrompt: its instruction and source)."""
-    if cfg.data.edits:
-        from flowrl.train.edit_data import read_edits
-
-        return read_edits(cfg.data.edits)[0]
-    return (cfg.data.eval_prompts or ["a photo of a cat"])[0]
-
-
 def write_snippet_source(prompt, out: Path) -> Path:
     """An edit's source as flowrl reads it, saved losslessly beside the export (8-bit PNG: the pixels of the
     image file it came from) for the snippet to load."""

@@ -66,3 +66,11 @@ def prompt_set(data: DataConfig, prompts: list[str], held_out: list[str] | tuple
     (the monitor's). What model.text_encoders cached encodes ahead; the trainer and an async producer name the same
     set, so they share one cache file."""
     return list(dict.fromkeys([*prompts, *eval_prompts(data, prompts), *held_out]))
+
+
+def snippet_prompt(data: DataConfig) -> str:
+    """The prompt `flowrl export`'s printed code draws: the run's first held-out prompt (data.eval_prompts); an
+    editing run's first edit (an EditPrompt: its instruction and source)."""
+    if data.edits:
+        return load_prompts(data)[0]
+    return (data.eval_prompts or ["a photo of a cat"])[0]

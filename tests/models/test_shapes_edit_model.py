@@ -152,3 +152,19 @@ def test_zero_init_starts_the_kontext_transformer_at_zero_in_both_kinds_of_block
     # the single-stream blocks' gates too (AdaLayerNormZeroSingle), not only the double-stream ones
     assert t.single_transformer_blocks[0].norm.linear.weight.abs().sum() == 0
     assert out(False)[0].abs().sum() > 0
+
+
+def test_cached_text_encodings_carry_true_cfgs_negative_read_from_the_transformers_config(tiny_shapes_edit_dir, tmp_path):
+    # model.text_encoders cached encodes with the text encoders alone (no transformer loaded): whether the model guides by
+    # true CFG, and so needs the empty prompt's encoding beside each prompt's, comes from the transformer's config file
+    def policy(mode, **kw):
+        return load_policy(ModelConfig(kind="flux_kontext", path=tiny_shapes_edit_dir, height=32, width=32, guidance_scale=3.0,
+                                       max_sequence_length=16, text_encoders=mode, text_cache_dir=str(tmp_path)), **kw)
+
+    prompts = _edits()
+    expected = policy("device").encode(prompts)
+    assert {"neg_embeds", "neg_pooled"} <= set(expected)
+    cached = policy("cached", prompts=prompts)
+    assert cached.pipe.text_encoder is None and list(tmp_path.glob("*/prompts.json"))
+    got = cached.encode(prompts)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)

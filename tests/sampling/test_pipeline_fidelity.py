@@ -23,7 +23,7 @@ from flowrl.schema import ModelConfig
 from flowrl.models import load_policy
 from flowrl.models.flux import flux_pipeline_sigmas
 from flowrl.models.sd3 import sd3_pipeline_sigmas
-from flowrl.models.snippet import snippet_prompt
+from flowrl.train.prompts import snippet_prompt
 from flowrl.sampling.noise import INITIAL, seeded_noise
 from flowrl.sampling.rollout import SamplerSpec, rollout
 from flowrl.sampling.steps import cps_step, dance_grpo_step, gaussian_log_prob
@@ -95,7 +95,7 @@ def test_the_printed_export_snippet_draws_flowrl_samples_image_of_the_pixel_spac
     assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
     theirs = _printed_snippet(capsys)
     cfg, policy, _ = load_run_policy(run)
-    prompt = [snippet_prompt(cfg)]  # the run's first held-out prompt
+    prompt = [snippet_prompt(cfg.data)]  # the run's first held-out prompt
     ours = ode_samples(cfg, policy, prompt, [0])
     assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-5
     with policy.reference():  # the adapter moved the sample, so the match means something
@@ -118,7 +118,7 @@ def test_an_adapter_gated_to_a_sigma_range_replays_in_diffusers_through_the_prin
     assert main(["export", "--run", str(run), "-o", str(lora)]) == 0
     theirs = _printed_snippet(capsys)
     cfg, policy, _ = load_run_policy(run)
-    prompt = [snippet_prompt(cfg)]
+    prompt = [snippet_prompt(cfg.data)]
     ours = ode_samples(cfg, policy, prompt, [0])
     assert (theirs - ours).abs().max() <= 1e-5
     # the control: the adapter at every step (what diffusers does without the callback) draws something else
@@ -157,7 +157,7 @@ def test_a_flux_lora_trained_by_flowrl_reproduces_flowrl_sample_in_diffusers(tmp
     assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
     assert (pipeline_sample(FluxPipeline.from_pretrained(str(merged))) - ours).abs().max() <= 1e-5
     # the printed code: flowrl sample's first image of the first held-out prompt at seed 0
-    first = ode_samples(cfg, policy, [snippet_prompt(cfg)], [0])
+    first = ode_samples(cfg, policy, [snippet_prompt(cfg.data)], [0])
     assert (_printed_snippet(capsys) - first).abs().max() <= 1e-5
     assert main(["export", "--run", str(run), "-o", str(lora)]) == 0
     pipe = FluxPipeline.from_pretrained(tiny_flux_dir)
@@ -193,7 +193,7 @@ def test_the_printed_snippet_of_an_edit_export_edits_the_saved_source_as_flowrl_
     assert main(["export", "--run", str(run), *export, "-o", str(out)]) == 0
     theirs = _printed_snippet(capsys)
     cfg, policy, _ = load_run_policy(run)
-    edit = snippet_prompt(cfg)
+    edit = snippet_prompt(cfg.data)
     assert edit == read_edits("builtin:shapes-edit-heldout")[0]  # the run's first edit, its source saved beside the export
     assert torch.equal(torch.from_numpy(np.asarray(Image.open(out / "source.png"))).permute(2, 0, 1) / 255, edit.image())
     ours = ode_samples(cfg, policy, [edit], [0])
@@ -216,7 +216,7 @@ def test_the_printed_snippet_of_a_merged_export_draws_flowrl_sample_for_every_fa
     assert main(["export", "--run", str(run), "--merge", "-o", str(merged)]) == 0
     theirs = _printed_snippet(capsys)
     cfg, policy, _ = load_run_policy(run)
-    prompt = [snippet_prompt(cfg)]
+    prompt = [snippet_prompt(cfg.data)]
     ours = ode_samples(cfg, policy, prompt, [0])
     # 1e-4: flowrl adds the adapter's output, the merged pipeline computes with the adapter fused into its weights
     assert theirs.shape == ours.shape and (theirs - ours).abs().max() <= 1e-4
