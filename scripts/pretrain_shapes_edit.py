@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Pretrain the editing world's model (builtin:shapes-edit) on shapes-world edits by rectified-flow matching.
 
-    python scripts/pretrain_shapes_edit.py --work runs/pretrain-shapes-edit --threads 2   # the shipped model (resumes)
+    python scripts/pretrain_shapes_edit.py --work runs/pretrain-shapes-edit --steps 5000 --threads 2   # the shipped model (resumes)
     python scripts/pretrain_shapes_edit.py --work runs/pretrain-shapes-edit --export flowrl/assets/shapes-edit-kontext
 
 A FLUX.1 Kontext-architecture transformer in pixel space (flowrl/models/shapes_edit.py) learns the target image of

@@ -103,22 +103,16 @@ def test_a_batch_is_a_pure_function_of_seed_and_step_and_drops_instructions():
 
 
 LIGHT = ["sampling.num_steps=4", "sampling.eval_num_steps=3", "sampling.batch_size=4", "data.prompts_per_iteration=2",
-         "data.group_size=4", "lora.rank=4", "lora.alpha=8", "run.cpu_processes=1", "run.progress=false", "run.tracker=none"]
+         "data.group_size=4", "lora.rank=4", "lora.alpha=8"]
 
 
-def test_the_edit_shapes_preset_passes_check_and_trains_on_the_builtin_edits(tiny_shapes_edit_dir, tmp_path, capsys):
+def test_the_edit_shapes_preset_passes_check_on_its_tiny_model(tiny_shapes_edit_dir, capsys):
+    # (tests/sampling/test_pipeline_fidelity.py trains the preset on this model and replays its export in diffusers)
     from flowrl.cli import main
-    from run_checks import run_metrics
 
-    tiny = [f"model.path={tiny_shapes_edit_dir}", *LIGHT]
-    assert main(["check", "edit_shapes", *tiny]) == 0
+    assert main(["check", "edit_shapes", f"model.path={tiny_shapes_edit_dir}", *LIGHT]) == 0
     out = capsys.readouterr().out
     assert "(b) ODE = FluxKontextPipeline.__call__  pass" in out and "(c) LoRA step replayed in diffusers     pass" in out
-    assert main(["train", "edit_shapes", *tiny, "trainer.iterations=1", "trainer.budget_minutes=0", "run.sample_every=1",
-                 "--run-dir", str(tmp_path / "run")]) == 0
-    rows = run_metrics(tmp_path / "run")
-    assert len(rows) == 1 and 0 <= rows[0]["reward_mean"] <= 1.5  # strict + half partial
-    assert (tmp_path / "run" / "samples" / "iter_000001.png").is_file()
 
 
 def test_the_builtin_edit_sets_are_fixed_named_apart_and_an_unknown_one_is_one_sentence():
