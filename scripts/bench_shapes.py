@@ -6,6 +6,8 @@
     python scripts/bench_shapes.py --per-category 100 --seed 10000 20000   # two eval sets
     python scripts/bench_shapes.py --smoke              # the code path in seconds: a tiny random model, one iteration
     python scripts/bench_shapes.py --config edit_shapes --seed 10000 20000   # the editing world (per edit type)
+    python scripts/bench_shapes.py --config edit_shapes trainer.seed=1 --seed 10000 20000 --base-from runs/X/bench_shapes.json
+        # another training seed: the base model's tables from the first run (checked to be the same evaluation)
 
 Evaluates the base model on the held-out prompts (one ODE sample per prompt and seed,
 `--per-category` images per category), trains the default preset (`flowrl train` with no
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import tempfile
@@ -39,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--per-category", type=int, default=150)
     ap.add_argument("--edits", default="builtin:shapes-edit-heldout",
                     help="the held-out edits of a config that trains on edits (data.edits); --per-category is then unused")
+    ap.add_argument("--base-from", metavar="JSON", default=None,
+                    help="reuse the base model's tables from an earlier run's bench_shapes.json with the same base model, "
+                         "eval sets and evaluation settings (several training seeds score the base once)")
     ap.add_argument("--run-dir", default=None, help="where the training run goes (default runs/bench-shapes-<time>)")
     ap.add_argument("--seed", type=int, nargs="+", default=[10_000],
                     help="first eval seed of each eval set (training never uses these); several: one table and gain per set")
@@ -83,10 +89,21 @@ def run(args) -> int:
           f"{torch.get_num_threads()} threads on {machine_name()}", flush=True)
 
     t0 = time.perf_counter()
-    base_policy = load_policy(cfg.model)
-    base = {seed: evaluate(cfg, base_policy, reward, prompts, seed=seed).category_table() for seed in args.seed}
-    del base_policy
-    print(f"base evaluated in {time.perf_counter() - t0:.0f} s", flush=True)
+    # what the base model's scores depend on: a --base-from file must match it
+    evaluation = {"model": dataclasses.asdict(cfg.model), "eval_num_steps": cfg.sampling.eval_num_steps, "schedule": cfg.sampling.schedule,
+                  "shift": cfg.sampling.shift, "batch_size": cfg.sampling.batch_size, "reward": repr(cfg.reward),
+                  "prompts": [str(p) for p in prompts]}
+    if args.base_from:
+        earlier = json.loads(Path(args.base_from).read_text())
+        if earlier.get("evaluation") != evaluation or not all(str(s) in earlier["eval_sets"] for s in args.seed):
+            raise SystemExit(f"bench_shapes: --base-from {args.base_from} scored another base model, evaluation or eval sets")
+        base = {seed: earlier["eval_sets"][str(seed)]["base"] for seed in args.seed}
+        print(f"base tables from {args.base_from}", flush=True)
+    else:
+        base_policy = load_policy(cfg.model)
+        base = {seed: evaluate(cfg, base_policy, reward, prompts, seed=seed).category_table() for seed in args.seed}
+        del base_policy
+        print(f"base evaluated in {time.perf_counter() - t0:.0f} s", flush=True)
 
     run_dir = Path(args.run_dir or f"runs/bench-shapes-{time.strftime('%Y%m%d-%H%M%S')}")
     t0 = time.perf_counter()
@@ -111,7 +128,7 @@ def run(args) -> int:
     gain = sum(gains.values()) / len(gains)
     first = per_seed[args.seed[0]]
     plan = json.loads((run_dir / PLAN_FILE).read_text()) if (run_dir / PLAN_FILE).is_file() else None
-    summary = {"iterations": len(history), "rollouts": rollouts, "explored": explored, "train_minutes": t_train / 60, "run_dir": str(run_dir),
+    summary = {"evaluation": evaluation, "iterations": len(history), "rollouts": rollouts, "explored": explored, "train_minutes": t_train / 60, "run_dir": str(run_dir),
                "machine": machine_name(), "plan": plan,
                "base": first["base"], "trained": first["trained"], "gain": gain, "eval_sets": {str(s): v for s, v in per_seed.items()}}
     (run_dir / "bench_shapes.json").write_text(json.dumps(summary, indent=1))
