@@ -89,6 +89,8 @@ def training_arguments(ap: argparse.ArgumentParser, steps: int, steps_help: str)
     """The options every pretraining script of a built-in model shares (this one's and pretrain_shapes_edit.py's)."""
     ap.add_argument("--work", required=True, help="checkpoint directory (resumed when it holds one)")
     ap.add_argument("--steps", type=int, default=steps, help=steps_help)
+    ap.add_argument("--stop-at", type=int, default=None, metavar="N",
+                    help="stop after step N of the --steps schedule (its learning rate still decays over --steps)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=200)
@@ -141,9 +143,10 @@ def run_pretraining(args, pipe, next_batch, loss_of, export, desc: str) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "args.json").write_text(json.dumps(vars(args), indent=1))
     log = (work / "loss.jsonl").open("a")
-    bar = tqdm(total=args.steps, initial=step, desc=desc, unit="step", disable=args.quiet)
+    last = min(args.steps, args.stop_at or args.steps)
+    bar = tqdm(total=last, initial=step, desc=desc, unit="step", disable=args.quiet)
     t0, seen, running = time.time(), 0, None
-    while step < args.steps:
+    while step < last:
         batch_ = [t.to(args.device) if isinstance(t, torch.Tensor) else t for t in next_batch(step)]
         for g in optimizer.param_groups:
             g["lr"] = learning_rate(step, args.steps, args.lr, args.warmup)
@@ -164,7 +167,7 @@ def run_pretraining(args, pipe, next_batch, loss_of, export, desc: str) -> int:
             log.write(json.dumps({"step": step, "loss": running, "lr": optimizer.param_groups[0]["lr"],
                                   "elapsed_s": time.time() - t0}) + "\n")
             log.flush()
-        if step % args.checkpoint_every == 0 or step == args.steps:
+        if step % args.checkpoint_every == 0 or step == last:
             save_checkpoint(ckpts, step, params, optimizer.state_dict(), ema.shadow, {"loss": running})
     bar.close()
     print(f"done: {step} steps, smoothed loss {running}; export with --export DIR", file=sys.stderr)

@@ -77,12 +77,18 @@ def test_pretraining_is_deterministic_resumes_exactly_and_exports_a_pipeline_the
     pretrain = load_script("pretrain_shapes_edit")
     common = ["--layers", "1", "--single-layers", "1", "--heads", "2", "--head-dim", "16", "--batch", "4", "--warmup", "2",
               "--checkpoint-every", "2", "--quiet"]
-    assert pretrain.main(["--work", str(tmp_path / "straight"), "--steps", "4", *common]) == 0
-    assert pretrain.main(["--work", str(tmp_path / "resumed"), "--steps", "2", *common]) == 0
-    assert pretrain.main(["--work", str(tmp_path / "resumed"), "--steps", "4", *common]) == 0
+    # the first 4 steps of an 8-step schedule (--stop-at), straight and resumed after 2
+    assert pretrain.main(["--work", str(tmp_path / "straight"), "--steps", "8", "--stop-at", "4", *common]) == 0
+    assert pretrain.main(["--work", str(tmp_path / "resumed"), "--steps", "8", "--stop-at", "2", *common]) == 0
+    assert pretrain.main(["--work", str(tmp_path / "resumed"), "--steps", "8", "--stop-at", "4", *common]) == 0
     a = load_file(str(tmp_path / "straight/checkpoints/iter_000004/trainable.safetensors"))
     b = load_file(str(tmp_path / "resumed/checkpoints/iter_000004/trainable.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "straight/checkpoints/iter_000005").exists()
+    # a 4-step schedule decays its learning rate sooner: other weights at step 4
+    assert pretrain.main(["--work", str(tmp_path / "short"), "--steps", "4", *common]) == 0
+    short = load_file(str(tmp_path / "short/checkpoints/iter_000004/trainable.safetensors"))
+    assert any(not torch.equal(short[k], a[k]) for k in a)
     assert any(k.startswith("text_encoder_2.") for k in a)  # the T5 trains too
     out = tmp_path / "export"
     assert pretrain.main(["--work", str(tmp_path / "straight"), "--export", str(out), *common]) == 0
