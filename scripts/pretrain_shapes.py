@@ -53,13 +53,17 @@ def batch(seed: int, step: int, size: int, image_size: int, drop: float, sigma_s
     images = np.stack([render(p, rng, image_size) for p in prompts])
     x0 = torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     conditioned = ["" if rng.random() < drop else p for p in prompts]
+    return (x0, conditioned, *sigmas_and_noise(seed, step, x0.shape, sigma_sampling, sigma_location))
+
+
+def sigmas_and_noise(seed: int, step: int, shape, sigma_sampling: str = "logit_normal", sigma_location: float = 0.0):
+    """A batch's training sigmas [B] and noise (`shape`), a pure function of (seed, step)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     if sigma_sampling == "logit_normal":
-        sigmas = torch.sigmoid(torch.randn(size, generator=gen) + sigma_location)
+        sigmas = torch.sigmoid(torch.randn(shape[0], generator=gen) + sigma_location)
     else:
-        sigmas = torch.rand(size, generator=gen)
-    noise = torch.randn(x0.shape, generator=gen)
-    return x0, conditioned, sigmas, noise
+        sigmas = torch.rand(shape[0], generator=gen)
+    return sigmas, torch.randn(shape, generator=gen)
 
 
 def learning_rate(step: int, total: int, peak: float, warmup: int, floor: float = 0.05) -> float:

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # pretrain_shapes' training loop
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain_shapes import run_pretraining, training_arguments  # noqa: E402
+from pretrain_shapes import run_pretraining, sigmas_and_noise, training_arguments  # noqa: E402
 
 from flowrl.models.base import fold_pixels, pack_2x2  # noqa: E402
 from flowrl.models.shapes import save_shapes_pipeline  # noqa: E402
@@ -60,13 +60,7 @@ def batch(seed: int, step: int, size: int, drop: float, sigma_sampling: str = "l
     pairs = [render_edit(e, rng, IMAGE_SIZE) for e in edits]
     sources, targets = _pixels(np.stack([s for s, _ in pairs])), _pixels(np.stack([t for _, t in pairs]))
     instructions = ["" if rng.random() < drop else e.instruction for e in edits]
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    if sigma_sampling == "logit_normal":
-        sigmas = torch.sigmoid(torch.randn(size, generator=gen) + sigma_location)
-    else:
-        sigmas = torch.rand(size, generator=gen)
-    noise = torch.randn(targets.shape, generator=gen)
-    return targets, sources, instructions, sigmas, noise
+    return (targets, sources, instructions, *sigmas_and_noise(seed, step, targets.shape, sigma_sampling, sigma_location))
 
 
 def edit_flow_loss(pipe, x0, sources, instructions, sigmas, noise):
