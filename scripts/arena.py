@@ -46,6 +46,10 @@ REFERENCE_CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft
                    "tree_dgpo", "two_stage_dgpo", "tree_dpo", "two_stage_dpo")
 OFFLINE_CELLS = ("gdro_offline",)  # train from a group store that the arena builds, timed, inside the budget
 PRESETS = ROOT / "configs" / "arena"
+# cells of another world than the arena's, which scripts/tune_arena.py tunes on their own preset and held-out set: the
+# editing world's (docs/editing.md), scored on its held-out edits
+EDIT_CELLS = {"edit_shapes": ROOT / "configs" / "edit_shapes.yaml"}
+EDIT_HELD_OUT = "builtin:shapes-edit-heldout"
 TUNED = "_tuned"  # cell X_tuned: configs/arena/X_tuned.yaml, written by scripts/tune_arena.py
 
 
@@ -157,6 +161,8 @@ def budget_overrides(train_budget: float, half_mark: float) -> list[str]:
 
 
 def preset(cell: str, presets: Path = PRESETS) -> str:
+    if cell in EDIT_CELLS:
+        return str(EDIT_CELLS[cell])
     return str(presets / f"{cell}.yaml")
 
 
@@ -278,24 +284,44 @@ def measure_nfe(cell: str, overrides: list[str], work: Path) -> dict:
 
 
 # ---- evaluation ----------------------------------------------------------------------------------
+def first_of_each_type(edits: str, n: int) -> list:
+    """The first `n` edits of each edit type in the edit set `edits` (data.edits' forms), in the set's order."""
+    from flowrl.train.edit_data import read_edits
+    from rewards.shapes_edit import edit_type_of
+
+    taken: dict[str, int] = {}
+    out = []
+    for edit in read_edits(edits, field="the held-out edits"):
+        kind = edit_type_of(edit)
+        if taken.get(kind, 0) < n:
+            taken[kind] = taken.get(kind, 0) + 1
+            out.append(edit)
+    return out
+
+
 class Judge:
     """Held-out strict accuracy on the eval sets, with the default preset's eval settings for
     every cell; the base model's scores cached in RUNS/base_eval.json."""
 
-    def __init__(self, runs: Path, per_category: int, smoke: bool, overrides=(), load_overrides=()):
+    def __init__(self, runs: Path, per_category: int, smoke: bool, overrides=(), load_overrides=(), edits: str | None = None,
+                 config: str | None = None):
         from flowrl.config import load_config
         from flowrl.train.prompts import builtin_prompts
         from rewards import MultiReward
 
-        # `overrides`: more of the default preset's (a smoke run's tiny model); `load_overrides`: of a run's config
-        # when its checkpoint is loaded (model.compile=none: no compile warm-up for one evaluation)
-        self.cfg = load_config(None, ["run.progress=false", *(SMOKE_EVAL if smoke else []), *overrides])
+        # `overrides`: more of the default preset's, or of `config`'s (a smoke run's tiny model); `load_overrides`: of a
+        # run's config when its checkpoint is loaded (model.compile=none: no compile warm-up for one evaluation)
+        self.cfg = load_config(config, ["run.progress=false", *(SMOKE_EVAL if smoke else []), *overrides])
         self.load_overrides = list(load_overrides)
-        self.prompts = builtin_prompts("builtin:shapes-heldout", "--per-category", per_category=per_category)
+        if edits is None:
+            self.prompts = builtin_prompts("builtin:shapes-heldout", "--per-category", per_category=per_category)
+        else:  # the editing world: the first `per_category` held-out edits of each edit type
+            self.prompts = first_of_each_type(edits, per_category)
         self.reward = MultiReward.from_config(self.cfg.reward)
         self.per_category = per_category
         self.cache_file = runs / "base_eval.json"
-        self.key = f"{config_hash(self.cfg)}|{per_category}"
+        self.key = f"{config_hash(self.cfg)}|{per_category}" + (f"|{edits}" if edits else "")
+        self.set_name = edits or "builtin:shapes-heldout"
 
     def strict(self, policy, seed: int) -> float:
         from flowrl.train.evaluate import evaluate

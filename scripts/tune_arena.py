@@ -18,7 +18,11 @@ the half's checkpoint is scored and reported to the pruner, and an unpruned tria
 (`flowrl train --resume`, the budget's clock and plan restored) to its end, which is scored too.
 The score is held-out strict accuracy (the arena's Judge: the trained weights, the default preset's 20-step
 ODE, loaded eager: no compile warm-up per score) on the tuning set: builtin:shapes-heldout, 25
-prompts per category, eval seed 50000 (the arena reports eval seeds 10000 and 20000).
+prompts per category, eval seed 50000 (the arena reports eval seeds 10000 and 20000). The editing
+world's cell, edit_shapes (`--cells edit_shapes --trial-minutes 8`), trains configs/edit_shapes.yaml
+and is scored with that preset's eval settings on the first 25 edits of each edit type of
+builtin:shapes-edit-heldout, eval seed 50000 (bench_shapes reports eval seeds 10000 and 20000);
+its tuned preset is written as <presets-out>/edit_shapes_tuned.yaml.
 
 The budget (--budget-minutes, 30) counts the box's seconds per cell: every trial's training, model
 loads and scoring, and gdro_offline's group store (built once per study, timed). A trial starts
@@ -53,7 +57,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the arena's pieces
 import arena  # noqa: E402
-from arena import (BACKSTOP, EVAL_SEEDS, OFFLINE_CELLS, PRESETS, REFERENCE_CELLS, ROOT, SMOKE, SMOKE_CELL, SMOKE_STORE_PROMPTS,  # noqa: E402
+from arena import (BACKSTOP, EDIT_CELLS, EDIT_HELD_OUT, EVAL_SEEDS, OFFLINE_CELLS, PRESETS, REFERENCE_CELLS, ROOT, SMOKE, SMOKE_CELL, SMOKE_STORE_PROMPTS,  # noqa: E402
                    STORE_PROMPTS, TUNED, Judge, arena_lock, config_hash, describe_identity, last_checkpoint, preset, recorded,
                    run_each, run_identity, set_aside)
 
@@ -153,7 +157,13 @@ SPACES: dict[str, tuple[Param, ...]] = {
     "tree_dpo": (LR, Param("objective.dpo.beta", "log", 0.1, 10), NOISE),
     "two_stage_dpo": (LR, Param("objective.dpo.beta", "log", 0.1, 10),
                       Param("rollout.two_stage.candidates", "choice", choices=(16, 24, 32, 48, 64))),
+    # the editing world (configs/edit_shapes.yaml: the default preset's DGPO settings, tuned on the SD3 shapes model, never
+    # on this model or task): the step and beta around them, and where the adapter acts (only at the sigmas DGPO trains,
+    # or at every step: whether an edit's late steps, which keep the source's details, want the adapter too)
+    "edit_shapes": (Param("trainer.lr", "log", 0.25, 4), Param("objective.dgpo.beta", "log", 0.1, 10),
+                    Param("lora.acts_at", "choice", choices=("trained", "all"))),
 }
+TUNABLE = (*REFERENCE_CELLS, *EDIT_CELLS)  # the arena's cells, then the other worlds' (each cell's sampler seed: its position)
 
 # --smoke: every code path in seconds on a CPU, on a tiny random shapes model (scripts/smoke.py): the arena's
 # smoke overrides, 2 iterations per trial, the first cut off as the "half". Nothing it records is a result.
@@ -162,6 +172,14 @@ SMOKE_TRIAL_MINUTES, SMOKE_CUT_MINUTES, SMOKE_PER_CATEGORY, SMOKE_BUDGET = 1.0, 
 
 def tiny_overrides(model_dir: Path) -> list[str]:
     return [f"model.path={model_dir}", "lora.rank=2", "lora.alpha=2", "trainer.iterations=2"]
+
+
+def smoke_overrides(cell: str, tiny: Path) -> list[str]:
+    """A smoke trial's: the arena's smoke settings on a tiny random model of the cell's world."""
+    if cell in EDIT_CELLS:
+        return [*SMOKE, "data.prompts_per_iteration=2", "data.group_size=4", "sampling.batch_size=8",
+                *tiny_overrides("builtin:tiny-shapes-edit")]
+    return [*SMOKE, *SMOKE_CELL[cell], *tiny_overrides(tiny)]
 
 
 def log(start: float, text: str) -> None:
@@ -192,14 +210,14 @@ class Cell:
 
         self.cell, self.args, self.judge = cell, args, judge
         self.space = SPACES[cell]
-        self.base = [*(SMOKE + SMOKE_CELL[cell] + tiny_overrides(tiny) if args.smoke else []), f"trainer.seed={args.seed}",
+        self.base = [*(smoke_overrides(cell, tiny) if args.smoke else []), f"trainer.seed={args.seed}",
                      "run.progress=false"]
         cfg = load_config(preset(cell), self.base, validate_paths=False)  # gdro_offline's store is built below
         reference = load_config(preset(cell), validate_paths=False)  # the preset's own values (a smoke run's overrides aside)
         self.reference = {p.key: p.reference(reference) for p in self.space}
         self.minutes = args.trial_minutes
         self.cut = SMOKE_CUT_MINUTES if args.smoke else self.minutes / 2  # where trainer.max_minutes cuts the first half
-        self.tuning_set = {"prompts": "builtin:shapes-heldout", "per_category": judge.per_category, "seed": args.tuning_seed,
+        self.tuning_set = {"prompts": judge.set_name, "per_category": judge.per_category, "seed": args.tuning_seed,
                            "eval_num_steps": judge.cfg.sampling.eval_num_steps}
         self.config_hash = config_hash(cfg)
         spec = {"config": self.config_hash, "space": [p.describe(self.reference[p.key]) for p in self.space],
@@ -273,7 +291,7 @@ class Cell:
 
 
 def sampler_seed(cell: str, trial: int) -> int:
-    return SAMPLER_SEED + 1000 * REFERENCE_CELLS.index(cell) + trial
+    return SAMPLER_SEED + 1000 * TUNABLE.index(cell) + trial
 
 
 def ask(c: Cell, study):
@@ -438,14 +456,14 @@ def write_tuned(c: Cell, presets: Path) -> Path | None:
     counts = {s: sum(r["state"] == s for r in c.lines) for s in ("complete", "pruned", "failed")}
     ts = c.tuning_set
     lines = [
-        f"{c.cell}{TUNED}: configs/arena/{c.cell}.yaml with the settings its tuning chose (scripts/tune_arena.py; docs/arena.md, "
-        "\"Tuning\"); written by the script, not by hand.",
+        f"{c.cell}{TUNED}: {Path(preset(c.cell)).relative_to(ROOT)} with the settings its tuning chose (scripts/tune_arena.py; "
+        "docs/arena.md, \"Tuning\"); written by the script, not by hand.",
         f"Study {c.name}: {len(c.lines)} trials ({counts['pruned']} pruned, {counts['failed']} failed) of {c.minutes:g} "
         f"minutes of training each in a {c.args.budget_minutes:g}-minute budget ({c.spent() / 60:.1f} spent); TPE + successive halving;",
         f"on {c.lines[-1]['machine']}, commit {c.lines[-1]['commit'][:10]}{'+' if c.lines[-1]['dirty'] else ''}, "
         f"{c.lines[0]['date']} to {c.lines[-1]['date']}{' (smoke: not a result)' if c.args.smoke else ''}.",
-        f"Tuning set: {ts['prompts']}, {ts['per_category']} prompts per category, eval seed {ts['seed']}, {ts['eval_num_steps']}-step "
-        "ODE (the arena reports eval seeds 10000 and 20000).",
+        f"Tuning set: {ts['prompts']}, {ts['per_category']} {'edits per edit type' if c.cell in EDIT_CELLS else 'prompts per category'}, "
+        f"eval seed {ts['seed']}, {ts['eval_num_steps']}-step ODE (the reported results use eval seeds 10000 and 20000).",
         f"Best: trial {best['trial']}, held-out strict {best['score']:.3f} on the tuning set"
         + (f" (the reference settings, trial 0: {ref['score']:.3f}; the base model: {best['base']:.3f})." if ref and ref["score"] is not None
            else "."),
@@ -477,16 +495,33 @@ def run_tuning(args) -> int:
             tiny = runs / "tiny-shapes"
             if not (tiny / "model_index.json").is_file():
                 tiny_shapes_model(tiny)
-        eager = ["model.compile=none"]  # the same network (BENCHMARKS.md, bench_compile) without a compile warm-up per score
-        judge = Judge(runs, args.per_category, args.smoke, [*eager, *([f"model.path={tiny}"] if tiny else [])], eager)
         log(start, f"{len(args.cells)} cell(s), {args.budget_minutes:g} minutes each, trials of {args.trial_minutes:g} minutes of "
                    f"training, on {machine_name()}, {describe_identity(ident)}")
-        t0 = time.perf_counter()
-        base = judge.base([args.tuning_seed])[args.tuning_seed]
-        log(start, f"base held-out strict on the tuning set ({len(judge.prompts)} prompts, eval seed {args.tuning_seed}): "
-                   f"{base:.3f} ({time.perf_counter() - t0:.1f} s, or the cache)")
-        cells = [(cell, lambda cell=cell: tune_cell(cell, args, judge, base, ident, start, tiny)) for cell in args.cells]
-        return run_each(cells, args.out, start, log)
+        judges: dict[str, tuple[Judge, float]] = {}
+
+        def tune(cell: str) -> None:
+            world = preset(cell) if cell in EDIT_CELLS else "shapes"  # the arena's cells share the default preset's judge
+            if world not in judges:
+                judges[world] = judged(cell, args, runs, tiny, start)
+            tune_cell(cell, args, *judges[world], ident, start, tiny)
+
+        return run_each([(cell, functools.partial(tune, cell)) for cell in args.cells], args.out, start, log)
+
+
+def judged(cell: str, args, runs: Path, tiny: Path | None, start: float) -> tuple[Judge, float]:
+    """The judge of a cell's world and the base model's score on its tuning set: the arena's cells on held-out shapes
+    prompts with the default preset's eval settings, an editing cell on the held-out edits with its own preset's."""
+    eager = ["model.compile=none"]  # the same network (BENCHMARKS.md, bench_compile) without a compile warm-up per score
+    if cell in EDIT_CELLS:
+        model = ["model.path=builtin:tiny-shapes-edit"] if args.smoke else []
+        judge = Judge(runs, args.per_category, args.smoke, [*eager, *model], eager, edits=EDIT_HELD_OUT, config=preset(cell))
+    else:
+        judge = Judge(runs, args.per_category, args.smoke, [*eager, *([f"model.path={tiny}"] if tiny else [])], eager)
+    t0 = time.perf_counter()
+    base = judge.base([args.tuning_seed])[args.tuning_seed]
+    log(start, f"base held-out strict on the tuning set of {cell} ({len(judge.prompts)} of {judge.set_name}, eval seed "
+               f"{args.tuning_seed}): {base:.3f} ({time.perf_counter() - t0:.1f} s, or the cache)")
+    return judge, base
 
 
 # ---- --report ----------------------------------------------------------------------------------------
@@ -501,7 +536,7 @@ def studies(lines: list[dict], smoke: bool) -> dict[str, list[dict]]:
         cell = rs[0]["cell"]
         if cell not in latest or rs[-1]["date"] >= latest[cell][-1]["date"]:
             latest[cell] = sorted(rs, key=lambda r: r["trial"])
-    return {cell: latest[cell] for cell in REFERENCE_CELLS if cell in latest}
+    return {cell: latest[cell] for cell in TUNABLE if cell in latest}
 
 
 def table(by_cell: dict[str, list[dict]]) -> str:
@@ -510,7 +545,7 @@ def table(by_cell: dict[str, list[dict]]) -> str:
 
     out = ["| cell | trials (pruned, failed) | minutes | reference trial | best | best - reference | best settings (reference) |",
            "|---|---|---|---|---|---|---|"]
-    for cell in REFERENCE_CELLS:
+    for cell in TUNABLE:
         rs = by_cell.get(cell)
         if not rs:
             out.append(f"| {cell} | 0 | pending | pending | pending | pending | pending |")
@@ -530,14 +565,21 @@ def table(by_cell: dict[str, list[dict]]) -> str:
     text = "\n".join(out) + "\n"
     rows = [r for rs in by_cell.values() for r in rs]
     if rows:
-        ts, r = rows[-1]["tuning_set"], rows[-1]
+        last = {}  # per tuning set, its latest trial: the arena's cells share one, the editing cell has its own
+        for x in rows:
+            last[x["tuning_set"]["prompts"]] = x
+        sets = []
+        for r in last.values():
+            ts, unit = r["tuning_set"], "edits per edit type" if r["cell"] in EDIT_CELLS else "prompts per category"
+            cells = "the editing cell" if r["cell"] in EDIT_CELLS else "the arena's cells"
+            sets.append(f"{cells}: {ts['prompts']}, {ts['per_category']} {unit}, eval seed {ts['seed']}, where the base model "
+                        f"scores {r['base']:.3f}; trials of {r['trial_minutes']:g} training minutes in a budget of "
+                        f"{r['budget_minutes']:g} minutes per cell")
         machines = sorted({x["machine"] for x in rows})
         commits = sorted({x["commit"][:10] + ("+" if x.get("dirty") else "") for x in rows})
-        text += (f"\nHeld-out strict on the tuning set ({ts['prompts']}, {ts['per_category']} prompts per category, eval seed "
-                 f"{ts['seed']}; the base model scores {r['base']:.3f}), at the end of trials of {r['trial_minutes']:g} training "
-                 f"minutes in a budget of {r['budget_minutes']:g} minutes per cell. Generated by `scripts/tune_arena.py --report` "
-                 f"from {len(rows)} trials; commit(s) {', '.join(commits)} (+: with uncommitted changes); machine(s): "
-                 f"{'; '.join(machines)}.\n")
+        text += (f"\nHeld-out strict on the tuning set at the end of each trial ({'; '.join(sets)}). Generated by "
+                 f"`scripts/tune_arena.py --report` from {len(rows)} trials; commit(s) {', '.join(commits)} (+: with uncommitted "
+                 f"changes); machine(s): {'; '.join(machines)}.\n")
     else:
         text += "\nNo tuning is recorded yet: every cell is pending.\n"
     return text
@@ -585,7 +627,8 @@ def main(argv=None) -> int:
     cells = [c for text in args.cells for c in text.split(",") if c]
     unknown = [c for c in cells if c not in SPACES]
     if unknown or not cells:
-        print(f"tune_arena: --cells takes reference cells of the arena ({', '.join(REFERENCE_CELLS)}); "
+        print(f"tune_arena: --cells takes reference cells of the arena ({', '.join(REFERENCE_CELLS)}) or the editing world's "
+              f"({', '.join(EDIT_CELLS)}); "
               f"got {', '.join(repr(c) for c in unknown) or 'none'}", file=sys.stderr)
         return 2
     args.cells = list(dict.fromkeys(cells))

@@ -35,7 +35,7 @@ def read(out: Path) -> list[dict]:
 
 def test_every_cell_has_a_space_around_its_reference_that_validates_at_both_ends():
     tune = load_script("tune_arena")
-    assert sorted(tune.SPACES) == sorted(tune.REFERENCE_CELLS)
+    assert sorted(tune.SPACES) == sorted(tune.TUNABLE)
     for cell, space in tune.SPACES.items():
         assert 2 <= len(space) <= 3 and space[0].key == "trainer.lr"
         cfg = load_config(tune.preset(cell), validate_paths=False)
@@ -58,8 +58,8 @@ def test_every_cell_has_a_space_around_its_reference_that_validates_at_both_ends
             lows.append(tune.override(p.key, low))
             highs.append(tune.override(p.key, high))
         for ends in (lows, highs):  # the space's corners are settings the cell accepts
-            assert [tune.get(load_config(tune.preset(cell), ends, validate_paths=False), p.key) for p in space if p.scale != "named"] == [
-                float(e.partition("=")[2]) for e in ends]
+            corner = load_config(tune.preset(cell), ends, validate_paths=False)
+            assert [tune.override(p.key, tune.get(corner, p.key)) for p in space if p.scale != "named"] == ends
 
 
 def test_a_named_setting_trains_as_the_config_values_it_stands_for():
@@ -152,6 +152,29 @@ def test_smoke_study_prunes_resumes_and_writes_a_tuned_preset_the_arena_trains(t
     gain = best["score"] - ref["score"]
     assert "| nft | 3 (1, 0) |" in text and f"| {ref['score']:.3f} | {best['score']:.3f} (trial 2) | {gain:+.3f} |" in text
     assert "| flow_grpo | 0 | pending |" in text
+
+
+@pytest.mark.slow
+def test_the_editing_cell_trains_its_preset_and_is_scored_on_held_out_edits_of_every_type(tmp_path):
+    from collections import Counter
+
+    from rewards.shapes_edit import edit_type_of
+
+    tune = load_script("tune_arena")
+    out, presets = tmp_path / "tuning.jsonl", tmp_path / "presets"
+    assert tune.main(["--smoke", "--cells", "edit_shapes", "--trials", "1", "--runs", str(tmp_path / "runs"), "--out", str(out),
+                      "--presets-out", str(presets)]) == 0
+    (ref,) = read(out)
+    reference = load_config("configs/edit_shapes.yaml")
+    assert (ref["cell"], ref["state"], ref["iterations"]) == ("edit_shapes", "complete", 2)
+    assert ref["params"] == {"trainer.lr": reference.trainer.lr, "objective.dgpo.beta": reference.objective.dgpo.beta,
+                             "lora.acts_at": "trained"}
+    assert ref["tuning_set"] == {"prompts": "builtin:shapes-edit-heldout", "per_category": 2, "seed": 50000, "eval_num_steps": 4}
+    trained = load_config(Path(ref["run_dir"]) / "config.yaml")
+    assert trained.data.edits == "builtin:shapes-edit-train" and trained.reward.weights == {"shapes_edit": 1.0}
+    edits = tune.arena.first_of_each_type("builtin:shapes-edit-heldout", 2)  # what the judge scored
+    assert Counter(map(edit_type_of, edits)) == {t: 2 for t in ("recolour", "add", "remove", "move", "count")}
+    assert load_config(presets / "edit_shapes_tuned.yaml") == reference  # the reference won: the preset's own settings
 
 
 def test_a_tuning_set_on_the_arenas_reported_seeds_is_refused(capsys):
