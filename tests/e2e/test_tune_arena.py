@@ -111,7 +111,7 @@ def test_smoke_study_prunes_resumes_and_writes_a_tuned_preset_the_arena_trains(t
     # had the run been killed during trial 2, the study rebuilt from the first two lines would draw trial 2's settings again
     (tmp_path / "killed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:2]))
     args = SimpleNamespace(smoke=True, seed=0, trial_minutes=1.0, tuning_seed=50000, runs=str(runs), out=str(tmp_path / "killed.jsonl"))
-    judge = SimpleNamespace(per_category=2, cfg=SimpleNamespace(sampling=SimpleNamespace(eval_num_steps=4)))
+    judge = SimpleNamespace(per_category=2, set_name="builtin:shapes-heldout", cfg=SimpleNamespace(sampling=SimpleNamespace(eval_num_steps=4)))
     cell = tune.Cell("nft", args, judge, runs / "tiny-shapes")
     assert cell.name == ref["study"] and [r["trial"] for r in cell.lines] == [0, 1]
     again = tune.ask(cell, cell.study())
