@@ -61,3 +61,18 @@ def pytest_collection_modifyitems(config, items):
     # the longest tests first: pytest-xdist hands out the first tests alternately to its workers,
     # so the long ones run side by side from the start instead of one of them ending the suite alone
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if getattr(config.option, "loadgroup", False):
+        _name_xdist_groups(items)
+
+
+def _name_xdist_groups(items) -> None:
+    """`--dist loadgroup` on pytest 9.2: pytest-xdist 3.8 names a test's group by writing `item._nodeid`,
+    which pytest 9.2 no longer reads (a node's id is `item._id`), so every group was split over the
+    workers and its module fixtures built on each (the README quickstart trained twice). This writes
+    the same "NODEID@GROUP" id that xdist's scheduler reads, where xdist's own write did not land."""
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers("xdist_group")})
+        if groups and "@" not in item.nodeid and hasattr(item, "_id"):
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(groups)}")

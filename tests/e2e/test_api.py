@@ -90,6 +90,7 @@ def test_evaluate_scores_a_run_with_its_lambda_and_sample_draws_its_checkpoint(q
 
 
 @pytest.mark.slow  # README's quickstart trains the shapes model
+@pytest.mark.xdist_group("quickstart")  # the worker that trained the quickstart for the two above
 def test_a_run_of_another_process_says_how_to_give_its_function_again(quickstart, monkeypatch):
     names, folder = quickstart
     monkeypatch.chdir(folder)
