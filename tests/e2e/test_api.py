@@ -102,6 +102,15 @@ def test_a_run_of_another_process_says_how_to_give_its_function_again(quickstart
     assert api.Run(path, reward={"custom": lambda images, prompts: redness(images)}).config.reward.weights == {"custom": 1.0}
 
 
+@pytest.mark.xdist_group("quickstart")
+def test_the_quickstart_group_reaches_xdists_scheduler_under_loadgroup(request):
+    """make test's --dist loadgroup sends a group's tests to one worker only when the group is in the test's id
+    (tests/conftest.py names it where pytest-xdist's own naming does not reach pytest 9.2)."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("only under --dist loadgroup (make test)")
+    assert request.node.nodeid.endswith("@quickstart")
+
+
 def test_a_function_rewards_scores_are_the_runs_reward_and_it_trains_in_one_process(tmp_path, capsys):
     # every prompt scores its length: both prompts each iteration, 12 and 16 characters
     run = api.train("tiny_jpeg", *TINY, reward=lambda images, prompts: [float(len(p)) for p in prompts],
