@@ -163,7 +163,7 @@ SPACES: dict[str, tuple[Param, ...]] = {
     "edit_shapes": (Param("trainer.lr", "log", 0.25, 4), Param("objective.dgpo.beta", "log", 0.1, 10),
                     Param("lora.acts_at", "choice", choices=("trained", "all"))),
 }
-TUNABLE = (*REFERENCE_CELLS, *EDIT_CELLS)  # the arena's cells, then the other worlds' (each cell's sampler seed: its position)
+TUNABLE = (*REFERENCE_CELLS, *EDIT_CELLS)  # the arena's cells, then the other worlds' (the order of the report)
 
 # --smoke: every code path in seconds on a CPU, on a tiny random shapes model (scripts/smoke.py): the arena's
 # smoke overrides, 2 iterations per trial, the first cut off as the "half". Nothing it records is a result.
@@ -291,7 +291,10 @@ class Cell:
 
 
 def sampler_seed(cell: str, trial: int) -> int:
-    return SAMPLER_SEED + 1000 * TUNABLE.index(cell) + trial
+    # an arena cell's position among the arena's cells; another world's cells from position 100, so that a cell the
+    # arena gains later does not move their seeds (nor their studies' names)
+    position = 100 + list(EDIT_CELLS).index(cell) if cell in EDIT_CELLS else REFERENCE_CELLS.index(cell)
+    return SAMPLER_SEED + 1000 * position + trial
 
 
 def ask(c: Cell, study):
