@@ -165,7 +165,7 @@ def test_the_editing_cell_trains_its_preset_and_is_scored_on_held_out_edits_of_e
     assert tune.main(["--smoke", "--cells", "edit_shapes", "--trials", "1", "--runs", str(tmp_path / "runs"), "--out", str(out),
                       "--presets-out", str(presets)]) == 0
     (ref,) = read(out)
-    reference = load_config("configs/edit_shapes.yaml")
+    reference = load_config(tune.preset("edit_shapes"))
     assert (ref["cell"], ref["state"], ref["iterations"]) == ("edit_shapes", "complete", 2)
     assert ref["params"] == {"trainer.lr": reference.trainer.lr, "objective.dgpo.beta": reference.objective.dgpo.beta,
                              "lora.acts_at": "trained"}
