@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the arena's pieces
 import arena  # noqa: E402
-from arena import (BACKSTOP, EDIT_CELLS, EDIT_HELD_OUT, EVAL_SEEDS, OFFLINE_CELLS, PRESETS, REFERENCE_CELLS, ROOT, SMOKE, SMOKE_CELL, SMOKE_STORE_PROMPTS,  # noqa: E402
+from arena import (BACKSTOP, EDIT_CELLS, EDIT_HELD_OUT, EVAL_SEEDS, OFFLINE_CELLS, PRESETS, REFERENCE_CELLS, ROOT, SMALL, SMOKE, SMOKE_CELL, SMOKE_STORE_PROMPTS,  # noqa: E402
                    STORE_PROMPTS, TUNED, Judge, arena_lock, config_hash, describe_identity, last_checkpoint, preset, recorded,
                    run_each, run_identity, set_aside)
 
@@ -172,15 +172,14 @@ TUNABLE = (*REFERENCE_CELLS, *EDIT_CELLS)  # the arena's cells, then the other w
 SMOKE_TRIAL_MINUTES, SMOKE_CUT_MINUTES, SMOKE_PER_CATEGORY, SMOKE_BUDGET = 1.0, 1e-4, 2, 60.0
 
 
-def tiny_overrides(model_dir: Path) -> list[str]:
+def tiny_overrides(model_dir: Path | str) -> list[str]:  # a directory, or a builtin: name
     return [f"model.path={model_dir}", "lora.rank=2", "lora.alpha=2", "trainer.iterations=2"]
 
 
 def smoke_overrides(cell: str, tiny: Path) -> list[str]:
     """A smoke trial's: the arena's smoke settings on a tiny random model of the cell's world."""
     if cell in EDIT_CELLS:
-        return [*SMOKE, "data.prompts_per_iteration=2", "data.group_size=4", "sampling.batch_size=8",
-                *tiny_overrides("builtin:tiny-shapes-edit")]
+        return [*SMOKE, *SMALL, *tiny_overrides("builtin:tiny-shapes-edit")]
     return [*SMOKE, *SMOKE_CELL[cell], *tiny_overrides(tiny)]
 
 

@@ -177,6 +177,7 @@ def test_cached_text_encodings_carry_true_cfgs_negative_read_from_the_transforme
 # unchanged, or a random model, scores 0
 SHIPPED_MIN_STRICT = 0.2
 
+
 def test_the_shipped_model_loads_through_the_kontext_adapter_and_edits_its_world():
     from flowrl.sampling.schedules import shifted_sigmas
     from flowrl.train.images import ode_images
