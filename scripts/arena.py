@@ -44,9 +44,8 @@ REFERENCE_CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft
                    # Arena III, pairings: the leading objective (DGPO, tuned) and the better of AWM and DPO (DPO, its reference
                    # settings), each fed by another rollout at that rollout's reference settings
                    "tree_dgpo", "two_stage_dgpo", "tree_dpo", "two_stage_dpo",
-                   # the tuned DGPO on flat groups whose prompts an allocator chooses (its defaults); the allocators that vary
-                   # the group sizes (dars_budget, successive_elimination) wait for whole groups per process (docs/arena.md)
-                   "vade_dgpo", "prompt_gdro_dgpo")
+                   # the tuned DGPO on flat groups whose prompts and sizes an allocator chooses (its defaults)
+                   "vade_dgpo", "dars_budget_dgpo", "prompt_gdro_dgpo", "successive_elimination_dgpo")
 OFFLINE_CELLS = ("gdro_offline",)  # train from a group store that the arena builds, timed, inside the budget
 PRESETS = ROOT / "configs" / "arena"
 # cells of another world than the arena's, which scripts/tune_arena.py tunes on their own preset and held-out set: the
@@ -92,7 +91,7 @@ SMOKE_CELL = {
     "two_stage_dgpo": [*SMALL, "rollout.two_stage.candidates=8"],
     "tree_dpo": ["data.prompts_per_iteration=1", "sampling.batch_size=8"],
     "two_stage_dpo": [*SMALL, "rollout.two_stage.candidates=8"],
-    "vade_dgpo": SMALL, "prompt_gdro_dgpo": SMALL,
+    **{cell: SMALL for cell in ("vade_dgpo", "dars_budget_dgpo", "prompt_gdro_dgpo", "successive_elimination_dgpo")},
 }
 SMOKE_BUDGET, SMOKE_PER_CATEGORY, SMOKE_STORE_PROMPTS = 0.1, 2, 4
 

@@ -158,7 +158,8 @@ SPACES: dict[str, tuple[Param, ...]] = {
     "two_stage_dpo": (LR, Param("objective.dpo.beta", "log", 0.1, 10),
                       Param("rollout.two_stage.candidates", "choice", choices=(16, 24, 32, 48, 64))),
     # the allocator pairings, around dgpo_tuned's settings (the allocators' own options at their defaults)
-    **{cell: (LR, Param("objective.dgpo.beta", "log", 0.1, 10)) for cell in ("vade_dgpo", "prompt_gdro_dgpo")},
+    **{cell: (LR, Param("objective.dgpo.beta", "log", 0.1, 10)) for cell in ("vade_dgpo", "dars_budget_dgpo", "prompt_gdro_dgpo",
+                                                                             "successive_elimination_dgpo")},
     # the editing world (configs/edit_shapes.yaml: the default preset's DGPO settings, tuned on the SD3 shapes model, never
     # on this model or task): the step and beta around them, and where the adapter acts (only at the sigmas DGPO trains,
     # or at every step: whether an edit's late steps, which keep the source's details, want the adapter too)

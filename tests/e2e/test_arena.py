@@ -22,8 +22,9 @@ from script_loader import load_script
 ARENA_DIR = CONFIG_DIR / "arena"
 REFERENCE_CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
                    "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo", "tree_dgpo", "two_stage_dgpo",
-                   "tree_dpo", "two_stage_dpo", "vade_dgpo", "prompt_gdro_dgpo")
-ALLOCATOR_CELLS = {"vade_dgpo": "vade", "prompt_gdro_dgpo": "prompt_gdro"}
+                   "tree_dpo", "two_stage_dpo", "vade_dgpo", "dars_budget_dgpo", "prompt_gdro_dgpo", "successive_elimination_dgpo")
+ALLOCATOR_CELLS = {"vade_dgpo": "vade", "dars_budget_dgpo": "dars_budget", "prompt_gdro_dgpo": "prompt_gdro",
+                   "successive_elimination_dgpo": "successive_elimination"}
 # a cell X_tuned once scripts/tune_arena.py has written its preset (tests/e2e/test_tune_arena.py)
 TUNED_CELLS = tuple(f"{c}_tuned" for c in REFERENCE_CELLS if (ARENA_DIR / f"{c}_tuned.yaml").is_file())
 CELLS = REFERENCE_CELLS + TUNED_CELLS

@@ -234,7 +234,7 @@ def _experience(prompt_ids, local_index, advantages=None):
                       samples=[batch])
 
 
-def test_group_batches_pack_whole_groups_and_refuse_a_split_group():
+def test_group_batches_pack_whole_groups():
     exp = _experience([0, 0, 1, 1, 1, 2, 2], torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))  # 7 is a padding copy
     packs = group_batches(exp, _Acc(), batch_size=4)
     assert [p.groups.tolist() for p in packs] == [[0, 0], [1, 1, 1], [2, 2]]  # packing never splits a group
@@ -243,9 +243,23 @@ def test_group_batches_pack_whole_groups_and_refuse_a_split_group():
     assert [p.groups.tolist() for p in group_batches(tied, _Acc(), batch_size=4)] == [[1, 1]]  # no preference, not trained
     all_tied = _experience([0, 0, 1, 1], torch.tensor([0, 1, 2, 3]), advantages=[0.0] * 4)
     assert group_batches(all_tied, _Acc(), batch_size=4) == []  # an iteration with no preference anywhere trains nothing
-    split = _experience([0, 0, 1, 1], torch.tensor([0, 1, 2]))  # the other process holds sample 3 of group 1
-    with pytest.raises(UserError, match="group 1 is split across 2 processes"):
-        group_batches(split, _Acc(2), batch_size=4)
+
+
+def test_groups_split_across_processes_come_together_whole_and_balanced():
+    from flowrl.runtime.shards import whole_group_owners
+    from flowrl.train.objectives.implicit import local_samples, take_whole_groups
+
+    # largest first onto the least-loaded process: 5 | 3 + 2, not 5 + 2 | 3 as in id order
+    assert whole_group_owners({0: 2, 1: 5, 2: 3}, 2) == {1: 0, 2: 1, 0: 1}
+    assert whole_group_owners({7: 4}, 3) == {7: 0}  # more processes than groups: the rest hold none
+    # an allocator's two stages, each split evenly: group 1's samples 2, 3 on process 0, samples 6, 7 on process 1
+    prompt_ids = [0, 0, 1, 1, 2, 2, 1, 1]
+    processes = [_experience(prompt_ids, torch.tensor([0, 1, 2, 3])), _experience(prompt_ids, torch.tensor([4, 5, 6, 7]))]
+    everyone = [local_samples(e) for e in processes]
+    mine = [take_whole_groups(everyone, torch.tensor(prompt_ids), 2, p) for p in range(2)]
+    assert [m.index.tolist() for m in mine] == [[2, 3, 6, 7], [0, 1, 4, 5]]  # group 1 (4 samples) whole on process 0
+    assert mine[0].prompts == ["p2", "p3", "p6", "p7"]  # each sample keeps its own prompt, seed and image
+    torch.testing.assert_close(mine[1].x0[:, 0], torch.tensor([0.0, 1.0, 0.0, 1.0]))
 
 
 def test_a_store_of_ones_own_images_trains(tmp_path, tiny_sd3_dir):

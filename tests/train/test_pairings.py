@@ -201,3 +201,19 @@ def test_dgpo_trains_whole_groups_of_the_sizes_an_allocator_gives(tmp_path, tiny
 def test_dgpo_under_prompt_gdro_writes_its_checkpoint(tmp_path, tiny_sd3_dir):
     args = [*TINY, *OBJECTIVES["dgpo"], f"model.path={tiny_sd3_dir}", "allocator.kind=prompt_gdro", "trainer.iterations=1"]
     assert main(["train", "tiny_jpeg", *args, "--run-dir", str(tmp_path / "run")]) == 0
+
+
+def test_dgpo_under_dars_budget_on_two_processes_trains_the_groups_one_process_trains(tmp_path, tiny_sd3_dir):
+    # dars_budget's top-ups are a second stage split evenly over the processes, which cuts the hard
+    # prompts' groups in two: the group objective brings each group whole to one process
+    args = [*TINY, *OBJECTIVES["dgpo"], f"model.path={tiny_sd3_dir}", "sampling.batch_size=4", *ALLOCATORS["dars_budget"],
+            "trainer.iterations=1"]
+    rows = {}
+    for processes in (1, 2):
+        run = tmp_path / f"p{processes}"
+        assert main(["train", "tiny_jpeg", *args, f"run.cpu_processes={processes}", "--run-dir", str(run)]) == 0
+        rows[processes] = run_metrics(run)[0]
+    assert rows[2]["group_size_min"] < rows[2]["group_size_max"]  # groups of different sizes, so one was split
+    for key in ("group_size_histogram", "trained_groups", "sampled"):
+        assert rows[2][key] == rows[1][key], key
+    assert rows[2]["trained_groups"] >= 1 and math.isfinite(rows[2]["loss"])

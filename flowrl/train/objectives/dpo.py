@@ -40,7 +40,7 @@ from flowrl.sampling.noise import FORWARD_NOISING, seeded_noise
 from flowrl.sampling.schedules import time_shift
 from flowrl.sampling.steps import flow_matching_target, forward_noise
 from flowrl.train.experience import SAMPLES, Experience
-from flowrl.train.objectives.implicit import local_samples, padded_rounds, require_whole_groups
+from flowrl.train.objectives.implicit import padded_rounds, whole_group_samples
 from flowrl.train.objectives.stepping import check_stepping, step_plan, step_shares
 from flowrl.train.parts import Objective, register_objective
 
@@ -204,9 +204,8 @@ class DPO(Objective):
         """This process's pairs in batches of sampling.batch_size / 2 pairs, padded to the busiest
         process's count. The winner is chosen on the channel-weighted reward (the reference's raw
         "avg"), else on the advantage (the same order within a group)."""
-        local = local_samples(experience)
+        local = whole_group_samples(experience, self.ctx.accelerator)
         groups = experience.prompt_ids[local.index]
-        require_whole_groups(experience, groups, self.ctx.accelerator, "objective.kind dpo")
         scores = experience.reward_totals if experience.reward_totals is not None else experience.advantages
         pairs = group_pairs(scores[local.index], groups, self.opts.ties)
         per = max(1, self.ctx.cfg.sampling.batch_size // 2)
@@ -215,10 +214,8 @@ class DPO(Objective):
             w, l = (torch.tensor(side) for side in zip(*pairs[start:start + per]))
             rows = torch.cat([w, l])
             batches.append(PairBatch(local.x0[rows], [local.prompts[i] for i in rows.tolist()], local.seeds[w], 1.0))
-        filler = PairBatch(local.x0[:2], local.prompts[:2], local.seeds[:1], 0.0) if len(local.index) >= 2 else None
-        if filler is None and not batches:
-            raise UserError("objective.kind dpo found fewer than 2 valid samples on a process; raise data.group_size or "
-                            "data.prompts_per_iteration")
+        b = experience.samples[0]  # a weight-0 pair for a process without pairs (its groups tied, or all on other processes)
+        filler = PairBatch(b.x0[:1].float().repeat(2, *[1] * (b.x0.ndim - 1)), b.prompts[:1] * 2, b.seeds[:1], 0.0)
         return padded_rounds(batches, self.ctx.accelerator, filler)
 
     def pair_errors(self, batch: PairBatch, sigma: torch.Tensor, eps: torch.Tensor, cond) -> tuple[torch.Tensor, torch.Tensor]:

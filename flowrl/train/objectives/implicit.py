@@ -24,7 +24,8 @@ from typing import ClassVar
 from tqdm.auto import tqdm
 
 from flowrl.core.seeds import Stream, sample_seed
-from flowrl.errors import ConfigError, UserError, check_positive
+from flowrl.errors import ConfigError, check_positive
+from flowrl.runtime.shards import whole_group_owners
 from flowrl.sampling.noise import GROUP_NOISING, seeded_noise
 from flowrl.sampling.schedules import stratified_sigma
 from flowrl.sampling.steps import flow_matching_target, forward_noise
@@ -53,14 +54,13 @@ class FlowErrors(NamedTuple):
 def group_batches(experience: Experience, accelerator, batch_size: int) -> list[GroupBatch]:
     """This process's real, valid samples regrouped into micro-batches of whole groups (greedy
     packing up to `batch_size` samples; a larger group is a batch of its own), padded to the
-    number of rounds of the busiest process. A group split across processes cannot be trained:
-    every member's implicit reward must be in one loss. Invalid samples (reward.on_invalid: drop)
-    leave their group, and groups whose advantages are all 0 (all rewards tied: no preference)
-    are left out."""
-    local = local_samples(experience)
+    number of rounds of the busiest process. Every member's implicit reward must be in one loss,
+    so groups the sampling split across processes are brought together first (`whole_group_samples`).
+    Invalid samples (reward.on_invalid: drop) leave their group, and groups whose advantages are
+    all 0 (all rewards tied: no preference) are left out."""
+    local = whole_group_samples(experience, accelerator)
     x0, prompts, index = local.x0, local.prompts, local.index
     groups = experience.prompt_ids[index]
-    require_whole_groups(experience, groups, accelerator, "the group objective")
     preferring = groups[experience.advantages[index] != 0].unique()
     live = torch.isin(groups, preferring)
     x0, prompts, groups, index = x0[live], [p for p, k in zip(prompts, live.tolist()) if k], groups[live], index[live]
@@ -102,16 +102,34 @@ def local_samples(experience: Experience) -> LocalSamples:
     return LocalSamples(torch.cat(x0s), prompts, torch.cat(seeds), torch.cat(index))
 
 
-def require_whole_groups(experience: Experience, groups: torch.Tensor, accelerator, who: str) -> None:
-    """One sentence when a group's valid samples are split across processes (`groups`: the group
-    of each local sample): a loss over a group needs all of them on one process."""
+def whole_group_samples(experience: Experience, accelerator) -> LocalSamples:
+    """This process's valid samples in whole groups. The even split of the sampling keeps uniform
+    groups whole (data.prompts_per_iteration a multiple of the processes); an allocator that sizes
+    groups over several stages spreads a group over processes, and then every process's samples
+    are exchanged and each group goes whole to one process (`whole_group_owners`)."""
+    local = local_samples(experience)
     total = torch.bincount(experience.prompt_ids[experience.valid], minlength=int(experience.prompt_ids.max()) + 1)
-    here = torch.bincount(groups, minlength=len(total))
-    split = ((here > 0) & (here != total)).nonzero().flatten()
-    if len(split):
-        raise UserError(f"{who} needs each group's samples on one process, but group {int(split[0])} is split "
-                        f"across {accelerator.num_processes} processes; make data.prompts_per_iteration a multiple of the "
-                        "number of processes and use allocator.kind uniform")
+    here = torch.bincount(experience.prompt_ids[local.index], minlength=len(total))
+    split_here = int(((here > 0) & (here != total)).sum())  # groups this process holds only part of
+    if accelerator.num_processes == 1 or not int(accelerator.gather(torch.tensor([split_here], device=accelerator.device)).max()):
+        return local
+    from accelerate.utils import gather_object
+
+    everyone = gather_object([local._replace(x0=local.x0.cpu())])
+    return take_whole_groups(everyone, experience.prompt_ids, accelerator.num_processes, accelerator.process_index)
+
+
+def take_whole_groups(everyone: list[LocalSamples], prompt_ids: torch.Tensor, num_processes: int, process_index: int) -> LocalSamples:
+    """From every process's samples (`everyone`, in process order), the groups this process owns
+    (`whole_group_owners` over the group sizes), in experience order."""
+    x0 = torch.cat([s.x0 for s in everyone])
+    prompts = [p for s in everyone for p in s.prompts]
+    seeds, index = torch.cat([s.seeds for s in everyone]), torch.cat([s.index for s in everyone])
+    groups = prompt_ids[index]
+    owner = whole_group_owners(dict(zip(*(t.tolist() for t in groups.unique(return_counts=True)))), num_processes)
+    rows = [r for r in index.argsort().tolist() if owner[int(groups[r])] == process_index]
+    r = torch.tensor(rows, dtype=torch.long)
+    return LocalSamples(x0[r], [prompts[i] for i in rows], seeds[r], index[r])
 
 
 def padded_rounds(packs: list, accelerator, filler) -> list:
@@ -274,6 +292,7 @@ class ImplicitRewardObjective(Objective):
         bar.close()
         policy.transformer.eval()
         mean = lambda xs: sum(xs) / max(len(xs), 1)
+        trained_groups = int(acc.reduce(torch.tensor([trained_groups], device=acc.device), "sum"))  # every process's groups
         return {"loss": 0.0, "kl": 0.0, **{k: mean(v) for k, v in stats.items()}, "grad_norm": mean(grad_norms),
                 "optimizer_steps": len(grad_norms), "trained_transitions": len(stats["loss"]),
                 "lr": ctx.optimizer.param_groups[0]["lr"], "trained_groups": trained_groups}
