@@ -126,7 +126,8 @@ def take_whole_groups(everyone: list[LocalSamples], prompt_ids: torch.Tensor, nu
     prompts = [p for s in everyone for p in s.prompts]
     seeds, index = torch.cat([s.seeds for s in everyone]), torch.cat([s.index for s in everyone])
     groups = prompt_ids[index]
-    owner = whole_group_owners(dict(zip(*(t.tolist() for t in groups.unique(return_counts=True)))), num_processes)
+    ids, counts = groups.unique(return_counts=True)
+    owner = whole_group_owners(dict(zip(ids.tolist(), counts.tolist())), num_processes)
     rows = [r for r in index.argsort().tolist() if owner[int(groups[r])] == process_index]
     r = torch.tensor(rows, dtype=torch.long)
     return LocalSamples(x0[r], [prompts[i] for i in rows], seeds[r], index[r])
