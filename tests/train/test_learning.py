@@ -91,7 +91,7 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 # family 6 model 167, commit 59a4a58 plus this file; the control's mean and standard error in brackets):
 #   dgpo        +0.059 +0.049 +0.040 +0.057 / -0.005 +0.016 -0.006 -0.010  (-0.001, 0.006; 4 iterations, commit bb2a233)
 #   nft         +0.028 +0.032 +0.026 +0.026 / +0.010 +0.001 -0.009 -0.014  (-0.003, 0.005; 4 iterations, 2026-12-06, commit
-#               246b16a, the same box: 2.7 s less for the suite's time); at 6 (2026-11-29): +0.050 +0.056 +0.043 +0.044 /
+#               246b16a, the same box, for the suite's time); at 6 (2026-11-29): +0.050 +0.056 +0.043 +0.044 /
 #               +0.007 +0.008 -0.017 -0.020
 #   g2rpo       +0.068 +0.084 +0.080 +0.080 / +0.015 -0.056 -0.043 -0.021  (-0.026, 0.016)
 #   sol_rl      +0.038 +0.044 +0.036 +0.038 / +0.002 -0.006 -0.018 +0.006  (-0.004, 0.005; 4 iterations, commit bb2a233)
@@ -117,7 +117,7 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #               2026-11-30 (commit 5fb22e1), 16 iterations in groups of 4: +0.021 +0.029 +0.006 +0.012 / +0.010 +0.012
 #               -0.018 -0.002: not separated
 #   branchgrpo  +0.091 +0.093 +0.084 +0.082 / -0.004 +0.001 +0.016 -0.019  (-0.002, 0.007; 12 iterations at lr 5e-4, the
-#               reference code's tree defaults, 2026-12-06, commit 246b16a, the same box: 5 s less than 16). At 16 (2026-12-05,
+#               reference code's tree defaults, 2026-12-06, commit 246b16a, the same box). At 16 (2026-12-05,
 #               issue 90's code): +0.101 +0.096 +0.097 +0.094 / -0.001 -0.015 +0.015 -0.005. Before them (flowrl's tree: the
 #               split's own transition, the noisy leaf scored, one optimizer step per step and sampling batch):
 #               +0.100 +0.103 +0.089 +0.102 / +0.025 +0.020 -0.019 -0.030  (-0.001, 0.014; 16 iterations at lr 5e-4,
@@ -157,7 +157,7 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 # Each threshold is at least 3.5 standard errors above its control's mean (DPO's: 3.2), above every
 # control seed and under every engine seed.
 #   tree_dgpo   +0.023 +0.070 +0.060 +0.047 / -0.015 -0.017 -0.011 -0.011  (-0.013, 0.0015; 8 iterations at lr 1.5e-3,
-#               2026-12-06, commit 246b16a, the same box: 6.5 s less than 12 at 1e-3, the suite's time). At 12 iterations
+#               2026-12-06, commit 246b16a, the same box, for the suite's time). At 12 iterations
 #               and lr 1e-3 (2026-12-05): +0.034 +0.052 +0.057 +0.047 / -0.019 +0.008 -0.006 -0.004. At lr 1e-3, fewer:
 #               at 4 +0.008 +0.022 +0.020 +0.024 / -0.013 +0.007 -0.002 -0.000, at 8
 #               +0.014 +0.042 +0.041 +0.030 / -0.022 +0.001 -0.015 -0.004; at 6 with split_noise_scale 1 (the split's own
