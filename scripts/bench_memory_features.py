@@ -69,10 +69,12 @@ def bench(model: str, config: str, model_dir: Path, cuda: bool, tmp: Path) -> di
     trainer = Trainer(cfg, run_dir=tmp / f"run-{model}-{config}")
     row = trainer.train_iteration()
     seconds = time.perf_counter() - t0
-    print(f"  {model} {config}: built and one iteration in {seconds:.1f} s, loss {row['loss']:.4g}", flush=True)
+    print(f"  {model} {config}: built and one iteration in {seconds:.1f} s, loss {row['loss']:.4g}, "
+          f"gradient norm {row['grad_norm']:.6g}", flush=True)
     planned = plan_peak(plan(load_model(str(model_dir)), Launch.from_config(cfg)))
     out = {"check": "memory_features", "model": model, "config": config, "overrides": CONFIGS[config], "plan_gib": planned,
-           "seconds": seconds, "loss": row["loss"], "cpu_smoke": not cuda}
+           "seconds": seconds, "loss": row["loss"], "reward_mean": row["reward_mean"], "grad_norm": row["grad_norm"],
+           "cpu_smoke": not cuda}
     if cuda:
         out["peak_gib"] = (torch.cuda.max_memory_allocated() - before) / GIB
         out["measured_over_plan"] = out["peak_gib"] / planned
