@@ -41,11 +41,13 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 # the tuned DGPO on flat groups whose prompts and sizes an allocator chooses (its defaults)
 ALLOCATOR_CELLS = ("vade_dgpo", "dars_budget_dgpo", "prompt_gdro_dgpo", "successive_elimination_dgpo")
+# the reference DPO (cell dpo) on the groups of the allocator that led the DGPO pairings' screen
+DPO_ALLOCATOR_CELLS = ("vade_dpo",)
 REFERENCE_CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft", "dgpo", "gdro_offline", "awm", "dgpo_reference",
                    "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo",  # each algorithm with its reference's settings
                    # Arena III, pairings: the leading objective (DGPO, tuned) and the better of AWM and DPO (DPO, its reference
                    # settings), each fed by another rollout at that rollout's reference settings
-                   "tree_dgpo", "two_stage_dgpo", "tree_dpo", "two_stage_dpo", *ALLOCATOR_CELLS)
+                   "tree_dgpo", "two_stage_dgpo", "tree_dpo", "two_stage_dpo", *ALLOCATOR_CELLS, *DPO_ALLOCATOR_CELLS)
 OFFLINE_CELLS = ("gdro_offline",)  # train from a group store that the arena builds, timed, inside the budget
 PRESETS = ROOT / "configs" / "arena"
 # cells of another world than the arena's, which scripts/tune_arena.py tunes on their own preset and held-out set: the
@@ -91,7 +93,7 @@ SMOKE_CELL = {
     "two_stage_dgpo": [*SMALL, "rollout.two_stage.candidates=8"],
     "tree_dpo": ["data.prompts_per_iteration=1", "sampling.batch_size=8"],
     "two_stage_dpo": [*SMALL, "rollout.two_stage.candidates=8"],
-    **{cell: SMALL for cell in ALLOCATOR_CELLS},
+    **{cell: SMALL for cell in (*ALLOCATOR_CELLS, *DPO_ALLOCATOR_CELLS)},
 }
 SMOKE_BUDGET, SMOKE_PER_CATEGORY, SMOKE_STORE_PROMPTS = 0.1, 2, 4
 

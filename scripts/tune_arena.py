@@ -57,7 +57,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the arena's pieces
 import arena  # noqa: E402
-from arena import (ALLOCATOR_CELLS, BACKSTOP, EDIT_CELLS, EDIT_HELD_OUT, EVAL_SEEDS, OFFLINE_CELLS, PRESETS, REFERENCE_CELLS, ROOT, SMALL, SMOKE, SMOKE_CELL, SMOKE_STORE_PROMPTS,  # noqa: E402
+from arena import (ALLOCATOR_CELLS, BACKSTOP, DPO_ALLOCATOR_CELLS, EDIT_CELLS, EDIT_HELD_OUT, EVAL_SEEDS, OFFLINE_CELLS, PRESETS, REFERENCE_CELLS, ROOT, SMALL, SMOKE, SMOKE_CELL, SMOKE_STORE_PROMPTS,  # noqa: E402
                    STORE_PROMPTS, TUNED, Judge, arena_lock, config_hash, describe_identity, last_checkpoint, preset, recorded,
                    run_each, run_identity, set_aside)
 
@@ -159,6 +159,7 @@ SPACES: dict[str, tuple[Param, ...]] = {
                       Param("rollout.two_stage.candidates", "choice", choices=(16, 24, 32, 48, 64))),
     # the allocator pairings, around dgpo_tuned's settings (the allocators' own options at their defaults)
     **{cell: (LR, Param("objective.dgpo.beta", "log", 0.1, 10)) for cell in ALLOCATOR_CELLS},
+    **{cell: (LR, Param("objective.dpo.beta", "log", 0.1, 10)) for cell in DPO_ALLOCATOR_CELLS},  # around the dpo cell's
     # the editing world (configs/edit_shapes.yaml: the default preset's DGPO settings, tuned on the SD3 shapes model, never
     # on this model or task): the step and beta around them, and where the adapter acts (only at the sigmas DGPO trains,
     # or at every step: whether an edit's late steps, which keep the source's details, want the adapter too)
