@@ -141,6 +141,9 @@ ENGINES = {  # on top of the default preset (DGPO on ODE rollouts)
 #               -0.025 +0.013 +0.055 +0.025 (+0.017, 0.016: mean + 3 SE +0.066): learning, not yet clear of its control
 #               2026-11-30 (commit 5fb22e1), 48 iterations from a store of groups of 4 (27 s a run against 37 s):
 #               +0.025 +0.040 +0.019 +0.050 / +0.007 -0.038 -0.028 +0.025: not separated
+#               2026-12-06 (the 2-core AMD EPYC family 25 model 17; seeds 0-3 at 48 reproduced the engine's gains above to
+#               the digit), to pay for the suite's time: 32 iterations at lr 1.5e-3, +0.048 +0.069 +0.070 +0.066 / -0.010
+#               +0.031 +0.039 +0.019 (+0.020, 0.011: 3.5 SE above it is +0.057, over the weakest engine seed): not separated
 #   mixgrpo     +0.103 +0.103 +0.098 +0.103 / -0.001 -0.010 -0.015 -0.008  (-0.009, 0.003; 12 iterations at lr 5e-4, the
 #               window moving every 3, the group's initial noise shared as MixGRPO's reference does, 2026-12-05, the
 #               same box, issue 90's code). The same settings with each chain's own initial noise: +0.030 +0.035 +0.016
