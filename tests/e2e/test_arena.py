@@ -24,8 +24,10 @@ REFERENCE_CELLS = ("flow_grpo", "mixgrpo", "branchgrpo", "g2rpo", "sol_rl", "nft
                    "flow_grpo_fast", "dpo", "dpo_online", "flow_dppo", "tree_dgpo", "two_stage_dgpo",
                    "tree_dpo", "two_stage_dpo", "vade_dgpo", "dars_budget_dgpo", "prompt_gdro_dgpo", "successive_elimination_dgpo",
                    "vade_dpo")
-ALLOCATOR_CELLS = {"vade_dgpo": "vade", "dars_budget_dgpo": "dars_budget", "prompt_gdro_dgpo": "prompt_gdro",
-                   "successive_elimination_dgpo": "successive_elimination"}
+# the allocator pairings: cell -> (its allocator, the cell it is whole but for the allocator, that cell's objective)
+ALLOCATOR_CELLS = {"vade_dgpo": ("vade", "dgpo_tuned", "dgpo"), "dars_budget_dgpo": ("dars_budget", "dgpo_tuned", "dgpo"),
+                   "prompt_gdro_dgpo": ("prompt_gdro", "dgpo_tuned", "dgpo"),
+                   "successive_elimination_dgpo": ("successive_elimination", "dgpo_tuned", "dgpo"), "vade_dpo": ("vade", "dpo", "dpo")}
 # a cell X_tuned once scripts/tune_arena.py has written its preset (tests/e2e/test_tune_arena.py)
 TUNED_CELLS = tuple(f"{c}_tuned" for c in REFERENCE_CELLS if (ARENA_DIR / f"{c}_tuned.yaml").is_file())
 CELLS = REFERENCE_CELLS + TUNED_CELLS
@@ -102,20 +104,19 @@ def test_the_cells_are_the_algorithms_they_name():
         "flow_grpo": "grpo", "mixgrpo": "grpo", "branchgrpo": "grpo", "g2rpo": "grpo", "sol_rl": "nft", "nft": "nft",
         "dgpo": "dgpo", "gdro_offline": "gdro", "awm": "awm", "dgpo_reference": "dgpo", "flow_grpo_fast": "grpo",
         "dpo": "dpo", "dpo_online": "dpo", "flow_dppo": "grpo", "tree_dgpo": "dgpo", "two_stage_dgpo": "dgpo",
-        "tree_dpo": "dpo", "two_stage_dpo": "dpo", **{c: "dgpo" for c in ALLOCATOR_CELLS}, "vade_dpo": "dpo"}
+        "tree_dpo": "dpo", "two_stage_dpo": "dpo", **{c: objective for c, (_, _, objective) in ALLOCATOR_CELLS.items()}}
     assert {c: cfg[c].rollout.kind for c in REFERENCE_CELLS} == {
         "flow_grpo": "flat", "mixgrpo": "flat", "branchgrpo": "tree", "g2rpo": "granular", "sol_rl": "two_stage", "nft": "flat",
         "dgpo": "flat", "gdro_offline": "offline", "awm": "flat", "dgpo_reference": "flat", "flow_grpo_fast": "flat",
         "dpo": "flat", "dpo_online": "flat", "flow_dppo": "flat", "tree_dgpo": "tree", "two_stage_dgpo": "two_stage",
-        "tree_dpo": "tree", "two_stage_dpo": "two_stage", **{c: "flat" for c in ALLOCATOR_CELLS}, "vade_dpo": "flat"}
-    # the allocator pairings: dgpo_tuned whole (vade_dpo: the dpo cell whole), but for the allocator (at its defaults)
-    for cell, kind in {**ALLOCATOR_CELLS, "vade_dpo": "vade"}.items():
+        "tree_dpo": "tree", "two_stage_dpo": "two_stage", **{c: "flat" for c in ALLOCATOR_CELLS}}
+    # the allocator pairings: dgpo_tuned (or dpo) whole, but for the allocator (at its defaults)
+    for cell, (kind, source, _) in ALLOCATOR_CELLS.items():
         assert cfg[cell].allocator.kind == kind and cfg[cell].allocator.success_threshold is None
-        objective_cell = cfg["dpo"] if cell == "vade_dpo" else tuned
-        assert replace(cfg[cell], allocator=objective_cell.allocator) == objective_cell, cell
-    allocated = {*ALLOCATOR_CELLS, "vade_dpo"}
-    assert {c: cfg[c].allocator.kind for c in REFERENCE_CELLS if c not in allocated} == {c: "uniform" for c in REFERENCE_CELLS
-                                                                                         if c not in allocated}
+        whole = tuned if source == "dgpo_tuned" else cfg[source]
+        assert replace(cfg[cell], allocator=whole.allocator) == whole, cell
+    assert {c: cfg[c].allocator.kind for c in REFERENCE_CELLS if c not in ALLOCATOR_CELLS} == {c: "uniform" for c in REFERENCE_CELLS
+                                                                                              if c not in ALLOCATOR_CELLS}
     # the pairings: the tuned DGPO or the reference DPO whole (objective and trainer), the rollout and its sampler as the
     # rollout's reference cell
     pairings = {"tree_dgpo": ("branchgrpo", tuned), "two_stage_dgpo": ("sol_rl", tuned), "tree_dpo": ("branchgrpo", cfg["dpo"]),
